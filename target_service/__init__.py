@@ -1,0 +1,1 @@
+"""The target service: a Llama-family model, a paged KV cache and one step operation."""

@@ -1,0 +1,38 @@
+"""Tiny random Hugging Face checkpoints for tests (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+VARIANTS = {
+    # GQA, odd vocabulary, untied.
+    "gqa": {},
+    # Llama 3.1 rope scaling, tied embeddings, head_dim != hidden/heads.
+    "llama3_tied": dict(tie_word_embeddings=True, head_dim=24, num_key_value_heads=1, vocab_size=97,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 32}),
+    # Multi-head attention, a different eps.
+    "mha": dict(num_key_value_heads=4, rms_norm_eps=1e-6, vocab_size=67),
+}
+
+
+def make_tiny_llama(path: Path, variant: str = "gqa", seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**BASE, **VARIANTS[variant], **overrides})
+    model = LlamaForCausalLM(cfg).eval()
+    # Larger-than-default weights make logits spread out, so greedy ties are rare
+    # and a wrong token shows up as a large log-prob difference.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
