@@ -8,6 +8,7 @@ import time
 import torch
 
 from kernels.tree_attention import StepLayout
+from tandem.tree import ancestor_mask, children, depths, validate_tree
 from target_service.acceptance import accept_greedy, accept_sampling, target_probs
 from target_service.model import LlamaModel
 from target_service.types import (
@@ -17,7 +18,6 @@ from target_service.types import (
     SequenceResult,
     SequenceStep,
 )
-from tandem.tree import ancestor_mask, children, depths, validate_tree
 
 MAX_TOP_LOGPROBS = 20
 
