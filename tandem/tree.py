@@ -21,7 +21,8 @@ def validate_tree(parents: list[int] | tuple[int, ...], num_fixed: int) -> str |
         return f"node 0 must have parent -1, got {parents[0]}"
     for i in range(1, num_fixed):
         if parents[i] != i - 1:
-            return f"the first num_fixed={num_fixed} nodes must form a chain, but node {i} has parent {parents[i]}"
+            return (f"the first num_fixed={num_fixed} nodes must form a chain, "
+                    f"but node {i} has parent {parents[i]}")
     for i in range(num_fixed, n):
         p = parents[i]
         if p >= i:

@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.errors import InvalidArgument, ResourceExhausted
 
-class InvalidStep(ValueError):
+
+class InvalidStep(InvalidArgument):
     """A step item that cannot be run; maps to INVALID_ARGUMENT."""
 
 
-class OutOfCapacity(RuntimeError):
+class OutOfCapacity(ResourceExhausted):
     """The step does not fit in the KV cache; maps to RESOURCE_EXHAUSTED."""
 
 

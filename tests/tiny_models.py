@@ -24,7 +24,8 @@ VARIANTS = {
 }
 
 
-def make_tiny_llama(path: Path, variant: str = "gqa", seed: int = 0, **overrides) -> Path:
+def make_tiny_llama(path: Path, variant: str = "gqa", seed: int = 0, max_shard_size: str | None = None,
+                    **overrides) -> Path:
     torch.manual_seed(seed)
     cfg = LlamaConfig(**{**BASE, **VARIANTS[variant], **overrides})
     model = LlamaForCausalLM(cfg).eval()
@@ -34,5 +35,6 @@ def make_tiny_llama(path: Path, variant: str = "gqa", seed: int = 0, **overrides
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-    model.save_pretrained(path, safe_serialization=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
     return path

@@ -1,9 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -15,7 +14,7 @@ class Tensor(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: str | None = ..., shape: _Iterable[int] | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KvLoad(_message.Message):
     __slots__ = ("num_sequences", "block_size", "total_blocks", "free_blocks", "free_token_slots")
@@ -29,4 +28,4 @@ class KvLoad(_message.Message):
     total_blocks: int
     free_blocks: int
     free_token_slots: int
-    def __init__(self, num_sequences: int | None = ..., block_size: int | None = ..., total_blocks: int | None = ..., free_blocks: int | None = ..., free_token_slots: int | None = ...) -> None: ...
+    def __init__(self, num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., free_token_slots: _Optional[int] = ...) -> None: ...

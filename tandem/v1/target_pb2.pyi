@@ -1,12 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-
-from tandem.v1 import common_pb2 as _common_pb2
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -38,7 +35,7 @@ class TargetInfo(_message.Message):
     device: str
     default_feature_layers: _containers.RepeatedScalarFieldContainer[int]
     load: _common_pb2.KvLoad
-    def __init__(self, model_name: str | None = ..., vocab_size: int | None = ..., hidden_size: int | None = ..., num_layers: int | None = ..., max_model_len: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., tp_size: int | None = ..., dtype: str | None = ..., device: str | None = ..., default_feature_layers: _Iterable[int] | None = ..., load: _common_pb2.KvLoad | _Mapping | None = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., default_feature_layers: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -50,7 +47,7 @@ class SamplingParams(_message.Message):
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ..., seed: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
     __slots__ = ("request_id", "create", "tokens", "parents", "num_fixed", "sampling", "top_logprobs", "return_features")
@@ -70,7 +67,7 @@ class SequenceStep(_message.Message):
     sampling: SamplingParams
     top_logprobs: int
     return_features: bool
-    def __init__(self, request_id: str | None = ..., create: bool | None = ..., tokens: _Iterable[int] | None = ..., parents: _Iterable[int] | None = ..., num_fixed: int | None = ..., sampling: SamplingParams | _Mapping | None = ..., top_logprobs: int | None = ..., return_features: bool | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., create: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., num_fixed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items", "feature_layers")
@@ -78,7 +75,7 @@ class StepRequest(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[SequenceStep]
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, items: _Iterable[SequenceStep | _Mapping] | None = ..., feature_layers: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, items: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -86,7 +83,7 @@ class TopLogprobs(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[float] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
     __slots__ = ("request_id", "accepted_nodes", "tokens", "logprobs", "top_logprobs", "features", "num_committed")
@@ -104,7 +101,7 @@ class SequenceResult(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     features: _common_pb2.Tensor
     num_committed: int
-    def __init__(self, request_id: str | None = ..., accepted_nodes: _Iterable[int] | None = ..., tokens: _Iterable[int] | None = ..., logprobs: _Iterable[float] | None = ..., top_logprobs: _Iterable[TopLogprobs | _Mapping] | None = ..., features: _common_pb2.Tensor | _Mapping | None = ..., num_committed: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_committed: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "load", "step_seconds")
@@ -114,13 +111,13 @@ class StepResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     load: _common_pb2.KvLoad
     step_seconds: float
-    def __init__(self, results: _Iterable[SequenceResult | _Mapping] | None = ..., load: _common_pb2.KvLoad | _Mapping | None = ..., step_seconds: float | None = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released", "load")
@@ -128,7 +125,7 @@ class ReleaseResponse(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     released: int
     load: _common_pb2.KvLoad
-    def __init__(self, released: int | None = ..., load: _common_pb2.KvLoad | _Mapping | None = ...) -> None: ...
+    def __init__(self, released: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

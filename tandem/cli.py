@@ -1,0 +1,46 @@
+"""The `tandem` command: one sub-command per service, plus serve and bench."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: tandem <command> [options]
+
+commands:
+  target    serve a Llama-family target model over gRPC (one process per TP rank)
+  draft     serve an EAGLE-3 draft head over gRPC, with its own KV cache
+  gateway   serve the OpenAI-compatible REST API and gRPC Generation, deciding speculation per step
+  serve     start target, draft and gateway together on this machine
+  bench     sweep throughput against concurrency for never/always/auto speculation
+
+Run `tandem <command> --help` for a command's options.
+"""
+
+
+def _target(argv: list[str]) -> int:
+    from target_service.server import main
+    return main(argv)
+
+
+def _draft(argv: list[str]) -> int:
+    from draft_service.server import main
+    return main(argv)
+
+
+COMMANDS = {"target": _target, "draft": _draft}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"tandem: '{command}' is not available in this build.\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return COMMANDS[command](rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Hosting a gRPC service: health, reflection, one error mapping, graceful stop.
+
+Every tandem server starts NOT_SERVING, flips to SERVING once its model is
+loaded, and on SIGTERM/SIGINT goes NOT_SERVING (draining), lets in-flight
+calls finish within a grace period, then stops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def map_errors(method: Callable) -> Callable:
+    """Decorate a unary servicer method: service errors become gRPC status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # the one place service errors reach the wire
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__name__)
+            context.abort(code, message)
+
+    return wrapper
+
+
+class ServiceHost:
+    def __init__(self, host: str, port: int, service_names: Iterable[str], max_workers: int = 32):
+        self.service_names = list(service_names)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        address = f"{host}:{port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self.stopping = threading.Event()
+        self.set_serving(False)
+
+    def add(self, add_fn: Callable, servicer: object) -> None:
+        add_fn(servicer, self.server)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Drain: report NOT_SERVING, refuse new calls, let running ones finish."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.set_serving(False)
+        self.server.stop(grace).wait()
+
+    def run_until_signal(self, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:
+        """Block until SIGTERM or SIGINT, then stop gracefully and call on_stop."""
+        requested = threading.Event()
+
+        def handler(signum, _frame):
+            log.info("received %s, draining", signal.Signals(signum).name)
+            requested.set()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+        while not requested.wait(0.5) and not self.stopping.is_set():
+            pass
+        self.stop(grace)
+        if on_stop is not None:
+            on_stop()

@@ -1,0 +1,174 @@
+"""Tensor parallelism over N processes: rank 0 serves, every rank runs each step.
+
+Rank 0 broadcasts each command (a step or a release) as JSON bytes over a gloo
+group; all ranks then run the same engine call. Sampling is deterministic given
+the seed, which rank 0 fills in before broadcasting, so every rank makes the
+same acceptance decisions and keeps identical KV bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tandem.errors import InvalidArgument, ResourceExhausted
+from tandem.layers import DTYPES
+from target_service.engine import TargetEngine
+from target_service.model import LlamaModel, ParallelSpec
+from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a rank needs to build its share of the engine."""
+
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_blocks: int = 0  # 0: size the cache from kv_cache_gb
+    block_size: int = 16
+    kv_cache_gb: float = 1.0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.block_size <= 0:
+            raise ValueError("--block-size must be positive")
+
+
+def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
+    device = spec.device
+    if device == "cuda":
+        torch.cuda.set_device(tp.rank)
+        device = f"cuda:{tp.rank}"
+    model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp)
+    num_blocks = spec.num_blocks or max(
+        1, int(spec.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * spec.block_size)))
+    return TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(rank: int, world: int, port: int, device: str) -> dist.ProcessGroup:
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return dist.new_group(backend="gloo")  # control messages travel on the CPU
+
+
+def _send(obj: dict, group) -> None:
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    dist.broadcast(torch.tensor([payload.numel()]), 0, group=group)
+    dist.broadcast(payload, 0, group=group)
+
+
+def _recv(group) -> dict:
+    size = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(size, 0, group=group)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(payload, 0, group=group)
+    return json.loads(payload.numpy().tobytes())
+
+
+def _items_to_json(items: list[SequenceStep]) -> list[dict]:
+    return [dataclasses.asdict(it) for it in items]
+
+
+def _items_from_json(rows: list[dict]) -> list[SequenceStep]:
+    return [SequenceStep(**{**r, "tokens": tuple(r["tokens"]), "parents": tuple(r["parents"]),
+                            "sampling": SamplingParams(**r["sampling"])}) for r in rows]
+
+
+def _worker(rank: int, world: int, port: int, spec: EngineSpec) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
+    group = _init_group(rank, world, port, spec.device)
+    engine = build_engine(spec, ParallelSpec(rank, world))
+    dist.barrier(group=group)
+    while True:
+        cmd = _recv(group)
+        if cmd["op"] == "stop":
+            break
+        try:
+            if cmd["op"] == "step":
+                engine.step(_items_from_json(cmd["items"]), tuple(cmd["layers"]))
+            elif cmd["op"] == "release":
+                engine.release(cmd["ids"])
+        except (InvalidArgument, ResourceExhausted):
+            pass  # rank 0 raised the same error and reported it
+    dist.destroy_process_group()
+
+
+class ParallelEngine:
+    """The engine as seen by the server: one object whatever the TP degree."""
+
+    def __init__(self, spec: EngineSpec, tp_size: int = 1):
+        self.tp_size = tp_size
+        self._procs: list[mp.Process] = []
+        self._group = None
+        if tp_size == 1:
+            self.engine = build_engine(spec, ParallelSpec())
+            return
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks share this host
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        for rank in range(1, tp_size):
+            p = ctx.Process(target=_worker, args=(rank, tp_size, port, spec), daemon=True,
+                            name=f"tandem-target-rank{rank}")
+            p.start()
+            self._procs.append(p)
+        self._group = _init_group(0, tp_size, port, spec.device)
+        self.engine = build_engine(spec, ParallelSpec(0, tp_size))
+        dist.barrier(group=self._group)
+
+    @property
+    def model(self) -> LlamaModel:
+        return self.engine.model
+
+    def load(self) -> KvLoad:
+        return self.engine.load()
+
+    def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...] = ()) -> list[SequenceResult]:
+        items = self.engine.with_seeds(items)
+        if self._group is not None:
+            self._check_workers()
+            _send({"op": "step", "items": _items_to_json(items), "layers": list(feature_layers)}, self._group)
+        return self.engine.step(items, feature_layers)
+
+    def release(self, request_ids: list[str]) -> int:
+        if self._group is not None:
+            self._check_workers()
+            _send({"op": "release", "ids": list(request_ids)}, self._group)
+        return self.engine.release(request_ids)
+
+    def _check_workers(self) -> None:
+        dead = [p.name for p in self._procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) died: {', '.join(dead)}")
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            if all(p.is_alive() for p in self._procs):
+                _send({"op": "stop"}, self._group)
+            for p in self._procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+            dist.destroy_process_group()
+            self._group = None

@@ -1,0 +1,145 @@
+"""gRPC edge of the target service: protobuf <-> plain dataclasses, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from pathlib import Path
+
+from tandem.errors import Unavailable
+from tandem.grpc_host import ServiceHost, map_errors
+from tandem.tensors import tensor_to_proto
+from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.parallel import EngineSpec, ParallelEngine
+from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+
+log = logging.getLogger("tandem.target")
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+def load_to_proto(load: KvLoad) -> common_pb2.KvLoad:
+    return common_pb2.KvLoad(num_sequences=load.num_sequences, block_size=load.block_size,
+                             total_blocks=load.total_blocks, free_blocks=load.free_blocks,
+                             free_token_slots=load.free_token_slots)
+
+
+def item_from_proto(m: target_pb2.SequenceStep) -> SequenceStep:
+    s = m.sampling
+    return SequenceStep(
+        request_id=m.request_id, tokens=tuple(m.tokens), parents=tuple(m.parents),
+        num_fixed=m.num_fixed, create=m.create,
+        sampling=SamplingParams(s.temperature, s.top_k, s.top_p if 0 < s.top_p < 1 else 1.0,
+                                s.seed if s.HasField("seed") else None),
+        top_logprobs=m.top_logprobs, return_features=m.return_features)
+
+
+def result_to_proto(r: SequenceResult) -> target_pb2.SequenceResult:
+    out = target_pb2.SequenceResult(request_id=r.request_id, accepted_nodes=r.accepted_nodes,
+                                     tokens=r.tokens, logprobs=r.logprobs, num_committed=r.num_committed)
+    for ids, lps in r.top_logprobs:
+        out.top_logprobs.add(token_ids=ids, logprobs=lps)
+    if r.features is not None:
+        out.features.CopyFrom(tensor_to_proto(r.features))
+    return out
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engine: ParallelEngine | None = None
+        # One step at a time: the KV cache and the TP ranks see one command stream.
+        self._lock = threading.Lock()
+
+    def _ready(self) -> ParallelEngine:
+        if self.engine is None:
+            raise Unavailable("the target is still loading its model")
+        return self.engine
+
+    @map_errors
+    def GetInfo(self, request, context):
+        engine = self._ready()
+        cfg = engine.model.cfg
+        return target_pb2.TargetInfo(
+            model_name=self.model_name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers, max_model_len=engine.engine.max_model_len,
+            eos_token_ids=list(cfg.eos_token_ids), tp_size=engine.tp_size,
+            dtype=str(engine.model.dtype).removeprefix("torch."), device=engine.model.device.type,
+            default_feature_layers=list(cfg.default_feature_layers), load=load_to_proto(engine.load()))
+
+    @map_errors
+    def Step(self, request, context):
+        engine = self._ready()
+        items = [item_from_proto(m) for m in request.items]
+        with self._lock:
+            results = engine.step(items, tuple(request.feature_layers))
+            load = engine.load()
+            seconds = engine.engine.last_step_seconds
+        return target_pb2.StepResponse(results=[result_to_proto(r) for r in results],
+                                       load=load_to_proto(load), step_seconds=seconds)
+
+    @map_errors
+    def Release(self, request, context):
+        engine = self._ready()
+        with self._lock:
+            n = engine.release(list(request.request_ids))
+            load = engine.load()
+        return target_pb2.ReleaseResponse(released=n, load=load_to_proto(load))
+
+    @map_errors
+    def GetLoad(self, request, context):
+        return load_to_proto(self._ready().load())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem target",
+        description="Serve a Llama-family target model over gRPC (tandem.v1.TargetService). "
+                    "One operation, Step, serves prefill, plain decode and tree verification.")
+    p.add_argument("--model", required=True, help="Hugging Face Llama-family directory (config.json, "
+                   "safetensors weights)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: processes (GPUs) to "
+                   "split the model over; must divide the attention heads (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=0, help="KV blocks per rank; 0 sizes the cache "
+                   "from --kv-cache-gb")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size per rank in GiB when "
+                   "--num-blocks is 0 (default 1)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence accepted "
+                   "(default: the model's max_position_embeddings)")
+    p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s target %(levelname)s %(message)s")
+    if args.tp < 1:
+        raise SystemExit("error: --tp must be >= 1")
+    spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
+                                                                 else "float32"),
+                      device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
+                      kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len)
+    servicer = TargetServicer(Path(args.model).resolve().name)
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
+    host.start()
+    log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)
+    if args.port_file:
+        Path(args.port_file).write_text(str(host.port))
+    try:
+        servicer.engine = ParallelEngine(spec, args.tp)
+    except Exception as exc:
+        host.stop(0)
+        raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
+    load = servicer.engine.load()
+    log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
+    host.set_serving(True)
+    host.run_until_signal(on_stop=servicer.engine.shutdown)
+    log.info("stopped")
+    return 0

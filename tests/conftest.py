@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random checkpoints and running services."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton kernels run on the CPU through the interpreter when no GPU is present.
+# It must be set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import make_tiny_llama  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> callable:
+    """tiny_llama(variant) -> path of a cached random checkpoint of that variant."""
+    cache: dict[str, object] = {}
+
+    def get(variant: str = "gqa"):
+        if variant not in cache:
+            cache[variant] = make_tiny_llama(tmp_path_factory.mktemp(variant) / "model", variant)
+        return cache[variant]
+
+    return get

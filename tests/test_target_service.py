@@ -1,0 +1,138 @@
+"""The target as a real gRPC process: TP over gloo, errors, health, release, graceful stop."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tandem.tensors import tensor_from_proto
+from tandem.v1 import target_pb2, target_pb2_grpc
+from tests.services import Service
+
+PROMPT = [5, 17, 3, 9, 33, 2, 40, 11]
+
+
+def chain(rid, tokens, create=False, **kw):
+    return target_pb2.SequenceStep(request_id=rid, tokens=tokens, parents=list(range(-1, len(tokens) - 1)),
+                                   num_fixed=len(tokens), create=create, **kw)
+
+
+def run_steps(stub, rid: str, n: int) -> tuple[list[int], list[list[float]]]:
+    """Greedy-decode n tokens; return tokens and the top-5 log-probs of each."""
+    r = stub.Step(target_pb2.StepRequest(items=[chain(rid, PROMPT, True, top_logprobs=5)])).results[0]
+    tokens, tops = list(r.tokens), [list(r.top_logprobs[0].logprobs)]
+    while len(tokens) < n:
+        r = stub.Step(target_pb2.StepRequest(items=[chain(rid, [tokens[-1]], top_logprobs=5)])).results[0]
+        tokens += r.tokens
+        tops.append(list(r.top_logprobs[0].logprobs))
+    return tokens, tops
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama, tmp_path_factory):
+    svc = Service(["target", "--model", str(tiny_llama("gqa")), "--num-blocks", "64", "--block-size", "4",
+                   "--max-model-len", "64"], tmp_path_factory.mktemp("t1"), "target")
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0
+
+
+def test_tp2_over_gloo_matches_tp1(tiny_llama, tmp_path, target):
+    stub1 = target_pb2_grpc.TargetServiceStub(target.channel)
+    tokens1, tops1 = run_steps(stub1, "tp-cmp", 12)
+    tp2 = Service(["target", "--model", str(tiny_llama("gqa")), "--tp", "2", "--num-blocks", "64",
+                   "--block-size", "4"], tmp_path, "tp2")
+    try:
+        tp2.wait_serving()
+        stub2 = target_pb2_grpc.TargetServiceStub(tp2.channel)
+        assert stub2.GetInfo(target_pb2.GetInfoRequest()).tp_size == 2
+        tokens2, tops2 = run_steps(stub2, "tp-cmp", 12)
+        assert tokens2 == tokens1
+        for a, b in zip(tops1, tops2, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        # A tree verify step and a release go through every rank too.
+        step = target_pb2.SequenceStep(request_id="tp-cmp", tokens=[tokens2[-1], 1, 2], parents=[-1, 0, 0],
+                                       num_fixed=1)
+        stub2.Step(target_pb2.StepRequest(items=[step]))
+        assert stub2.Release(target_pb2.ReleaseRequest(request_ids=["tp-cmp"])).load.free_blocks == 64
+    finally:
+        assert tp2.stop() == 0
+    stub1.Release(target_pb2.ReleaseRequest(request_ids=["tp-cmp"]))
+
+
+def test_tp_that_does_not_divide_heads_is_refused(tiny_llama, tmp_path):
+    svc = Service(["target", "--model", str(tiny_llama("gqa")), "--tp", "3"], tmp_path, "tp3")
+    assert svc.proc.wait(60) != 0
+    assert "--tp 3 does not divide num_attention_heads (4)" in svc.log_path.read_text()
+    svc.stop()
+
+
+BAD_ITEMS = {
+    "unknown request 'ghost'": chain("ghost", [1]),
+    "token id 500 out of range [0, 101)": chain("bad-tok", [1, 500], create=True),
+    "node 2 has parent 3, which does not come before it": target_pb2.SequenceStep(
+        request_id="bad-tree", tokens=[1, 2, 3, 4], parents=[-1, 0, 3, 1], num_fixed=1, create=True),
+    "over the model's maximum length 64": chain("too-long", list(range(70)), create=True),
+    "2 tokens but 1 parents": target_pb2.SequenceStep(request_id="x", tokens=[1, 2], parents=[-1],
+                                                      num_fixed=1, create=True),
+}
+
+
+@pytest.mark.parametrize("message", list(BAD_ITEMS))
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(target, message):
+    stub = target_pb2_grpc.TargetServiceStub(target.channel)
+    good = chain("good", PROMPT, create=True)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Step(target_pb2.StepRequest(items=[good, BAD_ITEMS[message]]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    # Nothing of the failed call was applied: the good item can still be created.
+    r = stub.Step(target_pb2.StepRequest(items=[good])).results[0]
+    assert r.num_committed == len(PROMPT)
+    assert stub.Release(target_pb2.ReleaseRequest(request_ids=["good"])).released == 1
+
+
+def test_features_travel_as_packed_float32(target):
+    stub = target_pb2_grpc.TargetServiceStub(target.channel)
+    info = stub.GetInfo(target_pb2.GetInfoRequest())
+    assert list(info.default_feature_layers) == [2, 2, 1]
+    item = chain("feat", PROMPT, True, return_features=True)
+    r = stub.Step(target_pb2.StepRequest(items=[item])).results[0]
+    feats = tensor_from_proto(r.features)
+    assert feats.shape == (len(PROMPT), 3 * info.hidden_size)
+    stub.Release(target_pb2.ReleaseRequest(request_ids=["feat"]))
+
+
+def test_out_of_kv_is_resource_exhausted(target):
+    stub = target_pb2_grpc.TargetServiceStub(target.channel)
+    items = [chain(f"fill{i}", list(range(1, 40)), create=True) for i in range(7)]  # 7 * 10 blocks > 64
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Step(target_pb2.StepRequest(items=items))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.GetLoad(target_pb2.GetLoadRequest()).free_blocks == 64
+
+
+def test_release_after_many_requests_frees_every_block(target):
+    stub = target_pb2_grpc.TargetServiceStub(target.channel)
+    ids = [f"many{i}" for i in range(6)]
+    stub.Step(target_pb2.StepRequest(items=[chain(i, PROMPT, True) for i in ids]))
+    assert stub.GetLoad(target_pb2.GetLoadRequest()).num_sequences == 6
+    resp = stub.Release(target_pb2.ReleaseRequest(request_ids=ids))
+    assert resp.released == 6 and resp.load.free_blocks == resp.load.total_blocks == 64
+
+
+def test_health_and_reflection(target):
+    assert target.health() == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(target.channel)
+    reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"tandem.v1.TargetService", "grpc.health.v1.Health"} <= names
+
+
+def test_sigterm_stops_gracefully(tiny_llama, tmp_path):
+    svc = Service(["target", "--model", str(tiny_llama("gqa")), "--num-blocks", "8"], tmp_path, "term")
+    svc.wait_serving()
+    assert svc.stop() == 0
+    assert "stopped" in svc.log_path.read_text()

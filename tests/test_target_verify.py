@@ -1,0 +1,188 @@
+"""Tree verification: acceptance rules, committed KV, sampling distribution, release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import target_service.acceptance as acceptance
+from target_service.engine import TargetEngine
+from target_service.model import LlamaModel
+from target_service.types import SamplingParams, SequenceStep
+from tests.tiny_models import make_tiny_llama
+
+PROMPT = [7, 3, 21, 40, 11, 9]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return LlamaModel(tiny_llama("gqa"))
+
+
+def new_engine(model, blocks=64) -> TargetEngine:
+    return TargetEngine(model, num_blocks=blocks, block_size=4)
+
+
+def greedy_plain(engine, rid, prompt, n) -> list[int]:
+    out = engine.step([SequenceStep.chain(rid, prompt, create=True)])[0].tokens
+    while len(out) < n:
+        out += engine.step([SequenceStep.chain(rid, [out[-1]])])[0].tokens
+    return out[:n]
+
+
+def committed_kv(engine, rid):
+    n = engine.kv.seqs[rid].length
+    slots = engine.kv.slots(rid, 0, n)
+    return [engine.kv.read(layer, slots) for layer in range(len(engine.kv.k))]
+
+
+def tree_with_path(pending: int, path: list[int], distractors: dict[int, list[int]]):
+    """Fixed node `pending`, then a chain `path` where node at depth d (1-based) also
+    gets sibling tokens `distractors[d]` placed before it (so the walk must skip them)."""
+    tokens, parents = [pending], [-1]
+    parent = 0
+    for depth, tok in enumerate(path, start=1):
+        for other in distractors.get(depth, []):
+            tokens.append(other)
+            parents.append(parent)
+        tokens.append(tok)
+        parents.append(parent)
+        parent = len(tokens) - 1
+        # a dead branch below each sibling, to exercise ancestor masking
+        for other_idx in range(len(tokens) - 1 - len(distractors.get(depth, [])), len(tokens) - 1):
+            tokens.append((tok + 5) % 101)
+            parents.append(other_idx)
+    return tokens, parents
+
+
+def test_tree_with_own_greedy_continuation_is_fully_accepted(model):
+    ref = greedy_plain(new_engine(model), "ref", PROMPT, 12)
+    engine = new_engine(model)
+    first = engine.step([SequenceStep.chain("t", PROMPT, create=True)])[0].tokens[0]
+    assert first == ref[0]
+    path = ref[1:7]
+    vocab = model.cfg.vocab_size
+    distract = {d: [(path[d - 1] + 1) % vocab, (path[d - 1] + 2) % vocab] for d in range(1, 7)}
+    tokens, parents = tree_with_path(first, path, distract)
+    r = engine.step([SequenceStep("t", tuple(tokens), tuple(parents), num_fixed=1)])[0]
+    assert [tokens[i] for i in r.accepted_nodes] == path
+    assert r.tokens == ref[1:8]  # the whole path plus the bonus token
+    assert r.num_committed == len(PROMPT) + 7
+    # The committed KV equals decoding those tokens one by one.
+    plain = new_engine(model)
+    greedy_plain(plain, "t", PROMPT, 8)
+    for (k1, v1), (k2, v2) in zip(committed_kv(engine, "t"), committed_kv(plain, "t"), strict=True):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("wrong_depth", [1, 3, 5])
+def test_wrong_child_at_depth_d_accepts_d_tokens_plus_bonus(model, wrong_depth):
+    ref = greedy_plain(new_engine(model), "ref", PROMPT, 10)
+    engine = new_engine(model)
+    first = engine.step([SequenceStep.chain("w", PROMPT, create=True)])[0].tokens[0]
+    path = list(ref[1:7])
+    path[wrong_depth - 1] = (path[wrong_depth - 1] + 1) % model.cfg.vocab_size
+    tokens, parents = tree_with_path(first, path, {})
+    r = engine.step([SequenceStep("w", tuple(tokens), tuple(parents), num_fixed=1)])[0]
+    accepted = wrong_depth - 1
+    assert len(r.accepted_nodes) == accepted
+    assert r.tokens == ref[1:1 + accepted + 1]
+    # Continuing by plain decode gives the same text as never speculating.
+    out = [first] + r.tokens
+    while len(out) < 10:
+        out += engine.step([SequenceStep.chain("w", [out[-1]])])[0].tokens
+    assert out[:10] == ref
+    plain = new_engine(model)
+    greedy_plain(plain, "w", PROMPT, 10)
+    assert engine.kv.seqs["w"].length == plain.kv.seqs["w"].length
+    for (k1, _), (k2, _) in zip(committed_kv(engine, "w"), committed_kv(plain, "w"), strict=True):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
+
+
+def test_batched_mixed_step_equals_separate_steps(model):
+    """Prefill, plain decode and verification in one step give what each gives alone."""
+    ref = greedy_plain(new_engine(model), "ref", PROMPT, 6)
+    engine = new_engine(model)
+    first = engine.step([SequenceStep.chain("v", PROMPT, create=True)])[0].tokens[0]
+    engine.step([SequenceStep.chain("d", [1, 2, 3], create=True)])
+    tokens, parents = tree_with_path(first, ref[1:4], {2: [0]})
+    results = engine.step([
+        SequenceStep.chain("p", PROMPT, create=True),
+        SequenceStep("v", tuple(tokens), tuple(parents), num_fixed=1),
+        SequenceStep.chain("d", [4]),
+    ])
+    assert results[0].tokens == [ref[0]]
+    assert results[1].tokens == ref[1:5]
+    alone = new_engine(model)
+    alone.step([SequenceStep.chain("d", [1, 2, 3], create=True)])
+    assert results[2].tokens == alone.step([SequenceStep.chain("d", [4])])[0].tokens
+
+
+def test_release_returns_cache_to_zero(model):
+    engine = new_engine(model)
+    engine.step([SequenceStep.chain(f"r{i}", PROMPT * (i + 1), create=True) for i in range(4)])
+    assert engine.kv.used_blocks > 0
+    assert engine.release(["r0", "r1", "r2", "r3", "never-existed"]) == 4
+    assert engine.kv.used_blocks == 0 and engine.load().num_sequences == 0
+
+
+# --- sampling keeps the target distribution ------------------------------
+
+TINY_VOCAB = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_model(tmp_path_factory):
+    d = make_tiny_llama(tmp_path_factory.mktemp("v6") / "m", "gqa", vocab_size=TINY_VOCAB, seed=3)
+    return LlamaModel(d)
+
+
+def sample_two_tokens(model, speculate: bool, trials: int, seed0: int) -> list[tuple[int, int]]:
+    """Sample (t1, t2) after a fixed prompt for many seeded sequences in one batched step."""
+    engine = TargetEngine(model, num_blocks=trials * 3, block_size=4)
+    sp = lambda i: SamplingParams(temperature=1.0, top_k=5, top_p=0.95, seed=seed0 + i)  # noqa: E731
+    firsts = engine.step([SequenceStep.chain(f"s{i}", [1, 2, 3], create=True, sampling=sp(i))
+                          for i in range(trials)])
+    if speculate:
+        # Two candidate children (tokens 0 and 1) each with two grandchildren.
+        tree = lambda t: (t, 0, 2, 3, 1, 4, 0)  # noqa: E731
+        parents = (-1, 0, 1, 1, 0, 4, 4)
+        items = [SequenceStep(f"s{i}", tree(r.tokens[0]), parents, 1, sampling=sp(i))
+                 for i, r in enumerate(firsts)]
+    else:
+        items = [SequenceStep.chain(f"s{i}", [r.tokens[0]], sampling=sp(i)) for i, r in enumerate(firsts)]
+    second = engine.step(items)
+    return [(f.tokens[0], s.tokens[0]) for f, s in zip(firsts, second, strict=True)]
+
+
+def contingency_p(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> float:
+    cells = sorted(set(a) | set(b))
+    table = [[a.count(c) for c in cells], [b.count(c) for c in cells]]
+    keep = [j for j in range(len(cells)) if table[0][j] + table[1][j] >= 5]  # chi-square validity
+    return float(chi2_contingency([[row[j] for j in keep] for row in table]).pvalue)
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tiny_vocab_model):
+    plain = sample_two_tokens(tiny_vocab_model, False, 3000, seed0=0)
+    spec = sample_two_tokens(tiny_vocab_model, True, 3000, seed0=10_000)
+    assert contingency_p(plain, spec) > 0.001
+
+
+def test_a_broken_acceptance_rule_is_caught(tiny_vocab_model, monkeypatch):
+    # Accepting with probability sqrt(p) over-accepts drafted tokens.
+    monkeypatch.setattr(acceptance, "accept_child_rule", lambda p_x, u: u < p_x ** 0.5)
+    plain = sample_two_tokens(tiny_vocab_model, False, 3000, seed0=0)
+    spec = sample_two_tokens(tiny_vocab_model, True, 3000, seed0=10_000)
+    assert contingency_p(plain, spec) < 1e-6
+
+
+def test_seeded_sampling_is_reproducible_across_chunking(model):
+    sp = SamplingParams(temperature=0.8, seed=42)
+    a = new_engine(model)
+    out_a = a.step([SequenceStep.chain("x", PROMPT, create=True, sampling=sp)])[0].tokens
+    b = new_engine(model)
+    b.step([SequenceStep.chain("x", PROMPT[:4], create=True, sampling=sp)])
+    out_b = b.step([SequenceStep.chain("x", PROMPT[4:], sampling=sp)])[0].tokens
+    assert out_a == out_b
