@@ -1,0 +1,84 @@
+"""Time the target's step on a random tiny Llama: one-node decode vs a 16-node tree.
+
+    python bench/target_step.py [--hidden 256 --layers 4 --vocab 4096 --prefix 128 --device cpu]
+
+Prints mean and median milliseconds per step. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from target_service.engine import TargetEngine
+from target_service.model import LlamaModel
+from target_service.types import SequenceStep
+
+
+def make_model(dir: Path, hidden: int, layers: int, vocab: int) -> Path:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4 // 1,
+                      num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                      num_key_value_heads=max(1, hidden // 128), max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).save_pretrained(dir)
+    return dir
+
+
+def binary_tree(pending: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    tokens, parents = [pending], [-1]
+    for i in range(1, nodes):
+        tokens.append(i % 50 + 1)
+        parents.append((i - 1) // 2)
+    return tuple(tokens), tuple(parents)
+
+
+def time_steps(engine: TargetEngine, make_item, iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        item = make_item()
+        t0 = time.perf_counter()
+        r = engine.step([item])[0]
+        times.append((time.perf_counter() - t0) * 1e3)
+        engine.last = r.tokens[-1]
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--prefix", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = LlamaModel(make_model(Path(tmp), args.hidden, args.layers, args.vocab), device=args.device)
+    params = sum(t.numel() for t in [model.embed, model.norm] + [w for layer in model.layers
+                                                                   for w in layer.values() if w is not None])
+    print(f"model: hidden {args.hidden}, layers {args.layers}, vocab {args.vocab}, "
+          f"{params / 1e6:.1f}M params, prefix {args.prefix}, torch threads {torch.get_num_threads()}")
+    for nodes in (1, 16):
+        engine = TargetEngine(model, num_blocks=4096, block_size=16)
+        engine.step([SequenceStep.chain("b", list(range(1, args.prefix + 1)), create=True)])
+        engine.last = 1
+
+        def item(nodes=nodes, engine=engine):
+            if nodes == 1:
+                return SequenceStep.chain("b", [engine.last])
+            tokens, parents = binary_tree(engine.last, nodes)
+            return SequenceStep("b", tokens, parents, num_fixed=1)
+
+        time_steps(engine, item, 5)  # warm-up
+        t = time_steps(engine, item, args.iters)
+        print(f"{nodes:>3}-node step: mean {statistics.mean(t):7.2f} ms  median {statistics.median(t):7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
