@@ -37,4 +37,27 @@ def make_tiny_llama(path: Path, variant: str = "gqa", seed: int = 0, max_shard_s
                 p.normal_(0, 0.15)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
+    if cfg.vocab_size >= 99:
+        save_char_tokenizer(path)
     return path
+
+
+def save_char_tokenizer(path: Path) -> None:
+    """A character-level tokenizer over printable ASCII (99 ids: <unk>, <s>, </s>, then characters).
+
+    It fits the tiny models' vocabularies (>= 99) and needs no training or download.
+    It has no chat template, so chat requests use the gateway's documented plain template.
+    """
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in string.printable:
+        if c not in "\r\x0b\x0c\t":
+            vocab[c] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)

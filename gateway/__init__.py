@@ -1,0 +1,1 @@
+"""The gateway: owns every request, batches continuously, decides speculation per step."""

@@ -1,0 +1,33 @@
+"""The gateway's Prometheus metrics. Names are a fixed interface (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
+        self.requests_waiting = Gauge("tandem_requests_waiting", "Requests queued for admission", registry=r)
+        self.num_drafts = Counter("tandem_spec_decode_num_drafts", "Token trees verified", registry=r)
+        self.num_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens",
+                                        "Drafted tokens sent for verification", registry=r)
+        self.num_accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens",
+                                           "Drafted tokens the target accepted", registry=r)
+        self.plain_decode_steps = Counter("tandem_plain_decode_steps",
+                                          "Per-request decode steps without a tree", registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_usage = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", ["service"],
+                              registry=r)
+        self.step_seconds = Histogram("tandem_step_seconds", "Gateway step wall time",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=r)
