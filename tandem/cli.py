@@ -27,7 +27,12 @@ def _draft(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"target": _target, "draft": _draft}
+def _gateway(argv: list[str]) -> int:
+    from gateway.main import main
+    return main(argv)
+
+
+COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway}
 
 
 def main(argv: list[str] | None = None) -> int:

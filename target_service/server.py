@@ -44,9 +44,15 @@ def result_to_proto(r: SequenceResult) -> target_pb2.SequenceResult:
     return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json", "added_tokens.json")
+
+
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.model_name = model_dir.name
         self.engine: ParallelEngine | None = None
         # One step at a time: the KV cache and the TP ranks see one command stream.
         self._lock = threading.Lock()
@@ -90,6 +96,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def GetLoad(self, request, context):
         return load_to_proto(self._ready().load())
 
+    @map_errors
+    def GetTokenizer(self, request, context):
+        files = {name: (self.model_dir / name).read_bytes() for name in TOKENIZER_FILES
+                 if (self.model_dir / name).is_file()}
+        return target_pb2.TokenizerFiles(files=files)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  else "float32"),
                       device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len)
-    servicer = TargetServicer(Path(args.model).resolve().name)
+    servicer = TargetServicer(Path(args.model).resolve())
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
     host.start()

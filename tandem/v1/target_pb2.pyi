@@ -130,3 +130,20 @@ class ReleaseResponse(_message.Message):
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files",)
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...

@@ -55,6 +55,11 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.KvLoad.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/tandem.v1.TargetService/GetTokenizer',
+                request_serializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -92,6 +97,14 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The model directory's tokenizer files, so that a gateway on another host
+        can tokenize without its own copy of the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +127,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.KvLoad.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +242,33 @@ class TargetService:
             '/tandem.v1.TargetService/GetLoad',
             tandem_dot_v1_dot_target__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.KvLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.TargetService/GetTokenizer',
+            tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,57 @@
+"""Incremental detokenization with stop-string hold-back."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces.
+
+    Decoding token by token breaks multi-byte characters and merges that depend
+    on context, so each piece is the difference between decoding a short window
+    with and without the new tokens; a piece ending in U+FFFD (an incomplete
+    character) waits for the next token.
+    """
+
+    def __init__(self, tokenizer, prompt_tail: list[int]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_tail)  # a little prompt context for leading-space rules
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back what could still become one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""  # text not yet released to the client
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string was hit)."""
+        self.pending += piece
+        if self.stops:
+            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                out, self.pending = self.pending[:min(hits)], ""
+                return out, True
+        cut = len(self.pending) - self.hold if self.stops else len(self.pending)
+        out, self.pending = self.pending[:max(cut, 0)], self.pending[max(cut, 0):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

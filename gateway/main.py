@@ -1,0 +1,134 @@
+"""`tandem gateway`: the core, the REST API and the gRPC Generation service in one process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from gateway.clients import DraftClient, TargetClient, wait_healthy
+from gateway.core import CoreConfig, GatewayCore
+from gateway.policy import PolicyConfig
+from gateway.scheduler import SchedulerConfig
+from tandem.v1 import target_pb2
+
+log = logging.getLogger("tandem.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem gateway",
+        description="Serve the OpenAI-compatible REST API and gRPC tandem.v1.Generation over a target "
+                    "service and draft replicas; decide every step how much each request speculates.")
+    p.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
+    p.add_argument("--draft", default="", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="draft replicas (a request sticks to one); empty or 'none' for no speculation")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="directory with the tokenizer (default: fetched from the target)")
+    p.add_argument("--served-model-name", default=None, help="name clients use in `model` "
+                   "(default: the target's model directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="REST and gRPC address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="REST port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (default 50051)")
+    p.add_argument("--speculation", choices=["auto", "always", "never"], default="auto",
+                   help="default speculation mode; requests may override it (default auto)")
+    p.add_argument("--spec-steps", type=int, default=5, help="tree depth for `always` (default 5)")
+    p.add_argument("--spec-topk", type=int, default=4, help="children per node for `always` (default 4)")
+    p.add_argument("--spec-draft-tokens", type=int, default=8,
+                   help="tree size for `always`, root included (default 8)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on REST")
+    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429 (default 1024)")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    p.add_argument("--max-step-tokens", type=int, default=2048,
+                   help="tokens per target step: prefill chunks plus decode nodes (default 2048)")
+    p.add_argument("--max-running", type=int, default=256, help="requests decoded together (default 256)")
+    p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                   help="OpenTelemetry collector for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long running requests may finish before they are aborted")
+    return p
+
+
+def load_tokenizer(args: argparse.Namespace, target: TargetClient):
+    from transformers import AutoTokenizer
+
+    if args.model:
+        return AutoTokenizer.from_pretrained(args.model)
+    files = target.stub.GetTokenizer(target_pb2.GetTokenizerRequest(), timeout=60).files
+    tmp = Path(tempfile.mkdtemp(prefix="tandem-tokenizer-"))
+    for name, data in files.items():
+        (tmp / Path(name).name).write_bytes(data)
+    return AutoTokenizer.from_pretrained(tmp)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that drains the core before it stops on SIGTERM/SIGINT."""
+
+    core: GatewayCore
+    drain_seconds: float
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.core.ready() or self.core._draining:
+            if not self.core._draining:
+                log.info("draining for up to %.0f s", self.drain_seconds)
+                threading.Thread(target=self._drain_then_exit, daemon=True).start()
+            return
+        super().handle_exit(sig, frame)
+
+    def _drain_then_exit(self) -> None:
+        self.core.drain(self.drain_seconds)
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    from gateway.grpc_api import add_generation_service
+    from gateway.openai_api import create_app
+    from gateway.tracing import setup_tracing
+    from tandem.grpc_host import ServiceHost
+
+    setup_tracing(args.otlp_endpoint)
+    target = TargetClient(args.target)
+    drafts = [DraftClient(a.strip()) for a in args.draft.split(",") if a.strip() and a.strip() != "none"]
+    try:
+        wait_healthy(target.channel, timeout=600)
+        info = target.info()
+        tokenizer = load_tokenizer(args, target)
+    except Exception as exc:
+        raise SystemExit(f"error: cannot reach the target at {args.target}: {exc}") from None
+    cfg = CoreConfig(
+        policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
+        scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
+        max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile)
+    core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
+    grpc_host = ServiceHost(args.host, args.grpc_port, ["tandem.v1.Generation"])
+    add_generation_service(grpc_host, core)
+    grpc_host.start()
+
+    def start_core() -> None:
+        try:
+            core.start()
+            grpc_host.set_serving(True)
+            log.info("ready: REST http://%s:%d, gRPC %s:%d, %d draft replica(s), speculation %s",
+                     args.host, args.port, args.host, grpc_host.port, len(drafts), args.speculation)
+        except Exception:
+            log.exception("the gateway could not start")
+            server.should_exit = True
+
+    app = create_app(core, args.api_key, [core.model_name])
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                    timeout_graceful_shutdown=5))
+    server.core, server.drain_seconds = core, args.drain_seconds
+    threading.Thread(target=start_core, daemon=True).start()
+    server.run()
+    grpc_host.stop(grace=2)
+    core.shutdown()
+    log.info("stopped")
+    return 0

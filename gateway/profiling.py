@@ -1,0 +1,103 @@
+"""Start-up profile of step costs, the input of the `auto` policy's cost model.
+
+Runs real steps on throwaway sequences through the same gRPC path the loop
+uses (so RPC overhead is part of the fit) and fits the linear models of
+policy.CostModel by least squares.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from draft_service.types import IngestItem
+from gateway.clients import TargetClient
+from gateway.draft_pool import DraftReplica
+from gateway.policy import CostModel, PolicyConfig
+from target_service.types import SequenceStep
+
+log = logging.getLogger("tandem.gateway")
+PREFIX = 32
+
+
+def _median_time(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    a = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)[:, None]
+    coef = torch.linalg.lstsq(a, y).solution[:, 0].clamp(min=0)
+    return coef.tolist()
+
+
+def _profile_target(target: TargetClient, block_size: int, free_blocks: int) -> tuple[float, float, float]:
+    fits = free_blocks // -(-(PREFIX + 40) // block_size)  # sequences that fit with room to grow
+    if fits < 2:
+        raise RuntimeError(f"the KV cache is too small to profile ({free_blocks} blocks)")
+    ids = [f"__profile_{i}" for i in range(min(8, fits))]
+    prompt = [1 + i % 50 for i in range(PREFIX)]
+    pending = {}
+    for rid in ids:
+        pending[rid] = target.step([SequenceStep.chain(rid, prompt, create=True)], ())[0][0].tokens[-1]
+    rows, ys = [], []
+    try:
+        for seqs in sorted({1, max(1, len(ids) // 2), len(ids)}):
+            for nodes in (1, 4, 16):
+                def run(seqs=seqs, nodes=nodes):
+                    items = []
+                    for rid in ids[:seqs]:
+                        toks = (pending[rid],) + tuple(1 + j % 50 for j in range(nodes - 1))
+                        # The pending token, then a chain of drafted nodes below it.
+                        items.append(SequenceStep(rid, toks, tuple(range(-1, nodes - 1)), num_fixed=1))
+                    for res in target.step(items, ())[0]:
+                        pending[res.request_id] = res.tokens[-1]
+                ys.append(_median_time(run))
+                rows.append([1.0, seqs * nodes, seqs])
+    finally:
+        target.release(ids)
+    return tuple(_fit(rows, ys))
+
+
+def _profile_draft(replica: DraftReplica, cfg: PolicyConfig) -> tuple[float, float, float]:
+    client = replica.client
+    ids = [f"__profile_{i}" for i in range(4)]
+    prompt = tuple(1 + i % 50 for i in range(PREFIX))
+    client.ingest([IngestItem(rid, 0, prompt, None) for rid in ids], catch_up=True)
+    rows, ys = [], []
+    try:
+        for budget in cfg.auto_options():
+            for seqs in (1, 4):
+                calls = [(rid, budget, len(prompt)) for rid in ids[:seqs]]
+                ys.append(_median_time(lambda calls=calls: client.draft([], calls)))
+                rows.append([1.0, budget.steps, seqs * budget.steps * budget.topk])
+    finally:
+        client.release(ids)
+    return tuple(_fit(rows, ys))
+
+
+def profile_costs(target: TargetClient, drafts: list[DraftReplica], cfg: PolicyConfig) -> CostModel:
+    t0 = time.perf_counter()
+    costs = CostModel()
+    load = target.info().load
+    try:
+        costs.target_base, costs.target_per_token, costs.target_per_seq = _profile_target(
+            target, load.block_size, load.free_blocks)
+    except Exception as exc:
+        log.warning("target profiling failed (%s); using default target costs", exc)
+    if drafts:
+        try:
+            db, dl, de = _profile_draft(drafts[0], cfg)
+            costs.draft_base, costs.draft_per_level, costs.draft_per_expansion = db, dl, de
+        except Exception as exc:  # a failing draft must not stop the gateway
+            log.warning("draft profiling failed (%s); using default draft costs", exc)
+    log.info("profiled step costs in %.1f s", time.perf_counter() - t0)
+    return costs

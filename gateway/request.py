@@ -1,0 +1,155 @@
+"""A request as the gateway owns it: the source of truth for everything else.
+
+Target KV, draft KV and step plans are all derived from `tokens` and the
+counters here, so a request can be rebuilt anywhere from this object alone
+(preemption re-prefills from it; a new draft replica catches up from it).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.types import Delta, DeltaSink, GenerationParams, SpecStats, TokenLogprob
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # not admitted; holds no KV anywhere
+    RUNNING = "running"  # admitted: prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class AcceptanceStats:
+    """Online acceptance per speculation budget: mean drafted tokens accepted per verify step."""
+
+    totals: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)  # budget -> [sum, n]
+
+    def record(self, budget: tuple[int, int, int], accepted: int) -> None:
+        s = self.totals.setdefault(budget, [0.0, 0.0])
+        # Exponential decay keeps the estimate tracking the text the request is producing now.
+        s[0] = 0.8 * s[0] + accepted
+        s[1] = 0.8 * s[1] + 1.0
+
+    def mean(self, budget: tuple[int, int, int]) -> tuple[float, float] | None:
+        s = self.totals.get(budget)
+        return None if not s or s[1] == 0 else (s[0] / s[1], s[1])
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: GenerationParams
+    sink: DeltaSink
+    eos_ids: frozenset[int]
+    tokenizer: object
+    max_model_len: int
+    arrival: float = field(default_factory=time.monotonic)
+
+    phase: Phase = Phase.WAITING
+    output: list[int] = field(default_factory=list)  # emitted tokens; the last is pending on the target
+    target_len: int = 0  # tokens whose KV the target holds
+    target_created: bool = False
+    # Draft state as the gateway knows it.
+    draft_replica: int | None = None
+    draft_len: int = 0  # tokens the draft replica has been sent (committed + pending)
+    draft_feature_len: int = 0  # leading tokens whose target features the draft has
+    draft_caught_up: bool = False  # the replica has applied at least one ingest
+    stats: SpecStats = field(default_factory=SpecStats)
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt[-4:])
+        self._stops = StopMatcher(self.params.stop)
+
+    # --- derived ----------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then output: every token known for this request."""
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.target_len < len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
+    def unsent(self) -> list[int]:
+        """Tokens the target has not written KV for (prefill remainder, or the pending token)."""
+        return self.tokens[self.target_len:]
+
+    @property
+    def spec_mode(self) -> str | None:
+        return self.params.speculation
+
+    # --- the one place results land ---------------------------------------
+    def commit(self, new_tokens: list[int], logprobs: list[float],
+               top_logprobs: list[tuple[list[int], list[float]]], num_committed: int,
+               spec: SpecStats) -> Delta | None:
+        """Apply a step's result. `new_tokens` are accepted drafted tokens then the bonus token.
+
+        Tokens past a stop, an end-of-sequence or max_tokens are dropped here, by
+        count, and nowhere else; the request then finishes and its KV is released.
+        """
+        self.target_len = num_committed
+        self.stats = spec
+        now = time.monotonic()
+        if self.first_token_at is None and new_tokens:
+            self.first_token_at = now
+        kept: list[int] = []
+        text = ""
+        lps: list[TokenLogprob] = []
+        for i, tok in enumerate(new_tokens):
+            kept.append(tok)
+            self.output.append(tok)
+            piece = self._detok.push(tok)
+            if self.params.logprobs is not None:
+                lps.append(self._logprob(tok, logprobs[i], top_logprobs[i] if top_logprobs else None))
+            is_eos = tok in self.eos_ids and not self.params.ignore_eos
+            if is_eos or tok in self.params.stop_token_ids:
+                text += self._stops.flush()
+                self.finish_reason = "stop"
+                break
+            emitted, hit = self._stops.feed(piece)
+            text += emitted
+            if hit:
+                self.finish_reason = "stop"
+                break
+            if len(self.output) >= self.params.max_tokens or len(self.tokens) >= self.max_model_len:
+                text += self._stops.flush()
+                self.finish_reason = "length"
+                break
+        self.last_token_at = now
+        if self.finish_reason:
+            self.phase = Phase.FINISHED
+        return Delta(tuple(kept), text, tuple(lps) if self.params.logprobs is not None else None,
+                     self.finish_reason, len(self.prompt), len(self.output), self.stats)
+
+    def _logprob(self, tok: int, lp: float, top: tuple[list[int], list[float]] | None) -> TokenLogprob:
+        def text(t: int) -> str:
+            return self.tokenizer.decode([t])
+        tops = tuple((t, text(t), v) for t, v in zip(*top, strict=True)) if top else ()
+        return TokenLogprob(tok, text(tok), lp, tops[: self.params.logprobs])
+
+    def finish(self, reason: str) -> Delta:
+        self.finish_reason = reason
+        self.phase = Phase.FINISHED
+        return Delta((), self._stops.flush() if reason != "abort" else "", None, reason,
+                     len(self.prompt), len(self.output), self.stats)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: the target and draft forgot this request; it resumes from its tokens."""
+        self.phase = Phase.WAITING
+        self.target_len = 0
+        self.target_created = False
+        self.draft_len = 0
+        self.draft_feature_len = 0
+        self.draft_caught_up = False
+        self.draft_replica = None
+        self.num_preemptions += 1

@@ -1,0 +1,107 @@
+"""Building one step's plan: who runs, with which tokens, within the token and KV budgets.
+
+The plan is a fresh object every step; nothing in it is written back onto a
+Request. Decoding requests come first (one token each, plus their trees), then
+prefill chunks, oldest first, within the per-step token budget. Admission of a
+waiting request needs KV room for its first chunk on the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_service.types import DraftBudget
+from gateway.request import Phase, Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_step_tokens: int = 2048  # tokens (prefill chunks + decode nodes) per target step
+    max_running: int = 256  # requests in the running batch
+    block_size: int = 16
+    reserve_blocks: int = 0  # blocks kept free for decode growth when admitting
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_step_tokens and max_running must be >= 1")
+
+
+@dataclass(frozen=True)
+class PlannedItem:
+    request: Request
+    tokens: tuple[int, ...]  # fixed chain (prefill chunk or the pending token)
+    reaches_end: bool  # the chain ends at the request's last known token: its bonus token is new output
+
+    @property
+    def is_decode(self) -> bool:
+        return self.reaches_end and len(self.tokens) == 1 and bool(self.request.output)
+
+
+@dataclass
+class StepPlan:
+    items: list[PlannedItem] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    budgets: dict[str, DraftBudget] = field(default_factory=dict)  # filled by the policy
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.tokens) for i in self.items)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def plan_step(cfg: SchedulerConfig, running: list[Request], waiting: list[Request], free_blocks: int,
+              tree_nodes: int) -> StepPlan:
+    """running: admitted requests, oldest first; waiting: queue, oldest first.
+
+    tree_nodes: the most drafted nodes a decoding request may add this step (its
+    tree's depth bounds what can be committed, so it bounds the KV it may need).
+    """
+    plan = StepPlan()
+    budget = cfg.max_step_tokens
+    decode = [r for r in running if len(r.unsent) == 1 and r.output]
+    prefill = [r for r in running if r not in decode]
+
+    def need(r: Request, new_tokens: int) -> int:
+        return blocks_for(r.target_len + new_tokens, cfg.block_size) - blocks_for(r.target_len, cfg.block_size)
+
+    # Decodes must fit; if they do not, preempt the newest running requests (recompute later).
+    decode_need = sum(need(r, 1 + tree_nodes) for r in decode)
+    victims = sorted(running, key=lambda r: r.arrival, reverse=True)
+    while decode_need > free_blocks and victims:
+        v = victims.pop(0)
+        if v in decode:
+            decode.remove(v)
+            decode_need -= need(v, 1 + tree_nodes)
+        else:
+            prefill.remove(v)
+        free_blocks += blocks_for(v.target_len, cfg.block_size)
+        plan.preempted.append(v)
+    free_blocks -= decode_need
+    for r in decode:
+        plan.items.append(PlannedItem(r, (r.unsent[0],), True))
+        budget -= 1
+    # Prefill: requests part-way through first, then admissions.
+    for r in prefill + [w for w in waiting if w.phase == Phase.WAITING]:
+        if budget <= 0:
+            break
+        if r in waiting and len(running) + len(plan.admitted) >= cfg.max_running:
+            break
+        unsent = r.unsent
+        chunk = min(len(unsent), budget)
+        cost = need(r, chunk)
+        if r in waiting:
+            cost += cfg.reserve_blocks
+        if cost > free_blocks:
+            if r in waiting:
+                break  # keep arrival order: no overtaking by smaller prompts
+            continue
+        free_blocks -= need(r, chunk)
+        budget -= chunk
+        plan.items.append(PlannedItem(r, tuple(unsent[:chunk]), chunk == len(unsent)))
+        if r in waiting:
+            plan.admitted.append(r)
+    return plan
