@@ -1,0 +1,1 @@
+"""The draft service: an EAGLE-3 head with its own paged KV cache, growing token trees."""

@@ -1,0 +1,362 @@
+"""The draft engine: per-request state, lazy catch-up, and batched tree drafting.
+
+State per request: the known tokens (committed by the target, then the pending
+one), target features waiting for positions not yet computed, the draft KV of
+computed positions (in the paged cache) and the pre-norm hidden state of the
+last computed position. Ingesting only records tokens and features; KV is
+computed when a tree is drafted (or on an explicit catch-up), for every
+position whose next token is known. Tree nodes' K/V are scratch, never
+committed: the next ingest brings the tokens the target actually accepted.
+
+Every call is validated as a whole before anything changes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_service.model import Eagle3Draft
+from draft_service.tree_growth import TreeGrowth
+from draft_service.types import (
+    MAX_STEPS,
+    DraftInfo,
+    DraftItem,
+    DraftLoad,
+    DraftTree,
+    IngestItem,
+    InvalidDraftInput,
+    OutOfDraftCapacity,
+    RequestStatus,
+)
+from kernels.tree_attention import StepLayout
+from tandem.tree import ancestor_mask
+
+
+@dataclass
+class _Request:
+    tokens: list[int] = field(default_factory=list)
+    # Target features by position, only for positions not computed yet.
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+    last_h: torch.Tensor | None = None  # pre-norm h of the last computed position
+
+
+@dataclass
+class _Growing:
+    """One request's tree while it grows: the model-facing half of TreeGrowth."""
+
+    tree: DraftTree
+    growth: TreeGrowth
+    length: int  # computed draft positions (= root position)
+    root_h: torch.Tensor
+    prefix_slots: torch.Tensor
+    nodes: list[int] = field(default_factory=list)  # candidates run through the model so far
+    node_parent: list[int] = field(default_factory=list)  # index into nodes, -1 = the root
+    k: torch.Tensor | None = None  # scratch K/V of `nodes`
+    v: torch.Tensor | None = None
+    h: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> its pre-norm h
+
+
+class DraftEngine:
+    def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16):
+        self.model = model
+        self.kv = model.new_kv_cache(num_blocks, block_size)
+        self.requests: dict[str, _Request] = {}
+        self.max_tokens = model.max_position - MAX_STEPS
+        self.target_ids = model.d2t.tolist()  # draft id -> target id
+        self.last_call_seconds = 0.0
+
+    # --- queries ----------------------------------------------------------
+    def info(self) -> DraftInfo:
+        cfg = self.model.cfg
+        return DraftInfo(cfg.hidden_size, cfg.draft_vocab_size, cfg.target_vocab_size, cfg.target_hidden_size,
+                         cfg.feature_layers, cfg.feature_width, self.max_tokens,
+                         str(self.model.dtype).removeprefix("torch."), self.model.device.type)
+
+    def load(self) -> DraftLoad:
+        return DraftLoad(len(self.requests), self.kv.block_size, self.kv.num_blocks, self.kv.free_blocks)
+
+    def computed(self, request_id: str) -> int:
+        return self.kv.seqs[request_id].length
+
+    def status(self, request_id: str) -> RequestStatus:
+        st = self.requests[request_id]
+        done = self.computed(request_id)
+        missing = sum(1 for p in range(done, len(st.tokens) - 1) if p not in st.features)
+        return RequestStatus(request_id, len(st.tokens), done, missing)
+
+    # --- validation -------------------------------------------------------
+    def _check_ingest(self, items: list[IngestItem] | tuple[IngestItem, ...]) -> dict[str, int]:
+        """Validate ingest items; return each request's number of known tokens after them."""
+        vocab, width = self.model.cfg.target_vocab_size, self.model.cfg.feature_width
+        after: dict[str, int] = {}
+        for it in items:
+            rid = it.request_id
+            if not rid:
+                raise InvalidDraftInput("request_id must not be empty")
+            if rid in after:
+                raise InvalidDraftInput(f"request {rid!r} is ingested twice in one call")
+            st = self.requests.get(rid)
+            known = st.tokens if st is not None else []
+            start = it.start_position
+            if st is None and start != 0:
+                raise InvalidDraftInput(f"unknown request {rid!r}: start it with an ingest from position 0")
+            if not 0 <= start <= len(known):
+                raise InvalidDraftInput(f"request {rid!r}: start_position {start} is not within the "
+                                        f"{len(known)} tokens the draft knows (no gaps allowed)")
+            bad = [t for t in it.tokens if not 0 <= t < vocab]
+            if bad:
+                raise InvalidDraftInput(f"request {rid!r}: token id {bad[0]} out of range [0, {vocab})")
+            for i, (old, new) in enumerate(zip(known[start:], it.tokens)):
+                if old != new:
+                    raise InvalidDraftInput(
+                        f"request {rid!r}: position {start + i} holds token {old} but the ingest says {new}; "
+                        f"committed tokens never change (release the request and ingest it again)")
+            total = max(len(known), start + len(it.tokens))
+            if total > self.max_tokens:
+                raise InvalidDraftInput(f"request {rid!r} would hold {total} tokens, over the draft's "
+                                        f"limit of {self.max_tokens}")
+            f = it.features
+            if f is not None:
+                if f.dim() != 2 or f.shape[1] != width or not f.is_floating_point():
+                    raise InvalidDraftInput(
+                        f"request {rid!r}: features must be a float tensor [rows, {width}] "
+                        f"({len(self.model.cfg.feature_layers)} target layers x {self.model.cfg.target_hidden_size}),"
+                        f" got {f.dtype} {list(f.shape)}")
+                if f.shape[0] > len(it.tokens):
+                    raise InvalidDraftInput(f"request {rid!r}: {f.shape[0]} feature rows for "
+                                            f"{len(it.tokens)} tokens")
+            after[rid] = total
+        return after
+
+    def _check_capacity(self, lengths: dict[str, int]) -> None:
+        """lengths: request -> known tokens it will be caught up to."""
+        need = sum(self.kv.extra_blocks_needed(rid, max(n - 1, 0)) for rid, n in lengths.items())
+        if need > self.kv.free_blocks:
+            raise OutOfDraftCapacity(f"catching up needs {need} more draft KV blocks, {self.kv.free_blocks} free")
+
+    # --- ingest and catch-up ------------------------------------------------
+    @torch.inference_mode()
+    def ingest(self, items: list[IngestItem], catch_up: bool = False) -> list[RequestStatus]:
+        """Record tokens and features; with catch_up, also compute the KV now (off the critical path)."""
+        t0 = time.perf_counter()
+        after = self._check_ingest(items)
+        if catch_up:
+            self._check_capacity(after)
+        for it in items:
+            self._apply(it)
+        if catch_up:
+            self._catch_up(list(after))
+        self.last_call_seconds = time.perf_counter() - t0
+        return [self.status(it.request_id) for it in items]
+
+    def _apply(self, it: IngestItem) -> None:
+        st = self.requests.get(it.request_id)
+        if st is None:
+            st = self.requests[it.request_id] = _Request()
+            self.kv.create(it.request_id)
+        st.tokens.extend(it.tokens[len(st.tokens) - it.start_position:])
+        done = self.computed(it.request_id)
+        for i in range(it.num_feature_rows):
+            # Features of positions already computed come too late to matter.
+            if it.start_position + i >= done:
+                st.features[it.start_position + i] = it.features[i]
+
+    @torch.inference_mode()
+    def catch_up(self, request_ids: list[str] | None = None) -> None:
+        """Compute the draft KV of every position whose next token is known."""
+        ids = list(self.requests) if request_ids is None else request_ids
+        unknown = [r for r in ids if r not in self.requests]
+        if unknown:
+            raise InvalidDraftInput(f"unknown request {unknown[0]!r}")
+        self._check_capacity({r: len(self.requests[r].tokens) for r in ids})
+        self._catch_up(ids)
+
+    def _segments(self, rid: str) -> list[tuple[int, int]]:
+        """Positions to compute, cut so that only a segment's first position may lack
+        features: that one takes the previous position's h, which must exist first."""
+        st, start, stop = self.requests[rid], self.computed(rid), len(self.requests[rid].tokens) - 1
+        cuts = [start] + [p for p in range(start + 1, stop) if p not in st.features]
+        return [(a, b) for a, b in zip(cuts, [*cuts[1:], stop]) if a < b]
+
+    def _catch_up(self, ids: list[str]) -> None:
+        plans = {rid: self._segments(rid) for rid in ids}
+        plans = {rid: p for rid, p in plans.items() if p}
+        for rid, plan in plans.items():
+            self.kv.reserve(rid, plan[-1][1])
+        # Round r runs every request's r-th segment in one batched forward.
+        for r in range(max((len(p) for p in plans.values()), default=0)):
+            self._run_segments([(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)])
+
+    def _run_segments(self, batch: list[tuple[str, int, int]]) -> None:
+        model, dev = self.model, self.model.device
+        next_tokens: list[int] = []
+        positions: list[int] = []
+        starts, counts, prefix, masks = [], [], [], []
+        feat_rows, feat_at, h_rows, h_at = [], [], [], []
+        for rid, a, b in batch:
+            st, row = self.requests[rid], len(next_tokens)
+            next_tokens += st.tokens[a + 1:b + 1]
+            positions += range(a, b)
+            starts.append(row)
+            counts.append(b - a)
+            prefix.append(self.kv.slots(rid, 0, a))
+            masks.append(torch.ones(b - a, b - a, dtype=torch.bool, device=dev).tril())
+            for p in range(a, b):
+                if p in st.features:
+                    feat_rows.append(st.features[p])
+                    feat_at.append(row + p - a)
+                else:  # p == a: use the draft's own state; position 0 has none, so zeros
+                    h_rows.append(st.last_h if st.last_h is not None
+                                  else torch.zeros(model.cfg.hidden_size, dtype=model.dtype, device=dev))
+                    h_at.append(row + p - a)
+        g = torch.empty(len(next_tokens), model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        if feat_rows:
+            g[torch.tensor(feat_at, device=dev)] = model.project(torch.stack(feat_rows))
+        if h_rows:
+            g[torch.tensor(h_at, device=dev)] = torch.stack(h_rows)
+        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks))
+        k, v, h = model.forward(torch.tensor(next_tokens, device=dev), g, torch.tensor(positions, device=dev),
+                                layout, self.kv)
+        slots = torch.cat([self.kv.slots(rid, a, b) for rid, a, b in batch])
+        self.kv.write(0, slots, k, v)
+        for (rid, a, b), row, n in zip(batch, starts, counts):
+            st = self.requests[rid]
+            self.kv.seqs[rid].length = b
+            st.last_h = h[row + n - 1].clone()
+            for p in range(a, b):
+                st.features.pop(p, None)
+
+    # --- drafting -----------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, items: list[DraftItem], ingest: list[IngestItem] | tuple[IngestItem, ...] = ()
+              ) -> list[DraftTree]:
+        """Apply `ingest` (saves a round trip), catch up, and grow one tree per item."""
+        t0 = time.perf_counter()
+        after = self._check_ingest(ingest)
+        seen: set[str] = set()
+        lengths: dict[str, int] = {}
+        for it in items:
+            rid = it.request_id
+            if rid in seen:
+                raise InvalidDraftInput(f"request {rid!r} appears twice in one draft call")
+            seen.add(rid)
+            if rid not in self.requests and rid not in after:
+                raise InvalidDraftInput(f"unknown request {rid!r}: ingest its tokens before drafting")
+            problem = it.budget.problem(self.model.cfg.draft_vocab_size)
+            if problem:
+                raise InvalidDraftInput(f"request {rid!r}: {problem}")
+            n = after.get(rid, len(self.requests[rid].tokens) if rid in self.requests else 0)
+            if it.num_tokens is not None and it.num_tokens != n:
+                raise InvalidDraftInput(f"request {rid!r}: the caller knows {it.num_tokens} tokens but the "
+                                        f"draft holds {n}; ingest the missing ones first")
+            if not it.budget.empty:
+                lengths[rid] = n
+        self._check_capacity(lengths)
+        for ing in ingest:
+            self._apply(ing)
+        self._catch_up(list(lengths))
+        trees = self._grow(items)
+        self.last_call_seconds = time.perf_counter() - t0
+        return trees
+
+    def _grow(self, items: list[DraftItem]) -> list[DraftTree]:
+        trees, growing = [], []
+        for it in items:
+            st = self.requests[it.request_id]
+            n = len(st.tokens) - 1
+            tree = DraftTree(it.request_id, st.tokens[-1] if st.tokens else -1, max(n, 0))
+            trees.append(tree)
+            # A request with one known token has no draft position yet: no tree.
+            if not it.budget.empty and st.last_h is not None:
+                growing.append(_Growing(tree, TreeGrowth(it.budget), n, st.last_h,
+                                        self.kv.slots(it.request_id, 0, n)))
+        if not growing:
+            return trees
+        # Level 0: the root's children come from the last computed position.
+        lp = self.model.logprobs(torch.stack([g.root_h for g in growing]))
+        for i, g in enumerate(growing):
+            g.growth.expand(lp[i:i + 1])
+        while active := [g for g in growing if not g.growth.done]:
+            self._tree_level(active)
+        for g in growing:
+            self._emit(g)
+        return trees
+
+    def _tree_level(self, active: list[_Growing]) -> None:
+        """Run every active request's frontier through the model and expand it.
+
+        Frontier nodes attend to the committed prefix and to their tree ancestors,
+        whose scratch K/V the earlier levels left. The attention kernel's rows are
+        all nodes run so far; only the new ones ask queries (old rows get zero
+        queries and their outputs are dropped), so nothing but attention repeats.
+        """
+        model, dev = self.model, self.model.device
+        tokens, g_rows, positions = [], [], []
+        for a in active:
+            for c in a.growth.frontier:
+                p = a.growth.parents[c]
+                tokens.append(self.target_ids[a.growth.tokens[c]])
+                g_rows.append(a.root_h if p < 0 else a.h[p])
+                positions.append(a.length + a.growth.levels[c])
+        g = torch.stack(g_rows)
+        q_new, k_new, v_new = model.attention_inputs(torch.tensor(tokens, device=dev), g,
+                                                     torch.tensor(positions, device=dev))
+        qs, ks, vs, starts, counts, prefix, masks, new_rows = [], [], [], [], [], [], [], []
+        row = new = 0
+        for a in active:
+            f = len(a.growth.frontier)
+            old = len(a.nodes)
+            index = {c: i for i, c in enumerate(a.nodes)}
+            a.node_parent += [index.get(a.growth.parents[c], -1) for c in a.growth.frontier]
+            a.nodes += a.growth.frontier
+            k_a, v_a = k_new[new:new + f], v_new[new:new + f]
+            a.k = k_a if a.k is None else torch.cat((a.k, k_a))
+            a.v = v_a if a.v is None else torch.cat((a.v, v_a))
+            qs += [q_new.new_zeros(old, *q_new.shape[1:]), q_new[new:new + f]]
+            ks.append(a.k)
+            vs.append(a.v)
+            starts.append(row)
+            counts.append(old + f)
+            prefix.append(a.prefix_slots)
+            masks.append(ancestor_mask(a.node_parent).to(dev))
+            new_rows += range(row + old, row + old + f)
+            row += old + f
+            new += f
+        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks))
+        attn = model.attend(torch.cat(qs), torch.cat(ks), torch.cat(vs), layout, self.kv)
+        h = model.finish(attn[torch.tensor(new_rows, device=dev)], g)
+        lp = model.logprobs(h)
+        new = 0
+        for a in active:
+            frontier = a.growth.frontier
+            for i, c in enumerate(frontier):
+                a.h[c] = h[new + i]
+            a.growth.expand(lp[new:new + len(frontier)])
+            new += len(frontier)
+
+    def _emit(self, g: _Growing) -> None:
+        growth, tree = g.growth, g.tree
+        chosen = growth.select()
+        index = {c: i for i, c in enumerate(chosen)}
+        for c in chosen:
+            parent = growth.parents[c]
+            if parent >= 0 and parent not in index:  # cannot happen: see tree_growth's docstring
+                raise RuntimeError(f"tree for {tree.request_id!r} kept node {c} without its parent {parent}")
+            tree.tokens.append(self.target_ids[growth.tokens[c]])
+            tree.parents.append(index[parent] if parent >= 0 else -1)
+            tree.depths.append(growth.levels[c] + 1)
+            tree.logprobs.append(growth.logprobs[c])
+            tree.scores.append(growth.scores[c])
+
+    # --- lifecycle -----------------------------------------------------------
+    def release(self, request_ids: list[str]) -> int:
+        """Free the named requests' state; unknown ids are ignored (a release may be repeated)."""
+        n = 0
+        for rid in request_ids:
+            if self.requests.pop(rid, None) is not None:
+                n += 1
+            self.kv.release(rid)
+        return n
