@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import interpreting, tl, triton
+from kernels.tree_metadata import TreeAttnMetadata, metadata_from_layout
+
 
 @dataclass(frozen=True)
 class StepLayout:
@@ -44,4 +47,223 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=visible.to(q.device), scale=scale, enable_gqa=True)
         out[rows] = attn.transpose(0, 1)
+    return out
+
+
+# --- Triton ---------------------------------------------------------------
+#
+# One program per (tile of one sequence's nodes, kv head, prefix split). A
+# tile's query rows are (node, query head) pairs of one GQA group, so K and V
+# are loaded once per group. Keys are visited in two phases with one online
+# softmax: the paged prefix (a split's share of it), then the sequence's own
+# nodes up to the tile's last node, filtered by the packed ancestor mask. With
+# several splits each writes a partial result and its log-sum-exp, and a
+# second kernel merges them (flash-decoding).
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT: tl.constexpr):
+    # F32_DOT: both matmuls in float32 at IEEE precision (no TF32), for float32
+    # inputs; otherwise P is rounded to V's dtype as flash attention does.
+    # s: [M, N] logits in log2 units, -inf where not visible.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing visible yet keeps m = -inf; subtract 0 instead
+    # so that exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if F32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _logits(q, k, qk_scale, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s * qk_scale
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q, K, V, KC, VC, Out, PartOut, PartLse, Ints, MaskWords,
+    bt_off, info_off, tile_off, bt_stride, mw_stride,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+    skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
+    so_t, so_h, sp_s, sp_t, sp_h, sl_s, sl_t,
+    qk_scale, num_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(Ints + tile_off + tile * 3)
+    first = tl.load(Ints + tile_off + tile * 3 + 1)
+    count = tl.load(Ints + tile_off + tile * 3 + 2)
+    active = count > 0  # padding tiles (CUDA-graph buckets) do nothing
+    prefix_len = tl.where(active, tl.load(Ints + info_off + seq * 3), 0)
+    row0 = tl.load(Ints + info_off + seq * 3 + 1)
+    num_nodes = tl.load(Ints + info_off + seq * 3 + 2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    node = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = node < count
+    row = row0 + first + node
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + row[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Phase 1: this split's share of the paged prefix (every node sees all of it).
+    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(prefix_len, lo + chunk)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        block = tl.load(Ints + bt_off + seq * bt_stride + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        within = offs_n % PAGE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(KC + (block * skc_b + within * skc_s + kvh * skc_h)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(VC + (block * svc_b + within * svc_s + kvh * svc_h)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _logits(q, k, qk_scale, F32_DOT)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+
+    # Phase 2 (last split only): the sequence's own nodes. Ancestors precede
+    # descendants, so nodes after the tile's last one are never visible.
+    own_hi = tl.where(active & (split == num_splits - 1), tl.minimum(num_nodes, first + count), 0)
+    for start in range(0, own_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < own_hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        own = (row0 + offs_n)[:, None]
+        k = tl.load(K + own * sk_t + kvh * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + own * sv_t + kvh * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        words = tl.load(MaskWords + row[:, None] * mw_stride + (offs_n // 64)[None, :],
+                        mask=row_ok[:, None] & n_ok[None, :], other=0)
+        visible = ((words >> (offs_n % 64).to(tl.int64)[None, :]) & 1) != 0
+        s = _logits(q, k, qk_scale, F32_DOT)
+        s = tl.where(visible & n_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    # Every real row sees itself, so l > 0 there; padding rows, and splits whose
+    # share of the prefix is empty, have l = 0 (weight 0 in the merge).
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PartOut + split * sp_s + row[:, None] * sp_t + head[:, None] * sp_h + offs_d[None, :],
+                 out, mask=out_mask)
+        tl.store(PartLse + split * sl_s + row * sl_t + head, lse, mask=row_ok)
+    else:
+        tl.store(Out + row[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PartOut, PartLse, Ints, Out, info_off, tile_off,
+    sp_s, sp_t, sp_h, sl_s, sl_t, so_t, so_h, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    # One program per (tile, query head): rows outside every tile (padding) are
+    # never read, so their unwritten partials cannot leak into the output.
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(Ints + tile_off + tile * 3)
+    count = tl.load(Ints + tile_off + tile * 3 + 2)
+    row0 = tl.load(Ints + info_off + seq * 3 + 1) + tl.load(Ints + tile_off + tile * 3 + 1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for row in range(row0, row0 + count):
+        lse = tl.load(PartLse + offs_s * sl_s + row * sl_t + head, mask=s_ok, other=float("-inf"))
+        # The last split holds the node itself, so the maximum is finite.
+        w = tl.where(s_ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+        part = tl.load(PartOut + offs_s[:, None] * sp_s + row * sp_t + head * sp_h + offs_d[None, :],
+                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+        tl.store(Out + row * so_t + head * so_h + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cache_k: torch.Tensor, cache_v: torch.Tensor,
+                          meta: TreeAttnMetadata | StepLayout, scale: float,
+                          *, block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as tree_attention_reference; `meta` is the step's packed
+    metadata (build it once per step and pass it to every layer) or a StepLayout,
+    packed here. `out` ([T, Hq, D], last dim contiguous) receives the result if given;
+    only rows of the step's nodes are written."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if isinstance(meta, StepLayout):
+        meta = metadata_from_layout(meta, block_size=cache_k.shape[1], num_q_heads=Hq, num_kv_heads=Hkv,
+                                    device=q.device)
+    if meta.block_size != cache_k.shape[1]:
+        raise ValueError(f"metadata for block size {meta.block_size}, cache has {cache_k.shape[1]}")
+    if meta.group * Hkv != Hq or cache_k.shape[2] != Hkv:
+        raise ValueError(f"metadata for {meta.group} query heads per kv head; q has {Hq}, k {Hkv}, "
+                         f"cache {cache_k.shape[2]}")
+    q, k, v, cache_k, cache_v = (x if x.stride(-1) == 1 else x.contiguous()
+                                 for x in (q, k, v, cache_k, cache_v))
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim")
+    if T == 0:
+        return out
+    splits = meta.num_splits
+    if splits > 1:
+        part = torch.empty(splits, T, Hq, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, T, Hq, dtype=torch.float32, device=q.device)
+    else:  # unused by the kernel
+        part, lse = out, out
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n = block_n or (64 if block_d <= 128 else 32)
+    # The interpreter (triton 3.9) multiplies bf16 dot operands as raw bits, so
+    # there bf16 dots run in float32 too.
+    f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
+    info_off = meta.batch * meta.max_blocks
+    tile_off = info_off + 3 * meta.batch
+    _tree_attention_kernel[(meta.num_tiles, Hkv, splits)](
+        q, k, v, cache_k, cache_v, out, part, lse, meta.ints, meta.mask_words,
+        0, info_off, tile_off, meta.max_blocks, meta.mask_words.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
+        out.stride(0), out.stride(1),
+        part.stride(0) if splits > 1 else 0, part.stride(1), part.stride(2) if splits > 1 else 0,
+        lse.stride(0) if splits > 1 else 0, lse.stride(1),
+        scale * LOG2E, splits,
+        GROUP=meta.group, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D,
+        PAGE=meta.block_size, SPLIT=splits > 1, F32_DOT=f32_dot,
+        num_warps=4,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(meta.num_tiles, Hq)](
+            part, lse, meta.ints, out, info_off, tile_off,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), splits,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            HEAD_DIM=D, num_warps=4,
+        )
     return out

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.tree_attention import StepLayout, tree_attention_reference
+from kernels.backend import get_attention_backend
+from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.layers import Rotary, SafetensorsDir, rms_norm
 from tandem.model_config import LlamaConfig, ModelLoadError, load_llama_config
@@ -53,7 +54,8 @@ class StepOutput:
 
 class LlamaModel:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", tp: ParallelSpec | None = None):
+                 device: str | torch.device = "cpu", tp: ParallelSpec | None = None,
+                 attention_backend: str | None = None):
         self.cfg = cfg = load_llama_config(model_dir)
         self.tp = tp = tp or ParallelSpec()
         check_tp(cfg, tp.size)
@@ -68,6 +70,8 @@ class LlamaModel:
             kv_start = tp.rank * cfg.num_kv_heads // tp.size
         self.scale = cfg.head_dim ** -0.5
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position, self.device)
+        # "torch" | "triton" | "flashinfer"; None picks the device's default (kernels.backend).
+        self.attention = get_attention_backend(attention_backend, self.device)
         self._load(SafetensorsDir(model_dir), kv_start)
 
     # --- weights ----------------------------------------------------------
@@ -143,6 +147,9 @@ class LlamaModel:
         x = F.embedding(tokens, self.embed)
         captured: dict[int, torch.Tensor] = {}
         new_k, new_v = [], []
+        # Packed once per step, read by every layer.
+        attn_plan = self.attention.plan(layout, block_size=kv.block_size, num_q_heads=hq,
+                                        num_kv_heads=hkv, device=self.device)
         for i, layer in enumerate(self.layers):
             if i in feature_layers:
                 captured[i] = x
@@ -154,7 +161,7 @@ class LlamaModel:
             v = v.view(T, hkv, D)
             new_k.append(k)
             new_v.append(v)
-            attn = tree_attention_reference(q, k, v, kv.k[i], kv.v[i], layout, self.scale)
+            attn = self.attention(q, k, v, kv.k[i], kv.v[i], attn_plan, self.scale)
             o = self._all_reduce(F.linear(attn.reshape(T, hq * D), layer["o"]))
             if layer["o_bias"] is not None:
                 o = o + layer["o_bias"]
