@@ -1,0 +1,202 @@
+"""gRPC edge of the draft service: protobuf <-> plain dataclasses, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from pathlib import Path
+
+import grpc
+import torch
+
+from draft_service.engine import DraftEngine
+from draft_service.model import Eagle3Draft
+from draft_service.types import (
+    MAX_DRAFT_TOKENS,
+    MAX_STEPS,
+    MAX_TOPK,
+    DraftBudget,
+    DraftItem,
+    DraftLoad,
+    DraftTree,
+    IngestItem,
+    RequestStatus,
+)
+from tandem.errors import Unavailable
+from tandem.grpc_host import ServiceHost, map_errors, status_for
+from tandem.layers import DTYPES
+from tandem.tensors import tensor_from_proto, tensor_to_proto
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger("tandem.draft")
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+# --- conversions ------------------------------------------------------------------------------
+
+def load_to_proto(load: DraftLoad) -> common_pb2.KvLoad:
+    return common_pb2.KvLoad(num_sequences=load.num_sequences, block_size=load.block_size,
+                             total_blocks=load.total_blocks, free_blocks=load.free_blocks,
+                             free_token_slots=load.free_token_slots)
+
+
+def ingest_from_proto(m: draft_pb2.IngestItem) -> IngestItem:
+    features = tensor_from_proto(m.features) if m.HasField("features") else None
+    return IngestItem(m.request_id, m.start_position, tuple(m.tokens), features)
+
+
+def item_from_proto(m: draft_pb2.DraftItem) -> DraftItem:
+    b = m.budget
+    return DraftItem(m.request_id, DraftBudget(b.steps, b.topk, b.num_draft_tokens), m.num_tokens or None)
+
+
+def tree_to_proto(t: DraftTree, with_mask: bool) -> draft_pb2.DraftTree:
+    out = draft_pb2.DraftTree(request_id=t.request_id, root_token=t.root_token, root_position=t.root_position,
+                              tokens=t.tokens, parents=t.parents, depths=t.depths, logprobs=t.logprobs,
+                              scores=t.scores)
+    if with_mask:
+        out.ancestor_mask.CopyFrom(tensor_to_proto(t.ancestor_mask()))
+    return out
+
+
+def status_to_proto(s: RequestStatus) -> draft_pb2.RequestStatus:
+    return draft_pb2.RequestStatus(request_id=s.request_id, num_tokens=s.num_tokens, num_computed=s.num_computed,
+                                   num_missing_features=s.num_missing_features, ready=s.ready)
+
+
+# --- the servicer ---------------------------------------------------------------------------------
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, model_name: str, target_model_name: str):
+        self.model_name = model_name
+        self.target_model_name = target_model_name
+        self.engine: DraftEngine | None = None
+        # One engine call at a time: requests' state and the KV cache are shared.
+        self._lock = threading.Lock()
+
+    def _ready(self) -> DraftEngine:
+        if self.engine is None:
+            raise Unavailable("the draft is still loading its model")
+        return self.engine
+
+    @map_errors
+    def GetInfo(self, request, context):
+        engine = self._ready()
+        info = engine.info()
+        return draft_pb2.DraftInfo(
+            model_name=self.model_name, target_model_name=self.target_model_name,
+            hidden_size=info.hidden_size, draft_vocab_size=info.draft_vocab_size,
+            target_vocab_size=info.target_vocab_size, target_hidden_size=info.target_hidden_size,
+            feature_layers=list(info.feature_layers), feature_width=info.feature_width,
+            max_tokens=info.max_tokens, max_steps=MAX_STEPS, max_topk=min(MAX_TOPK, info.draft_vocab_size),
+            max_draft_tokens=MAX_DRAFT_TOKENS, dtype=info.dtype, device=info.device,
+            load=load_to_proto(engine.load()))
+
+    @map_errors
+    def Ingest(self, request, context):
+        engine = self._ready()
+        items = [ingest_from_proto(m) for m in request.items]
+        with self._lock:
+            statuses = engine.ingest(items, catch_up=request.catch_up)
+            load = engine.load()
+        return draft_pb2.IngestResponse(requests=[status_to_proto(s) for s in statuses], load=load_to_proto(load))
+
+    def _draft(self, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
+        engine = self._ready()
+        ingest = [ingest_from_proto(m) for m in request.ingest]
+        items = [item_from_proto(m) for m in request.items]
+        with self._lock:
+            trees = engine.draft(items, ingest)
+            load = engine.load()
+            seconds = engine.last_call_seconds
+        return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
+                                       load=load_to_proto(load), draft_seconds=seconds)
+
+    @map_errors
+    def Draft(self, request, context):
+        return self._draft(request)
+
+    def DraftStream(self, request_iterator, context):
+        # map_errors covers unary calls; a stream maps its error the same way and ends.
+        for request in request_iterator:
+            try:
+                response = self._draft(request)
+            except Exception as exc:
+                code, message = status_for(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("DraftStream failed")
+                context.abort(code, message)
+            yield response
+
+    @map_errors
+    def Release(self, request, context):
+        engine = self._ready()
+        with self._lock:
+            n = engine.release(list(request.request_ids))
+            load = engine.load()
+        return draft_pb2.DraftReleaseResponse(released=n, load=load_to_proto(load))
+
+    @map_errors
+    def GetLoad(self, request, context):
+        return load_to_proto(self._ready().load())
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem draft",
+        description="Serve an EAGLE-3 draft head over gRPC (tandem.v1.DraftService), with its own KV cache "
+                    "per request, growing token trees within the budgets the gateway gives.")
+    p.add_argument("--model", required=True, help="EAGLE-3 draft directory in SGLang/SpecForge format "
+                   "(config.json, safetensors with fc, midlayer.*, norm, lm_head, d2t, t2d)")
+    p.add_argument("--target-model", required=True, help="the target's Hugging Face directory: the draft "
+                   "uses its embeddings and checks that the pair fits")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=0, help="KV blocks; 0 sizes the cache from --kv-cache-gb")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache size in GiB when --num-blocks "
+                   "is 0 (default 0.5: the draft has one layer, so that holds many tokens)")
+    p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
+    return p
+
+
+def build_engine(args: argparse.Namespace) -> DraftEngine:
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    model = Eagle3Draft(args.model, args.target_model, dtype, args.device)
+    num_blocks = args.num_blocks or max(
+        1, int(args.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * args.block_size)))
+    return DraftEngine(model, num_blocks, args.block_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(levelname)s %(message)s")
+    if args.block_size <= 0 or args.num_blocks < 0 or args.kv_cache_gb <= 0:
+        raise SystemExit("error: --block-size and --kv-cache-gb must be positive, --num-blocks >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is visible")
+    servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name)
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
+    host.start()  # health says NOT_SERVING until the model is loaded
+    log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)
+    if args.port_file:
+        Path(args.port_file).write_text(str(host.port))
+    try:
+        servicer.engine = build_engine(args)
+    except Exception as exc:
+        host.stop(0)
+        raise SystemExit(f"error: cannot load draft {args.model}: {exc}") from None
+    info, load = servicer.engine.info(), servicer.engine.load()
+    log.info("ready: target feature layers %s, %d KV blocks of %d tokens", list(info.feature_layers),
+             load.total_blocks, load.block_size)
+    host.set_serving(True)
+    host.run_until_signal()
+    log.info("stopped")
+    return 0

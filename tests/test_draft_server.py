@@ -1,0 +1,156 @@
+"""The draft as a real gRPC process: round trips, streaming, error mapping, health, release, stop."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from draft_service.engine import DraftEngine
+from draft_service.model import Eagle3Draft
+from draft_service.types import DraftBudget, DraftItem, IngestItem
+from tandem.tensors import tensor_from_proto, tensor_to_proto
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from tests.services import Service
+from tests.tiny_draft import make_tiny_eagle3
+
+BUDGET = draft_pb2.DraftBudget(steps=4, topk=3, num_draft_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, tmp_path_factory):
+    target = tiny_llama("gqa")
+    return target, make_tiny_eagle3(tmp_path_factory.mktemp("d") / "d", target, seed=31, aux_layer_ids=[0, 1, 2])
+
+
+@pytest.fixture(scope="module")
+def draft(pair, tmp_path_factory):
+    target, draft_dir = pair
+    svc = Service(["draft", "--model", str(draft_dir), "--target-model", str(target), "--num-blocks", "32",
+                   "--block-size", "4"], tmp_path_factory.mktemp("svc"), "draft")
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0, svc.log_path.read_text()
+
+
+@pytest.fixture()
+def stub(draft):
+    return draft_pb2_grpc.DraftServiceStub(draft.channel)
+
+
+def history(n: int, seed: int) -> tuple[list[int], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 101, (n + 1,), generator=gen).tolist(), torch.randn(n, 192, generator=gen)
+
+
+def ingest_msg(rid: str, start: int, tokens: list[int], feats: torch.Tensor | None = None) -> draft_pb2.IngestItem:
+    m = draft_pb2.IngestItem(request_id=rid, start_position=start, tokens=tokens)
+    if feats is not None:
+        m.features.CopyFrom(tensor_to_proto(feats))
+    return m
+
+
+def test_info_health_and_reflection(draft, stub):
+    assert draft.health() == health_pb2.HealthCheckResponse.SERVING
+    info = stub.GetInfo(draft_pb2.DraftInfoRequest())
+    assert list(info.feature_layers) == [1, 2, 3]  # eagle_aux_hidden_state_layer_ids [0, 1, 2] + 1
+    assert (info.feature_width, info.draft_vocab_size, info.target_vocab_size) == (192, 24, 101)
+    assert info.max_topk == 24 and info.load.total_blocks == 32 and info.target_model_name == "model"
+    refl = reflection_pb2_grpc.ServerReflectionStub(draft.channel)
+    reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"tandem.v1.DraftService", "grpc.health.v1.Health"} <= names
+
+
+def test_trees_over_grpc_equal_the_in_process_engine(pair, stub):
+    target, draft_dir = pair
+    local = DraftEngine(Eagle3Draft(draft_dir, target), num_blocks=32, block_size=4)
+    tokens, feats = history(14, seed=1)
+    # Prefill features travel as bfloat16 here: the service accepts any float dtype.
+    resp = stub.Ingest(draft_pb2.IngestRequest(items=[ingest_msg("a", 0, tokens[:9], feats[:8].bfloat16())],
+                                               catch_up=True))
+    status = resp.requests[0]
+    assert (status.num_tokens, status.num_computed, status.ready) == (9, 8, True)
+    local.ingest([IngestItem("a", 0, tuple(tokens[:9]), feats[:8].bfloat16())])
+    req = draft_pb2.DraftRequest(ingest=[ingest_msg("a", 8, tokens[8:], feats[8:13])],
+                                 items=[draft_pb2.DraftItem(request_id="a", budget=BUDGET, num_tokens=15)],
+                                 return_ancestor_mask=True)
+    tree = stub.Draft(req).trees[0]
+    want = local.draft([DraftItem("a", DraftBudget(4, 3, 10), 15)],
+                       [IngestItem("a", 8, tuple(tokens[8:]), feats[8:13])])[0]
+    assert list(tree.tokens) == want.tokens and list(tree.parents) == want.parents
+    assert list(tree.depths) == want.depths and (tree.root_token, tree.root_position) == (tokens[-1], 14)
+    assert list(tree.scores) == pytest.approx(want.scores, abs=1e-5)
+    assert torch.equal(tensor_from_proto(tree.ancestor_mask), want.ancestor_mask())
+    assert stub.Release(draft_pb2.DraftReleaseRequest(request_ids=["a"])).released == 1
+
+
+def test_stream_answers_each_message_and_maps_errors(stub):
+    tokens, feats = history(10, seed=2)
+
+    def requests():
+        yield draft_pb2.DraftRequest(ingest=[ingest_msg("s", 0, tokens[:6], feats[:5])],
+                                     items=[draft_pb2.DraftItem(request_id="s", budget=BUDGET)])
+        yield draft_pb2.DraftRequest(ingest=[ingest_msg("s", 5, tokens[5:], feats[5:10])],
+                                     items=[draft_pb2.DraftItem(request_id="s", budget=BUDGET, num_tokens=11)])
+        yield draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(request_id="ghost", budget=BUDGET)])
+        yield draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(request_id="s", budget=BUDGET)])
+
+    replies = stub.DraftStream(requests())
+    first, second = next(replies), next(replies)
+    assert first.trees[0].root_position == 5 and second.trees[0].root_position == 10
+    assert len(second.trees[0].tokens) == 9
+    with pytest.raises(grpc.RpcError) as err:
+        next(replies)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown request 'ghost'" in err.value.details()
+    stub.Release(draft_pb2.DraftReleaseRequest(request_ids=["s"]))
+
+
+@pytest.mark.parametrize("request_, message", [
+    (draft_pb2.DraftRequest(items=[draft_pb2.DraftItem(request_id="ghost", budget=BUDGET)]),
+     "unknown request 'ghost'"),
+    (draft_pb2.DraftRequest(ingest=[draft_pb2.IngestItem(request_id="b", tokens=[1, 2],
+                                                         features=common_pb2.Tensor(dtype="float32", shape=[1, 192],
+                                                                                   data=b"\0" * 12))]),
+     "needs 768 bytes, got 12"),
+    (draft_pb2.DraftRequest(ingest=[ingest_msg("b", 0, [1, 2], torch.zeros(1, 64))]),
+     r"request 'b': features must be a float tensor \[rows, 192\]"),
+    (draft_pb2.DraftRequest(ingest=[ingest_msg("b", 0, [1, 2])],
+                            items=[draft_pb2.DraftItem(request_id="b", budget=draft_pb2.DraftBudget(
+                                steps=3, topk=40, num_draft_tokens=8))]),
+     "request 'b': topk must be <= 24"),
+])
+def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(stub, request_, message):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, err.value.details()), err.value.details()
+    assert stub.GetLoad(draft_pb2.DraftLoadRequest()).num_sequences == 0  # nothing was applied
+
+
+def test_release_reports_zero_load(stub):
+    for i in range(3):
+        tokens, feats = history(9 + i, seed=10 + i)
+        stub.Draft(draft_pb2.DraftRequest(ingest=[ingest_msg(f"r{i}", 0, tokens, feats)],
+                                          items=[draft_pb2.DraftItem(request_id=f"r{i}", budget=BUDGET)]))
+    load = stub.GetLoad(draft_pb2.DraftLoadRequest())
+    assert load.num_sequences == 3 and load.free_blocks < load.total_blocks
+    resp = stub.Release(draft_pb2.DraftReleaseRequest(request_ids=["r0", "r1", "r2", "unknown"]))
+    assert resp.released == 3
+    assert (resp.load.num_sequences, resp.load.free_blocks) == (0, resp.load.total_blocks)
+    assert resp.load.free_token_slots == 32 * 4
+
+
+def test_bad_checkpoint_stops_the_process_with_the_tensor_name(pair, tmp_path):
+    target, _ = pair
+    bad = make_tiny_eagle3(tmp_path / "bad", target, tensors={"midlayer.self_attn.k_proj.weight": torch.zeros(32, 64)})
+    svc = Service(["draft", "--model", str(bad), "--target-model", str(target)], tmp_path, "bad")
+    assert svc.proc.wait(60) != 0
+    assert "tensor 'midlayer.self_attn.k_proj.weight' has shape [32, 64], expected [32, 128]" in \
+        svc.log_path.read_text()
+    svc.stop()
