@@ -1,0 +1,176 @@
+"""Adapters from the engine's thread callbacks to the API layers' waiting styles.
+
+The engine calls a request's sink from its own thread with each Delta. The
+REST layer waits in asyncio, the gRPC layer in a server thread; both need the
+same guarantee: a request the caller stops reading before it finished is
+aborted in the engine, so its KV is freed at once rather than when it would
+have finished on its own.
+
+Submission happens when a stream is created, not on its first read, so that
+InvalidArgument / ResourceExhausted / Unavailable surface before a response
+has started (a 400/429/503 instead of a broken stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+from gateway.types import Delta, GenerationEngine, GenerationParams
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One engine request: a choice of a REST response, or a gRPC call."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: GenerationParams
+
+
+class _Tracker:
+    """Which sub-requests have finished; aborts the rest exactly once."""
+
+    def __init__(self, engine: GenerationEngine, request_ids: Sequence[str]):
+        self.engine = engine
+        self.request_ids = list(request_ids)
+        self.finished = [False] * len(request_ids)
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    def mark(self, index: int, delta: Delta) -> None:
+        if delta.finish_reason is not None:
+            self.finished[index] = True
+
+    def abort_unfinished(self) -> None:
+        with self._lock:
+            pending = [i for i, f in enumerate(self.finished) if not f]
+            for i in pending:
+                self.finished[i] = True
+        for i in pending:
+            self.engine.abort(self.request_ids[i])
+
+
+def _submit_all(engine: GenerationEngine, requests: Sequence[SubRequest], make_sink) -> None:
+    """Submit every sub-request, or none: a refusal part-way aborts those already queued."""
+    submitted: list[str] = []
+    try:
+        for index, r in enumerate(requests):
+            engine.submit(r.request_id, list(r.prompt_token_ids), r.params, make_sink(index))
+            submitted.append(r.request_id)
+    except BaseException:
+        for request_id in submitted:
+            engine.abort(request_id)
+        raise
+
+
+class AsyncDeltaStream:
+    """Deltas of one or more sub-requests as (index, Delta) pairs, for asyncio callers.
+
+    Use as `async with AsyncDeltaStream(...) as s: while not s.done: item = await s.get(t)`.
+    Leaving the block (normally, by exception or by cancellation) aborts every
+    sub-request that has not finished.
+    """
+
+    def __init__(self, engine: GenerationEngine, requests: Sequence[SubRequest]):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        self._tracker = _Tracker(engine, [r.request_id for r in requests])
+        _submit_all(engine, requests, self._sink)
+
+    def _sink(self, index: int):
+        def put(delta: Delta) -> None:
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, delta))
+            except RuntimeError:
+                pass  # the event loop is closed: nobody is listening any more
+
+        return put
+
+    @property
+    def done(self) -> bool:
+        """True once every sub-request has delivered its final delta (or was aborted)."""
+        return self._tracker.done and self._queue.empty()
+
+    async def get(self, timeout: float | None = None) -> tuple[int, Delta] | None:
+        """The next (index, delta), or None when `timeout` seconds pass without one."""
+        try:
+            if timeout is None:
+                item = await self._queue.get()
+            else:
+                item = await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+        self._tracker.mark(*item)
+        return item
+
+    def close(self) -> None:
+        """Abort whatever has not finished; idempotent."""
+        self._tracker.abort_unfinished()
+
+    async def __aenter__(self) -> AsyncDeltaStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+async def stream_deltas(engine: GenerationEngine, request_id: str, prompt_ids: list[int],
+                        params: GenerationParams) -> AsyncIterator[Delta]:
+    """Yield one request's deltas until its final one; abort it if the caller stops early.
+
+    Submission happens on the first `__anext__`. Callers that must see submission
+    errors before committing to a response use AsyncDeltaStream directly.
+    """
+    async with AsyncDeltaStream(engine, [SubRequest(request_id, prompt_ids, params)]) as stream:
+        while not stream.done:
+            item = await stream.get()
+            if item is not None:
+                yield item[1]
+
+
+_CANCELLED = object()
+
+
+class BlockingDeltaStream:
+    """One request's deltas for a thread that may block (a gRPC servicer).
+
+    Submits on construction. Iterating yields Deltas until the final one.
+    `cancel()` may be called from any thread (e.g. a gRPC termination callback):
+    it aborts the request and wakes the iterating thread, which then stops.
+    """
+
+    def __init__(self, engine: GenerationEngine, request: SubRequest):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracker = _Tracker(engine, [request.request_id])
+        self.cancelled = False
+        _submit_all(engine, [request], lambda _index: self._queue.put)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._tracker.abort_unfinished()
+        self._queue.put(_CANCELLED)
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            while not self._tracker.done:
+                delta = self._queue.get()
+                if delta is _CANCELLED:
+                    return
+                self._tracker.mark(0, delta)
+                yield delta
+        finally:
+            # The consumer stopped early (generator closed, or an exception).
+            self._tracker.abort_unfinished()
+
+
+def iter_deltas(engine: GenerationEngine, request_id: str, prompt_ids: list[int],
+                params: GenerationParams) -> BlockingDeltaStream:
+    """Blocking counterpart of stream_deltas; submits now, so errors raise here."""
+    return BlockingDeltaStream(engine, SubRequest(request_id, prompt_ids, params))

@@ -1,0 +1,91 @@
+"""The thread -> asyncio / blocking adapters: every delta arrives, early exits abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.streams import AsyncDeltaStream, SubRequest, iter_deltas, stream_deltas
+from gateway.types import GenerationParams
+from tandem.errors import ResourceExhausted
+from tests.fake_engine import FakeEngine, expected_text, make_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    e = FakeEngine(make_char_tokenizer(tmp_path_factory.mktemp("tok")))
+    yield e
+    e.close()
+
+
+@pytest.fixture(autouse=True)
+def reset_engine(engine):
+    yield
+    engine.max_queue, engine.token_delay = 64, 0.0
+
+
+def test_async_stream_delivers_everything_without_abort(engine):
+    async def run():
+        return [d async for d in stream_deltas(engine, "s-full", [5], GenerationParams(max_tokens=7))]
+
+    deltas = asyncio.run(run())
+    assert "".join(d.text for d in deltas) == expected_text(7)
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    assert "s-full" not in engine.aborted
+
+
+def test_async_stream_aborts_when_the_consumer_stops_or_is_cancelled(engine):
+    engine.token_delay = 0.02
+
+    async def stop_early():
+        agen = stream_deltas(engine, "s-early", [5], GenerationParams(max_tokens=100))
+        async for _ in agen:
+            break
+        await agen.aclose()
+
+    async def cancelled():
+        async def consume():
+            async for _ in stream_deltas(engine, "s-cancel", [5], GenerationParams(max_tokens=100)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(stop_early())
+    asyncio.run(cancelled())
+    assert {"s-early", "s-cancel"} <= set(engine.aborted) and engine.running == 0
+
+
+def test_a_refused_submission_withdraws_the_others(engine):
+    engine.max_queue = 2
+    subs = [SubRequest(f"s-multi-{i}", [5], GenerationParams(max_tokens=50)) for i in range(3)]
+    engine.token_delay = 0.05
+
+    async def run():
+        AsyncDeltaStream(engine, subs)
+
+    with pytest.raises(ResourceExhausted):
+        asyncio.run(run())
+    assert {"s-multi-0", "s-multi-1"} <= set(engine.aborted) and engine.running == 0
+
+
+def test_blocking_stream_full_early_close_and_cancel(engine):
+    deltas = list(iter_deltas(engine, "b-full", [5], GenerationParams(max_tokens=5)))
+    assert "".join(d.text for d in deltas) == expected_text(5) and "b-full" not in engine.aborted
+
+    engine.token_delay = 0.02
+    it = iter(iter_deltas(engine, "b-early", [5], GenerationParams(max_tokens=100)))
+    next(it)
+    it.close()
+    assert "b-early" in engine.aborted
+
+    stream = iter_deltas(engine, "b-cancel", [5], GenerationParams(max_tokens=100))
+    it = iter(stream)
+    next(it)
+    stream.cancel()  # as a gRPC termination callback would, from another thread
+    rest = list(it)  # wakes up and ends instead of waiting for deltas that never come
+    assert len(rest) < 100 and "b-cancel" in engine.aborted and engine.running == 0
