@@ -1,0 +1,124 @@
+"""gRPC edge of the gateway (tandem.v1.Generation): protobuf <-> engine requests, nothing else.
+
+Same semantics as the REST API (gateway/openai_api.py): the same length rule
+and defaults, and a request the engine ends with "abort" (e.g. draining) is
+UNAVAILABLE. A call the client cancels, or whose deadline passes, is aborted in
+the engine at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from gateway.prompts import check_token_ids, fit_max_tokens, text_prompt_ids
+from gateway.streams import iter_deltas
+from gateway.types import Delta, GenerationEngine, GenerationParams, TokenLogprob
+from tandem.errors import InvalidArgument, Unavailable
+from tandem.grpc_host import ServiceHost, status_for
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger("tandem.gateway.grpc")
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+DEFAULT_MAX_TOKENS = 16  # as REST /v1/completions
+ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
+
+
+def map_stream_errors(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
+    """Decorate a server-streaming servicer method: service errors become status codes
+    (grpc_host.map_errors does this for unary methods; a generator needs its own wrapper)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:  # the one place service errors reach the wire
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__name__)
+            context.abort(code, message)
+
+    return wrapper
+
+
+def _float(value: float) -> float:
+    # proto floats are float32: 0.7 arrives as 0.699999988; give the engine the number the client wrote.
+    return float(f"{value:.7g}")
+
+
+def request_from_proto(m: generation_pb2.GenerateRequest, tokenizer, max_model_len: int
+                       ) -> tuple[list[int], GenerationParams]:
+    if m.prompt and m.prompt_token_ids:
+        raise InvalidArgument("set either prompt or prompt_token_ids, not both")
+    if m.prompt_token_ids:
+        prompt = check_token_ids(m.prompt_token_ids)
+    elif m.prompt:
+        prompt = text_prompt_ids(tokenizer, m.prompt)
+    else:
+        raise InvalidArgument("the prompt is empty: set prompt or prompt_token_ids")
+    max_tokens = fit_max_tokens(len(prompt), m.max_tokens or None, max_model_len, DEFAULT_MAX_TOKENS)
+    params = GenerationParams(
+        max_tokens=max_tokens,
+        temperature=_float(m.temperature) if m.HasField("temperature") else 1.0,
+        top_p=_float(m.top_p) if m.HasField("top_p") else 1.0,
+        top_k=m.top_k,
+        seed=m.seed if m.HasField("seed") else None,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        speculation=m.speculation or None)
+    return prompt, params
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> generation_pb2.GeneratedTokenLogprob:
+    return generation_pb2.GeneratedTokenLogprob(
+        token=generation_pb2.TokenLogprob(token_id=lp.token_id, token=lp.token, logprob=lp.logprob),
+        top=[generation_pb2.TokenLogprob(token_id=i, token=t, logprob=v) for i, t, v in lp.top])
+
+
+def delta_to_proto(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
+    out = generation_pb2.GenerateResponse(
+        request_id=request_id, token_ids=delta.token_ids, text=delta.text,
+        logprobs=[_logprob_to_proto(lp) for lp in delta.logprobs or ()])
+    if delta.finish_reason is not None:
+        out.finish_reason = delta.finish_reason
+        out.usage.CopyFrom(generation_pb2.Usage(
+            prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+            total_tokens=delta.prompt_tokens + delta.completion_tokens))
+        out.spec_stats.CopyFrom(generation_pb2.SpecStats(**delta.spec.as_dict()))
+    return out
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: GenerationEngine):
+        self.engine = engine
+
+    @map_stream_errors
+    def Generate(self, request, context):
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        prompt, params = request_from_proto(request, self.engine.tokenizer, self.engine.max_model_len)
+        if not self.engine.ready():
+            raise Unavailable("the engine is not ready (loading or draining)")
+        stream = iter_deltas(self.engine, request_id, prompt, params)
+        # Runs when the call ends for any reason; only a call ending early (cancelled,
+        # deadline, connection lost) still has a request to abort.
+        if not context.add_callback(stream.cancel):
+            stream.cancel()
+        for delta in stream:
+            if delta.finish_reason == "abort":
+                raise Unavailable(ABORTED_MESSAGE)
+            if delta.token_ids or delta.text or delta.finish_reason is not None:
+                yield delta_to_proto(request_id, delta)
+
+
+def add_generation_service(host: ServiceHost, engine: GenerationEngine) -> GenerationServicer:
+    """Serve tandem.v1.Generation over `engine` on `host` (whose health the caller manages)."""
+    servicer = GenerationServicer(engine)
+    host.add(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)
+    return servicer
