@@ -10,6 +10,7 @@ from draft_service.model import Eagle3Draft
 from draft_service.types import (
     DraftBudget,
     DraftItem,
+    DraftTree,
     IngestItem,
     InvalidDraftInput,
     OutOfDraftCapacity,
@@ -193,3 +194,27 @@ def test_features_for_computed_positions_are_ignored_and_overlaps_must_match(mod
     engine.catch_up()
     torch.testing.assert_close(kv_of(engine, "a")[0][:5], k_before, atol=0, rtol=0)
     assert engine.status("a").ready
+
+
+def test_a_tree_verifies_on_the_target_as_returned(tiny_llama):
+    """DraftTree.verify_tree is the target's SequenceStep: a tree holding the target's greedy
+    continuation (on one branch, below a decoy) is accepted node for node."""
+    from target_service.engine import TargetEngine
+    from target_service.model import LlamaModel
+    from target_service.types import SequenceStep
+
+    target = TargetEngine(LlamaModel(tiny_llama("gqa")), num_blocks=16, block_size=4)
+    prompt = [5, 17, 3, 9, 33, 2, 40, 11]
+    greedy = target.step([SequenceStep.chain("plain", prompt, create=True)])[0].tokens
+    while len(greedy) < 4:
+        greedy += target.step([SequenceStep.chain("plain", greedy[-1:])])[0].tokens
+    b = target.step([SequenceStep.chain("spec", prompt, create=True)])[0].tokens[0]
+    assert b == greedy[0]
+    decoy = (greedy[1] + 1) % 101
+    tree = DraftTree("spec", b, len(prompt), tokens=[decoy, greedy[1], greedy[2], decoy],
+                     parents=[-1, -1, 1, 1], depths=[1, 1, 2, 2], logprobs=[-1.0] * 4, scores=[-1.0] * 4)
+    tokens, parents, num_fixed = tree.verify_tree()
+    assert (tokens, parents, num_fixed) == ([b, decoy, greedy[1], greedy[2], decoy], [-1, 0, 0, 2, 2], 1)
+    result = target.step([SequenceStep("spec", tuple(tokens), tuple(parents), num_fixed)])[0]
+    assert result.accepted_nodes == [2, 3]
+    assert result.tokens == greedy[1:4]
