@@ -32,7 +32,12 @@ def _gateway(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway}
+def _serve(argv: list[str]) -> int:
+    from gateway.serve import main
+    return main(argv)
+
+
+COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,446 @@
+"""`tandem serve`: target, draft replicas and gateway as child processes on this machine.
+
+Start-up order: the target and every draft replica start together (a draft
+reads the target's embeddings from its directory, not from the running
+target), each on a free internal port on 127.0.0.1 that it reports through a
+port file; once all report SERVING on gRPC health, the gateway starts on the
+public --host/--port/--grpc-port and we wait for its /health to say 200.
+
+Children run in sessions of their own so that a terminal's Ctrl-C reaches
+only this supervisor, which stops them in order: the gateway first (it
+drains its running requests), then the drafts and the target. On Linux each
+child also gets SIGTERM if the supervisor itself dies. A child that exits
+while it should be running is reported (which, exit code, last log lines)
+and the rest are stopped; we then exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The bundled demo pair that `tandem serve` runs with no --model.
+DEMO_DIR = REPO / "demo"
+DEMO_TARGET_NAME = "target"
+DEMO_DRAFT_NAME = "draft"
+# How a child tandem service is started; tests swap in stand-ins.
+TANDEM = [sys.executable, "-m", "tandem.cli"]
+
+GATEWAY_STOP_GRACE_S = 45.0  # the gateway drains running requests (its --drain-seconds, 30 by default)
+SERVICE_STOP_GRACE_S = 15.0
+POLL_S = 0.2
+LOG_TAIL_LINES = 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tandem serve",
+        description="Start a target service, draft replicas and the gateway as separate processes on this "
+                    "machine, and stop them all on Ctrl-C or SIGTERM. With no --model, serves the bundled "
+                    f"demo pair ({DEMO_DIR.name}/{DEMO_TARGET_NAME} and {DEMO_DIR.name}/{DEMO_DRAFT_NAME}).")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="Hugging Face Llama-family directory (config.json, safetensors, tokenizer files); "
+                        "default: the bundled demo target")
+    p.add_argument("--draft", metavar="DIR|none", default=None,
+                   help="EAGLE-3 draft directory, or 'none' to serve without speculation (default: the demo "
+                        "draft with the demo target; none with --model)")
+    p.add_argument("--speculation", choices=["auto", "always", "never"], default="auto",
+                   help="default speculation mode; requests may override it (default auto)")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree of the target "
+                   "(default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the REST and gRPC APIs (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="REST (OpenAI) port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC tandem.v1.Generation port (default 50051)")
+    p.add_argument("--draft-replicas", type=int, default=1, metavar="N",
+                   help="draft service processes; a request sticks to one (default 1)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="require 'Authorization: Bearer KEY' on the REST API")
+    p.add_argument("--otlp-endpoint", metavar="URL", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                   help="OpenTelemetry collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.add_argument("--max-model-len", type=int, metavar="N", default=None,
+                   help="longest prompt + output in tokens (default: the model's)")
+    p.add_argument("--max-queue", type=int, metavar="N", default=None,
+                   help="waiting requests before 429 (default: the gateway's)")
+    p.add_argument("--spec-steps", type=int, default=5, help="tree depth for `always` (default 5)")
+    p.add_argument("--spec-topk", type=int, default=4, help="children per node for `always` (default 4)")
+    p.add_argument("--spec-draft-tokens", type=int, default=8,
+                   help="tree size for `always`, root included (default 8)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="target KV cache per GPU/rank in GiB (default: the target's)")
+    p.add_argument("--log-dir", metavar="DIR", default=None,
+                   help="where each process writes its log (default: a new temporary directory)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds each stage may take to become ready (default 900)")
+    return p
+
+
+class ServeError(Exception):
+    """Bad flags or environment: reported as 'error: ...' with exit status 2."""
+
+
+@dataclass
+class Plan:
+    """Resolved inputs: what to run and where."""
+
+    model: Path
+    draft: Path | None
+    device: str
+    log_dir: Path
+
+
+def _say(msg: str) -> None:
+    print(f"tandem serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _default_device() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve(args: argparse.Namespace) -> Plan:
+    """Check the flags against the machine; raise ServeError with a message a user can act on."""
+    if args.model is None:
+        model, draft_default = DEMO_DIR / DEMO_TARGET_NAME, DEMO_DIR / DEMO_DRAFT_NAME
+        missing = [p for p in (model, draft_default) if not p.is_dir()
+                   and not (p == draft_default and args.draft is not None)]
+        if missing:
+            raise ServeError(
+                "the bundled demo models are not in this checkout (missing "
+                + ", ".join(str(p) for p in missing) + "). Build the demo pair first, or pass "
+                "--model DIR [--draft DIR|none] to serve your own model.")
+    else:
+        model, draft_default = Path(args.model), None
+    if not (model / "config.json").is_file():
+        raise ServeError(f"--model {model}: no config.json there (expected a Hugging Face model directory)")
+    if args.draft is None:
+        draft = draft_default
+    elif args.draft.lower() == "none":
+        draft = None
+    else:
+        draft = Path(args.draft)
+    if draft is not None and not (draft / "config.json").is_file():
+        raise ServeError(f"--draft {draft}: no config.json there (expected an EAGLE-3 draft directory)")
+    for flag, value in (("--tp", args.tp), ("--draft-replicas", args.draft_replicas)):
+        if value < 1:
+            raise ServeError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if not 1 <= value <= 65535:
+            raise ServeError(f"{flag} must be a port number (1-65535), got {value}")
+    if args.port == args.grpc_port:
+        raise ServeError("--port and --grpc-port must differ")
+    for flag, value in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if not port_is_free(args.host, value):
+            raise ServeError(f"{flag} {value}: {args.host}:{value} is already in use")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return Plan(model=model.resolve(), draft=draft.resolve() if draft else None,
+                device=args.device or _default_device(), log_dir=log_dir.resolve())
+
+
+def port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Servers set SO_REUSEADDR too: a port in TIME_WAIT is usable, one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------- child command lines
+
+def target_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> list[str]:
+    cmd = ["target", "--model", str(plan.model), "--port", "0", "--port-file", str(port_file),
+           "--tp", str(args.tp), "--device", plan.device]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_gb:
+        cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    return cmd
+
+
+def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> list[str]:
+    assert plan.draft is not None
+    cmd = ["draft", "--model", str(plan.draft), "--target-model", str(plan.model), "--port", "0",
+           "--port-file", str(port_file), "--device", plan.device]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    return cmd
+
+
+def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: list[str]) -> list[str]:
+    cmd = ["gateway", "--target", target]
+    if drafts:
+        cmd += ["--draft", ",".join(drafts)]
+    cmd += ["--model", str(plan.model), "--host", args.host, "--port", str(args.port),
+            "--grpc-port", str(args.grpc_port), "--speculation", args.speculation,
+            "--spec-steps", str(args.spec_steps), "--spec-topk", str(args.spec_topk),
+            "--spec-draft-tokens", str(args.spec_draft_tokens)]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    if args.max_queue is not None:
+        cmd += ["--max-queue", str(args.max_queue)]
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.otlp_endpoint:
+        cmd += ["--otlp-endpoint", args.otlp_endpoint]
+    return cmd
+
+
+# ---------------------------------------------------------------------------- children
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGTERM the child if this supervisor dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return preexec
+
+
+class Child:
+    """One service process, its log file and its stop sequence."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.port_file = log_dir / f"{name}.port"
+        self.address = ""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([*TANDEM, *argv], stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent())
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the child's whole process group (a TP target's rank processes too)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def describe_exit(self) -> str:
+        code = self.proc.returncode
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        return f"{self.name} {how} (log: {self.log_path}); its last lines:\n{self.tail()}"
+
+
+def grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=2).status
+        except grpc.RpcError:
+            return False
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _local(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class Stopped(Exception):
+    """Ctrl-C or SIGTERM arrived."""
+
+
+class Failed(Exception):
+    """A child exited while it should be running, or a stage did not get ready in time."""
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path, startup_timeout: float):
+        self.log_dir = log_dir
+        self.startup_timeout = startup_timeout
+        self.children: list[Child] = []
+        self.signals = 0
+
+    def on_signal(self, signum, _frame) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            _say(f"received {signal.Signals(signum).name}, stopping (again to force)")
+        else:
+            _say("forcing stop")
+
+    def start(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.log_dir)
+        self.children.append(child)
+        return child
+
+    def check(self) -> None:
+        """Raise Stopped on a signal, Failed when any child has exited."""
+        if self.signals:
+            raise Stopped()
+        for c in self.children:
+            if c.exited() is not None:
+                raise Failed(c.describe_exit())
+
+    def wait_for(self, what: str, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            self.check()
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise Failed(f"{what} was not ready after {self.startup_timeout:.0f} s; its log is in "
+                             f"{self.log_dir}")
+            time.sleep(POLL_S)
+
+    def wait_port(self, child: Child) -> None:
+        def bound() -> bool:
+            try:
+                text = child.port_file.read_text().strip()
+            except OSError:
+                return False
+            if text:
+                child.address = f"127.0.0.1:{int(text)}"
+            return bool(text)
+
+        self.wait_for(f"{child.name} (binding a port)", bound)
+
+    def monitor(self) -> None:
+        while True:
+            self.check()
+            time.sleep(POLL_S)
+
+    def stop_all(self) -> None:
+        """Gateway first (it drains), then the services; SIGKILL whatever outlives its grace."""
+        gateways = [c for c in self.children if c.name == "gateway"]
+        others = [c for c in self.children if c.name != "gateway"]
+        for group, grace in ((gateways, GATEWAY_STOP_GRACE_S), (others, SERVICE_STOP_GRACE_S)):
+            for c in group:
+                c.terminate()
+            deadline = time.monotonic() + grace
+            while (any(c.exited() is None for c in group) and time.monotonic() < deadline
+                   and self.signals < 2):
+                time.sleep(0.1)
+            for c in group:
+                if c.exited() is None:
+                    _say(f"{c.name} did not stop in time; killing it")
+                    c.kill()
+
+
+def run(args: argparse.Namespace, plan: Plan) -> int:
+    sup = Supervisor(plan.log_dir, args.startup_timeout)
+    previous = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    try:
+        _say(f"logs in {plan.log_dir}")
+        _say(f"starting target: {plan.model} (device {plan.device}, tp {args.tp})")
+        target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port"))
+        drafts = []
+        if plan.draft is not None:
+            for i in range(args.draft_replicas):
+                name = f"draft{i}"
+                _say(f"starting {name}: {plan.draft}")
+                drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port")))
+        else:
+            _say("no draft: serving without speculation")
+        for child in [target, *drafts]:
+            sup.wait_port(child)
+        for child in [target, *drafts]:
+            sup.wait_for(f"{child.name} (loading)", lambda c=child: grpc_serving(c.address))
+            _say(f"{child.name} ready on {child.address} ({time.monotonic() - started:.1f} s)")
+        _say(f"starting gateway on {args.host}:{args.port} (REST) and {args.host}:{args.grpc_port} (gRPC)")
+        sup.start("gateway", gateway_command(args, plan, target.address, [d.address for d in drafts]))
+        local = _local(args.host)
+        sup.wait_for("gateway", lambda: http_ok(f"http://{local}:{args.port}/health")
+                     and grpc_serving(f"{local}:{args.grpc_port}"))
+        lines = [f"ready in {time.monotonic() - started:.1f} s",
+                 f"  REST (OpenAI)  http://{local}:{args.port}/v1   (metrics: /metrics, health: /health)",
+                 f"  gRPC           {local}:{args.grpc_port}   (tandem.v1.Generation)",
+                 f"  target         {target.address}   {plan.model}",
+                 *[f"  {d.name:<13}  {d.address}   {plan.draft}" for d in drafts],
+                 f"  speculation    {args.speculation}" + ("" if drafts else " (no draft: never)"),
+                 f"  logs           {plan.log_dir}",
+                 "Press Ctrl-C to stop."]
+        print("tandem serve: " + "\n".join(lines), flush=True)
+        sup.monitor()
+    except Stopped:
+        sup.stop_all()
+        _say("stopped")
+        return 0
+    except Failed as exc:
+        _say(f"error: {exc}")
+        _say("stopping the other processes")
+        sup.stop_all()
+        return 1
+    finally:
+        sup.stop_all()  # a no-op when already stopped; never leave children behind on a bug
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0  # not reached: monitor() only returns by raising
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = resolve(args)
+    except ServeError as exc:
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        return 2
+    return run(args, plan)

@@ -1,0 +1,187 @@
+"""`tandem serve`: its flags, its errors, and its supervision of child processes
+(with stand-in services from tests/fake_services.py; the full stack is tested elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway import serve
+from tests.services import REPO
+
+DESIGN_FLAGS = ["--model", "--draft", "--speculation", "--tp", "--device", "--dtype", "--host", "--port",
+                "--grpc-port", "--draft-replicas", "--api-key", "--otlp-endpoint", "--max-model-len",
+                "--max-queue", "--spec-steps", "--spec-topk", "--spec-draft-tokens"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_lists_every_design_flag():
+    out = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--help"], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in DESIGN_FLAGS:
+        assert f"{flag} " in out.stdout, flag
+    args = serve.build_parser().parse_args([])
+    assert (args.speculation, args.tp, args.host, args.port, args.grpc_port, args.draft_replicas) == (
+        "auto", 1, "127.0.0.1", 8000, 50051, 1)
+    assert (args.spec_steps, args.spec_topk, args.spec_draft_tokens) == (5, 4, 8)
+
+
+def test_otlp_endpoint_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert serve.build_parser().parse_args([]).otlp_endpoint == "http://collector:4317"
+
+
+def test_missing_demo_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(serve, "DEMO_DIR", tmp_path / "demo")
+    assert serve.main([]) == 2
+    err = capsys.readouterr().err
+    assert "demo models are not in this checkout" in err and str(tmp_path / "demo" / "target") in err
+    assert "--model" in err
+
+
+@pytest.fixture()
+def dirs(tmp_path) -> tuple[Path, Path]:
+    model, draft = tmp_path / "model", tmp_path / "draft"
+    for d in (model, draft):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    return model, draft
+
+
+def test_bad_flags_are_errors_before_anything_starts(dirs, tmp_path, capsys):
+    model, draft = dirs
+    assert serve.main(["--model", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert serve.main(["--model", str(model), "--draft", str(tmp_path / "nope")]) == 2
+    assert serve.main(["--model", str(model), "--draft-replicas", "0"]) == 2
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve.main(["--model", str(model), "--port", str(port)]) == 2
+        assert "already in use" in capsys.readouterr().err
+
+
+def test_child_command_lines(dirs, tmp_path):
+    model, draft = dirs
+    args = serve.build_parser().parse_args([
+        "--model", str(model), "--draft", str(draft), "--tp", "2", "--device", "cuda", "--dtype", "bfloat16",
+        "--max-model-len", "4096", "--api-key", "k", "--max-queue", "7", "--speculation", "never",
+        "--otlp-endpoint", "http://c:4317", "--host", "0.0.0.0", "--port", "9000", "--grpc-port", "9001"])
+    plan = serve.Plan(model=model, draft=draft, device="cuda", log_dir=tmp_path)
+    assert serve.target_command(args, plan, tmp_path / "t.port") == [
+        "target", "--model", str(model), "--port", "0", "--port-file", str(tmp_path / "t.port"), "--tp", "2",
+        "--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096"]
+    assert serve.draft_command(args, plan, tmp_path / "d.port") == [
+        "draft", "--model", str(draft), "--target-model", str(model), "--port", "0", "--port-file",
+        str(tmp_path / "d.port"), "--device", "cuda", "--dtype", "bfloat16"]
+    assert serve.gateway_command(args, plan, "127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"]) == [
+        "gateway", "--target", "127.0.0.1:1", "--draft", "127.0.0.1:2,127.0.0.1:3", "--model", str(model),
+        "--host", "0.0.0.0", "--port", "9000", "--grpc-port", "9001", "--speculation", "never",
+        "--spec-steps", "5", "--spec-topk", "4", "--spec-draft-tokens", "8", "--api-key", "k",
+        "--max-queue", "7", "--max-model-len", "4096", "--otlp-endpoint", "http://c:4317"]
+    assert "--draft" not in serve.gateway_command(args, plan, "127.0.0.1:1", [])
+
+
+class ServeProcess:
+    """`tandem serve` in a subprocess whose children are the stand-ins of tests/fake_services.py."""
+
+    def __init__(self, tmp: Path, flags: list[str], **env: str):
+        self.record = tmp / "record"
+        self.record.mkdir()
+        code = ("import sys; from gateway import serve; "
+                f"serve.TANDEM = [sys.executable, {str(REPO / 'tests' / 'fake_services.py')!r}]; "
+                "sys.exit(serve.main(sys.argv[1:]))")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *flags, "--log-dir", str(tmp / "logs"), "--device", "cpu"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "FAKE_RECORD_DIR": str(self.record), **env})
+
+    def read(self, name: str, what: str):
+        return json.loads((self.record / f"{name}.{what}").read_text())
+
+    def wait_ready(self, timeout: float = 30) -> str:
+        deadline = time.time() + timeout
+        lines = []
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                return "".join(lines)
+        self.proc.kill()
+        raise AssertionError(f"serve never got ready:\n{''.join(lines)}\n{self.proc.stderr.read()}")
+
+    def finish(self, timeout: float = 30) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie has exited but awaits its parent's wait; the supervisor has exited, so init reaps it.
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split(")")[-1].split()[0] == "Z"
+
+
+def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_path):
+    model, draft = dirs
+    port, grpc_port = free_port(), free_port()
+    s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
+                                "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", "k",
+                                "--speculation", "always"])
+    ready = s.wait_ready()
+    assert f"http://127.0.0.1:{port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready
+    names = ["target", "draft0", "draft1", "gateway"]
+    argv = {n: s.read(n, "argv") for n in names}
+    ports = {n: int((tmp_path / "logs" / f"{n}.port").read_text()) for n in names[:3]}
+    assert argv["target"][:3] == ["target", "--model", str(model.resolve())]
+    assert argv["draft1"][:5] == ["draft", "--model", str(draft.resolve()), "--target-model",
+                                  str(model.resolve())]
+    gw = argv["gateway"]
+    assert gw[gw.index("--target") + 1] == f"127.0.0.1:{ports['target']}"
+    assert gw[gw.index("--draft") + 1] == f"127.0.0.1:{ports['draft0']},127.0.0.1:{ports['draft1']}"
+    assert gw[gw.index("--speculation") + 1] == "always" and gw[gw.index("--api-key") + 1] == "k"
+    assert gw[gw.index("--port") + 1] == str(port) and gw[gw.index("--grpc-port") + 1] == str(grpc_port)
+
+    s.proc.send_signal(signal.SIGTERM)
+    code, err = s.finish()
+    assert code == 0, err
+    assert "stopped" in err
+    stopped = {n: s.read(n, "stopped") for n in names}
+    # The gateway drains first; the services it calls stop only after it has exited.
+    assert all(stopped[n] >= stopped["gateway"] + 0.25 for n in names[:3]), stopped
+    assert all(_gone(s.read(n, "pid")) for n in names)
+
+
+@pytest.mark.parametrize("env, who, code", [({"FAKE_DIE": "draft1"}, "draft1", 3),
+                                            ({"FAKE_DIE_AT_START": "target"}, "target", 4),
+                                            ({"FAKE_DIE": "gateway"}, "gateway", 3)])
+def test_serve_reports_a_dead_child_and_stops_the_rest(dirs, tmp_path, env, who, code):
+    model, draft = dirs
+    s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
+                                "--port", str(free_port()), "--grpc-port", str(free_port())], **env)
+    rc, err = s.finish()
+    assert rc == 1, err
+    assert f"{who} exited with code {code}" in err
+    assert f"fake {who} " in err  # the tail of its log
+    pids = [s.read(p.stem, "pid") for p in s.record.glob("*.pid")]
+    assert pids and all(_gone(pid) for pid in pids)
