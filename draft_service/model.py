@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from draft_service.config import load_draft_config
 from draft_service.types import MAX_STEPS
-from kernels.tree_attention import StepLayout, tree_attention_reference
+from kernels.backend import get_attention_backend
+from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.layers import Rotary, SafetensorsDir, rms_norm
 from tandem.model_config import ModelLoadError, load_llama_config
@@ -34,7 +35,7 @@ def _named(w: SafetensorsDir, name: str) -> str:
 
 class Eagle3Draft:
     def __init__(self, draft_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", attention_backend: str | None = None):
         target_cfg = load_llama_config(target_dir)
         self.cfg = cfg = load_draft_config(draft_dir, target_cfg)
         self.device = torch.device(device)
@@ -45,8 +46,8 @@ class Eagle3Draft:
         # Tree levels run past the last committed position; the target bounds the sequence.
         self.max_position = max(layer.max_position, target_cfg.max_position) + MAX_STEPS
         self.rotary = Rotary(layer.head_dim, layer.rope, self.max_position, self.device)
-        # Swappable for a fused kernel with the same contract.
-        self.attention = tree_attention_reference
+        # "torch" | "triton"; None picks the device's default (kernels.backend).
+        self.attention = get_attention_backend(attention_backend, self.device)
         self._load(SafetensorsDir(draft_dir), SafetensorsDir(target_dir), target_cfg.tie_word_embeddings)
 
     # --- weights ----------------------------------------------------------
@@ -143,7 +144,10 @@ class Eagle3Draft:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout,
                kv: PagedKVCache) -> torch.Tensor:
-        return self.attention(q, k, v, kv.k[0], kv.v[0], layout, self.scale)
+        # One layer: the plan (kernel metadata) is used once per call.
+        plan = self.attention.plan(layout, block_size=kv.block_size, num_q_heads=self.num_heads,
+                                   num_kv_heads=self.num_kv_heads, device=self.device)
+        return self.attention(q, k, v, kv.k[0], kv.v[0], plan, self.scale)
 
     def finish(self, attn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """The pre-norm hidden state h from the attention output and g."""

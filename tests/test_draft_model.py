@@ -216,3 +216,22 @@ def test_config_without_rope_theta_uses_base_10000(target, tmp_path):
     draft = make_tiny_eagle3(tmp_path / "d", target)
     assert "rope_theta" not in json.loads((draft / "config.json").read_text())
     assert Eagle3Draft(draft, target).cfg.layer.rope.theta == 10000.0
+
+
+def test_triton_attention_gives_the_same_trees(target, drafts):
+    """The draft runs on the kernels' attention backends; on CPU the Triton one runs interpreted."""
+    gen = torch.Generator().manual_seed(8)
+    feats = torch.randn(20, 192, generator=gen)
+    results = []
+    for backend in ("torch", "triton"):
+        engine = DraftEngine(Eagle3Draft(drafts["gqa"], target, attention_backend=backend), 16, 4)
+        trees = engine.draft([DraftItem("a", DraftBudget(4, 3, 10)), DraftItem("b", DraftBudget(3, 2, 6))],
+                             ingest=[IngestItem("a", 0, tuple(range(1, 22)), feats[:15]),
+                                     IngestItem("b", 0, tuple(range(3, 12)), feats[:8])])
+        results.append((trees, cache_kv(engine, "a")))
+    (torch_trees, torch_kv), (triton_trees, triton_kv) = results
+    for a, b in zip(torch_trees, triton_trees):
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+        assert a.scores == pytest.approx(b.scores, abs=1e-5)
+    for a, b in zip(torch_kv, triton_kv):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
