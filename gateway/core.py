@@ -17,6 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway.clients import DraftClient, TargetClient
 from gateway.draft_pool import DraftPool, DraftReplica
@@ -29,6 +31,8 @@ from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from target_service.types import SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger("tandem.gateway")
+# A no-op tracer unless gateway.tracing installed a provider (--otlp-endpoint).
+tracer = trace.get_tracer("tandem.gateway")
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,12 @@ class GatewayCore:
             if len(self.waiting) + len(self._inbox) >= self.cfg.max_queue:
                 raise ResourceExhausted(f"the queue is full ({self.cfg.max_queue} requests waiting)")
             self._ids.add(request_id)
-            self._inbox.append(Request(request_id, list(prompt_token_ids), params, sink, self.eos_ids,
-                                       self.tokenizer, self.max_model_len))
+            r = Request(request_id, list(prompt_token_ids), params, sink, self.eos_ids, self.tokenizer,
+                        self.max_model_len)
+            r.span = tracer.start_span("tandem.generate", attributes={
+                "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_token_ids),
+                "tandem.max_tokens": params.max_tokens, "tandem.speculation": self._mode(r)})
+            self._inbox.append(r)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -349,6 +357,12 @@ class GatewayCore:
             r.phase = Phase.FINISHED
             r.finish_reason = "abort"
         if delta.finish_reason:
+            if r.span is not None:
+                r.span.set_attributes({"tandem.finish_reason": delta.finish_reason,
+                                       "tandem.completion_tokens": len(r.output),
+                                       **{f"tandem.spec.{k}": v for k, v in r.stats.as_dict().items()}})
+                r.span.end()
+                r.span = None
             self.metrics.e2e.observe(time.monotonic() - r.arrival)
             self.metrics.requests_total.labels(finish_reason=delta.finish_reason).inc()
 

@@ -64,6 +64,7 @@ class Request:
     last_token_at: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    span: object | None = None  # OpenTelemetry span, ended when the request finishes
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt[-4:])

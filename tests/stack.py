@@ -1,0 +1,81 @@
+"""A whole tandem stack (target, draft replicas, gateway) as real processes, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.services import REPO, Service
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, tmp: Path, target_dir: Path, draft_dirs: list[Path], *gateway_args: str,
+                 target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8")):
+        self.tmp = tmp
+        self.target = Service(["target", "--model", str(target_dir), *target_args], tmp, "target")
+        self.drafts = [Service(["draft", "--model", str(d), "--target-model", str(target_dir)], tmp, f"draft{i}")
+                       for i, d in enumerate(draft_dirs)]
+        self.target.wait_serving()
+        for d in self.drafts:
+            d.wait_serving()
+        self.port, self.grpc_port = free_port(), free_port()
+        self.gateway_log = tmp / "gateway.log"
+        self._log = open(self.gateway_log, "w")  # noqa: SIM115
+        draft_arg = ",".join(d.address for d in self.drafts)
+        self.gateway = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "gateway", "--target", self.target.address,
+             "--draft", draft_arg, "--port", str(self.port), "--grpc-port", str(self.grpc_port), *gateway_args],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.gateway.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.gateway_log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway not ready:\n{self.gateway_log.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def complete(self, prompt: str, **body) -> dict:
+        r = httpx.post(f"{self.url}/v1/completions", json={"prompt": prompt, **body}, timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self) -> None:
+        if self.gateway.poll() is None:
+            self.gateway.terminate()
+            try:
+                self.gateway.wait(30)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+        self._log.close()
+        for d in self.drafts:
+            d.stop()
+        self.target.stop()
