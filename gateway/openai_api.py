@@ -48,6 +48,7 @@ log = logging.getLogger("tandem.gateway.api")
 # How often a request waiting for output checks whether its client is still there.
 DISCONNECT_POLL_S = 0.2
 MAX_N = 64
+MAX_SEED = 2**63 - MAX_N
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
 
 
@@ -184,6 +185,9 @@ def _reject_unsupported(req: _CommonFields) -> None:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if req.seed is not None and not 0 <= req.seed < MAX_SEED:
+        # Seeds travel as uint64 to the target; choice i uses seed + i.
+        raise APIError(400, f"seed must be between 0 and {MAX_SEED - 1}, got {req.seed}", param="seed")
 
 
 def _sampling(req: _CommonFields, logprobs: int | None) -> dict[str, Any]:
@@ -224,7 +228,6 @@ class _Choice:
     """What one choice has produced so far."""
 
     index: int
-    prompt_index: int
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -424,7 +427,7 @@ def create_app(engine: GenerationEngine, api_key: str | None = None,
                 params = GenerationParams(max_tokens=fitted, seed=seed, **base)
                 rid = response_id if total == 1 else f"{response_id}-{index}"
                 subrequests.append(SubRequest(rid, ids, params))
-                choices.append(_Choice(index=index, prompt_index=p))
+                choices.append(_Choice(index=index))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Job(chat=chat, response_id=response_id, model=req.model or names[0],
                     created=int(time.time()), prompt_lens=[len(ids) for ids in prompts],

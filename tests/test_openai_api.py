@@ -255,6 +255,8 @@ def _error(exc: openai.APIStatusError) -> dict:
     (dict(extra_body={"echo": True}), "echo"),
     (dict(max_tokens="many"), "max_tokens"),
     (dict(logprobs=21), "logprobs"),
+    (dict(seed=-1), "seed"),
+    (dict(n=0), "n"),
 ])
 def test_bad_arguments_are_400(client, kwargs, param):
     kwargs = {"model": "tiny-fake", "prompt": "a", **kwargs}
