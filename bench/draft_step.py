@@ -1,0 +1,149 @@
+"""Cost of one draft call (catch-up of the last verify's tokens + tree growth) against batch and budget.
+
+    python bench/draft_step.py                 # Llama-3.1-8B-shaped EAGLE-3 head, random weights, cuda bf16
+    python bench/draft_step.py --tiny          # CPU smoke run of the same code
+
+(with the package installed, `pip install -e .`, or PYTHONPATH set to the repo root).
+
+Writes a random draft in SGLang's format (and a stand-in target directory holding
+only config.json and embed_tokens) to a temporary folder, gives every request a
+committed prefix, then times steady-state Draft calls: each ingests the tokens a
+verify step committed (with features) and grows one tree per request. Figures
+are from the "8B-shaped random weights" track (or "tiny random"). A benchmark,
+not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draft_service.engine import DraftEngine
+from draft_service.model import Eagle3Draft
+from draft_service.types import DraftBudget, DraftItem, IngestItem
+from tandem.layers import DTYPES
+
+SHAPES = {
+    # Llama-3.1-8B target; the draft head as SpecForge trains it (32k draft vocabulary).
+    "8b": dict(vocab=128256, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, layers=32,
+               draft_vocab=32000),
+    "tiny": dict(vocab=512, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, layers=4, draft_vocab=128),
+}
+
+
+def write_pair(root: Path, s: dict, dtype: torch.dtype, device: str) -> tuple[Path, Path]:
+    target, draft = root / "target", root / "draft"
+    target.mkdir()
+    draft.mkdir()
+    H, D = s["hidden"], s["head_dim"]
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=device) * 0.02).to(dtype).cpu()
+
+    (target / "config.json").write_text(json.dumps(dict(
+        vocab_size=s["vocab"], hidden_size=H, intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=D,
+        max_position_embeddings=8192, rms_norm_eps=1e-5)))
+    save_file({"model.embed_tokens.weight": rnd(s["vocab"], H)}, str(target / "model.safetensors"))
+    hot = torch.randperm(s["vocab"])[:s["draft_vocab"]].sort().values
+    t2d = torch.zeros(s["vocab"], dtype=torch.bool)
+    t2d[hot] = True
+    p = "midlayer."
+    save_file({
+        "fc.weight": rnd(H, 3 * H), p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
+        p + "hidden_norm.weight": torch.ones(H, dtype=dtype),
+        p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype), "norm.weight": torch.ones(H, dtype=dtype),
+        p + "self_attn.q_proj.weight": rnd(s["heads"] * D, 2 * H),
+        p + "self_attn.k_proj.weight": rnd(s["kv_heads"] * D, 2 * H),
+        p + "self_attn.v_proj.weight": rnd(s["kv_heads"] * D, 2 * H),
+        p + "self_attn.o_proj.weight": rnd(H, s["heads"] * D),
+        p + "mlp.gate_proj.weight": rnd(s["inter"], H), p + "mlp.up_proj.weight": rnd(s["inter"], H),
+        p + "mlp.down_proj.weight": rnd(H, s["inter"]), "lm_head.weight": rnd(s["draft_vocab"], H),
+        "d2t": hot - torch.arange(s["draft_vocab"]), "t2d": t2d,
+    }, str(draft / "model.safetensors"))
+    (draft / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLMEagle3"], hidden_size=H, intermediate_size=s["inter"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=D, num_hidden_layers=1,
+        vocab_size=s["vocab"], draft_vocab_size=s["draft_vocab"], max_position_embeddings=8192,
+        rms_norm_eps=1e-5)))
+    return target, draft
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, accepted: int, iters: int,
+               device: str) -> float:
+    """Median seconds of a Draft call that first ingests `accepted` + 1 committed tokens per request."""
+    width, vocab = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
+                              torch.randn(prefix, width)) for r in ids], catch_up=True)
+    times = []
+    for _ in range(iters + 2):
+        ingest = []
+        for r in ids:
+            start = len(engine.requests[r].tokens) - 1
+            ingest.append(IngestItem(r, start, tuple(engine.requests[r].tokens[start:]) +
+                                     tuple(torch.randint(0, vocab, (accepted + 1,)).tolist()),
+                                     torch.randn(accepted + 1, width)))
+        sync(device)
+        t0 = time.perf_counter()
+        engine.draft([DraftItem(r, budget) for r in ids], ingest)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    engine.release(ids)
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU")
+    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on cuda, else float32")
+    ap.add_argument("--batches", default="1,8,32,64", help="requests per call (default 1,8,32,64)")
+    ap.add_argument("--budgets", default="1,1,2;3,1,4;5,4,8;6,8,32",
+                    help="steps,topk,num_draft_tokens; separated (default 1,1,2;3,1,4;5,4,8;6,8,32)")
+    ap.add_argument("--prefix", type=int, default=1024, help="committed tokens per request (default 1024)")
+    ap.add_argument("--accepted", type=int, default=2, help="tokens accepted per verify step (default 2)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", type=Path, help="also write JSON")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    shape = "tiny" if args.tiny else "8b"
+    prefix = min(args.prefix, 128) if args.tiny else args.prefix
+    batches = [int(b) for b in args.batches.split(",")]
+    budgets = [DraftBudget(*map(int, b.split(","))) for b in args.budgets.split(";")]
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
+        model = Eagle3Draft(draft_dir, target_dir, dtype, device)
+    blocks = max(batches) * (prefix + 64 * (args.iters + 2) * (args.accepted + 1)) // 16 + 64
+    engine = DraftEngine(model, num_blocks=blocks, block_size=16)
+    track = "tiny random" if args.tiny else "8B-shaped random weights"
+    print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; "
+          f"{args.accepted + 1} tokens ingested per request per call; median ms per Draft call")
+    print(f"{'batch':>6} " + " ".join(f"{f'{b.steps}/{b.topk}/{b.num_draft_tokens}':>10}" for b in budgets))
+    rows = []
+    for batch in batches:
+        ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device) for b in budgets]
+        rows.append({"batch": batch, "ms": dict(zip([f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in budgets],
+                                                    ms))})
+        print(f"{batch:>6} " + " ".join(f"{m:>10.2f}" for m in ms))
+    if args.out:
+        args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
+                                        "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
