@@ -1,0 +1,164 @@
+"""The gateway against real target and draft processes, over HTTP and gRPC (tiny random pair)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.stack import Stack
+from tests.tiny_draft import make_tiny_eagle3
+from tests.tiny_models import make_tiny_llama
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "import os\nprint(", "for i in range(10):",
+           "x = [1, 2, 3]\ny =", "if __name__ == '__main__':", "# compute the mean\n", "while True:\n    try:"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pair")
+    target = make_tiny_llama(tmp / "target", "gqa", max_position_embeddings=512)
+    return target, make_tiny_eagle3(tmp / "draft", target)
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tmp_path_factory):
+    st = Stack(tmp_path_factory.mktemp("stack"), *pair[:1], [pair[1]], "--no-profile", "--max-model-len", "256")
+    yield st
+    st.stop()
+
+
+def target_load(st: Stack) -> common_pb2.KvLoad:
+    return target_pb2_grpc.TargetServiceStub(st.target.channel).GetLoad(target_pb2.GetLoadRequest())
+
+
+def draft_load(st: Stack, i: int = 0) -> common_pb2.KvLoad:
+    return draft_pb2_grpc.DraftServiceStub(st.drafts[i].channel).GetLoad(draft_pb2.DraftLoadRequest())
+
+
+def wait_idle(st: Stack, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if target_load(st).num_sequences == 0 and all(draft_load(st, i).num_sequences == 0
+                                                       for i in range(len(st.drafts))):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"KV still held: target {target_load(st)}, draft {draft_load(st)}")
+
+
+def greedy(st: Stack, prompt: str, mode: str, n: int = 24) -> tuple[str, dict]:
+    r = st.complete(prompt, max_tokens=n, temperature=0, speculation=mode)
+    return r["choices"][0]["text"], r["spec_stats"]
+
+
+def test_greedy_output_is_the_same_with_and_without_speculation(stack):
+    for prompt in PROMPTS:
+        plain, stats = greedy(stack, prompt, "never")
+        assert stats["verify_steps"] == 0
+        spec, stats = greedy(stack, prompt, "always")
+        assert stats["verify_steps"] > 0 and stats["draft_tokens"] > 0
+        assert spec == plain
+        assert greedy(stack, prompt, "auto")[0] == plain
+    wait_idle(stack)
+
+
+def test_openai_client_against_the_real_stack(stack):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+    c = client.completions.create(model="target", prompt="def f(x):", max_tokens=12, temperature=0)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens <= 12
+    chat = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert "spec_stats" in chunks[-1].model_extra
+    two = client.completions.create(model="target", prompt="x = ", max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert sorted(ch.index for ch in two.choices) == [0, 1]
+    full = greedy(stack, "def g(y):", "never", 30)[0]
+    stop = full[5:8]
+    cut = client.completions.create(model="target", prompt="def g(y):", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="target", prompt="x" * 400, max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+    wait_idle(stack)
+
+
+def stream_text(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                text += [c["text"] for c in chunk["choices"]]
+    out[key] = "".join(text)
+
+
+def test_32_concurrent_streams_equal_their_solo_runs(stack):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    solo = {f"p{i}": greedy(stack, p, "auto", 20)[0] for i, p in enumerate(prompts)}
+    got: dict[str, str] = {}
+    threads = [threading.Thread(target=stream_text, args=(stack.url, p, 20, got, f"p{i}"))
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got == solo
+    wait_idle(stack)
+
+
+def test_client_disconnect_frees_kv_on_target_and_draft(stack):
+    body = {"prompt": "def long(x):", "max_tokens": 200, "temperature": 0, "stream": True,
+            "speculation": "always"}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                assert target_load(stack).num_sequences == 1
+                break  # leaving the block closes the connection mid-stream
+    wait_idle(stack)
+
+
+def test_killing_the_draft_mid_stream_falls_back_to_plain_decode(pair, tmp_path):
+    st = Stack(tmp_path, pair[0], [pair[1]], "--no-profile", "--speculation", "always")
+    try:
+        expected = greedy(st, "def h(z):", "never", 120)[0]
+        got: dict[str, str] = {}
+        body = {"prompt": "def h(z):", "max_tokens": 120, "temperature": 0, "stream": True}
+        text = []
+        with httpx.stream("POST", f"{st.url}/v1/completions", json=body, timeout=120) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i == 5:
+                    st.drafts[0].proc.kill()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk
+                    text += [c["text"] for c in chunk["choices"]]
+        got["t"] = "".join(text)
+        assert got["t"] == expected
+        m = st.metrics()
+        assert m["tandem_spec_decode_num_drafts_total"] > 0 and m["tandem_plain_decode_steps_total"] > 0
+    finally:
+        st.stop()
+
+
+def test_grpc_generate_matches_rest(stack):
+    from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}"))
+    req = generation_pb2.GenerateRequest(prompt="def add(a, b):", max_tokens=16, temperature=0)
+    replies = list(stub.Generate(req, timeout=60))
+    assert "".join(m.text for m in replies) == greedy(stack, "def add(a, b):", "auto", 16)[0]
+    assert replies[-1].finish_reason and replies[-1].usage.completion_tokens > 0
