@@ -124,9 +124,9 @@ class GatewayCore:
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.pool.stop()
         for t in self._threads:
             t.join(timeout=5)
-        self.pool.stop()
         self.target.close()
 
     # --- API ------------------------------------------------------------------

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(core, args.api_key, [core.model_name])
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                    timeout_graceful_shutdown=5))
+                                    timeout_graceful_shutdown=2))
     server.core, server.drain_seconds = core, args.drain_seconds
     threading.Thread(target=start_core, daemon=True).start()
     server.run()
