@@ -12,6 +12,7 @@ commands:
   gateway   serve the OpenAI-compatible REST API and gRPC Generation, deciding speculation per step
   serve     start target, draft and gateway together on this machine
   bench     sweep throughput against concurrency for never/always/auto speculation
+  train-draft  train an EAGLE-3 draft head for a Llama-family target (SGLang checkpoint format)
 
 Run `tandem <command> --help` for a command's options.
 """
@@ -32,12 +33,17 @@ def _gateway(argv: list[str]) -> int:
     return main(argv)
 
 
+def _train_draft(argv: list[str]) -> int:
+    from draft_service.training.main import main
+    return main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from gateway.serve import main
     return main(argv)
 
 
-COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway, "serve": _serve}
+COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway, "serve": _serve, "train-draft": _train_draft}
 
 
 def main(argv: list[str] | None = None) -> int:
