@@ -8,6 +8,7 @@ element the kernel forgets to write fails the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -99,11 +100,11 @@ def make_step(seqs: list[tuple[int, list[int]]], heads: tuple[int, int], device:
     s = SHAPES[device]
     hq, hkv = heads
     bs, d = s.block_size, s.head_dim
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     need = [-(-p // bs) for p, _ in seqs]
     num_blocks = sum(need) + 3
     # Blocks handed out in shuffled order, so a table is not a contiguous range.
-    free = torch.randperm(num_blocks, generator=g).tolist()
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, slots, starts, counts, masks = [], [], [], [], []
     row = 0
     for (prefix, parents), n in zip(seqs, need):
@@ -117,7 +118,7 @@ def make_step(seqs: list[tuple[int, list[int]]], heads: tuple[int, int], device:
         row += len(parents)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device, dtype)
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
 
     return Step(rand(row, hq, d), rand(row, hkv, d), rand(row, hkv, d), rand(num_blocks, bs, hkv, d),
                 rand(num_blocks, bs, hkv, d), StepLayout(tuple(starts), tuple(counts), tuple(slots),
@@ -155,8 +156,10 @@ def test_tree_attention_float32(device, group, name):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["decode_ragged", "mixed"])
 def test_tree_attention_split_prefix(device, name):
-    # Flash-decoding: the prefix is shared by several programs and merged.
+    # Flash-decoding: the prefix is shared by several programs and merged. The
+    # layout carries its block tables here (the engine's fast path).
     step = make_step(scenarios(device)[name], SHAPES[device].gqa[2], device, torch.float32, seed=1)
+    step.layout = dataclasses.replace(step.layout, block_tables=tuple(step.tables))
     out = run_triton(step, device, num_splits=3)
     torch.testing.assert_close(out, reference(step, 0.17), **TOL[torch.float32])
 
