@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.layers import DTYPES
+from tandem.model_config import load_llama_config
 from target_service.engine import TargetEngine
-from target_service.model import LlamaModel, ParallelSpec
+from target_service.model import LlamaModel, ParallelSpec, check_tp
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class ParallelEngine:
             self.engine = build_engine(spec, ParallelSpec())
             return
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks share this host
+        check_tp(load_llama_config(spec.model_dir), tp_size)  # fail before spawning any rank
         port = _free_port()
         ctx = mp.get_context("spawn")
         for rank in range(1, tp_size):

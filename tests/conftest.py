@@ -15,7 +15,11 @@ import pytest  # noqa: E402
 
 from tests.tiny_models import make_tiny_llama  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread, here and in the services tests start (they inherit the
+# environment): test processes and services share two cores, and OpenMP threads
+# spinning against each other make tiny ops a thousand times slower.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

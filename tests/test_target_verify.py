@@ -164,18 +164,24 @@ def contingency_p(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> float:
     return float(chi2_contingency([[row[j] for j in keep] for row in table]).pvalue)
 
 
-def test_speculative_sampling_keeps_the_target_distribution(tiny_vocab_model):
-    plain = sample_two_tokens(tiny_vocab_model, False, 3000, seed0=0)
-    spec = sample_two_tokens(tiny_vocab_model, True, 3000, seed0=10_000)
-    assert contingency_p(plain, spec) > 0.001
+TRIALS = 2000
 
 
-def test_a_broken_acceptance_rule_is_caught(tiny_vocab_model, monkeypatch):
+@pytest.fixture(scope="module")
+def plain_samples(tiny_vocab_model):
+    return sample_two_tokens(tiny_vocab_model, False, TRIALS, seed0=0)
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tiny_vocab_model, plain_samples):
+    spec = sample_two_tokens(tiny_vocab_model, True, TRIALS, seed0=10_000)
+    assert contingency_p(plain_samples, spec) > 0.001
+
+
+def test_a_broken_acceptance_rule_is_caught(tiny_vocab_model, plain_samples, monkeypatch):
     # Accepting with probability sqrt(p) over-accepts drafted tokens.
     monkeypatch.setattr(acceptance, "accept_child_rule", lambda p_x, u: u < p_x ** 0.5)
-    plain = sample_two_tokens(tiny_vocab_model, False, 3000, seed0=0)
-    spec = sample_two_tokens(tiny_vocab_model, True, 3000, seed0=10_000)
-    assert contingency_p(plain, spec) < 1e-6
+    spec = sample_two_tokens(tiny_vocab_model, True, TRIALS, seed0=10_000)
+    assert contingency_p(plain_samples, spec) < 1e-6
 
 
 def test_seeded_sampling_is_reproducible_across_chunking(model):
