@@ -64,7 +64,6 @@ def generate_sequences(cfg: TrainConfig, target: TargetModel, data: list[Path], 
         stream = token_stream(data, tokenizer, target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else None)
         _say(f"data: {len(stream):,} tokens of prompt text; generating {len(missing)} of {n_chunks} chunks "
              f"({cfg.prompt_len} prompt + {cfg.gen_len} generated tokens each)")
-        autocast = _autocast(target.device)
         for i in tqdm(missing, desc="generate", dynamic_ncols=True):
             n = min(cfg.gen_batch_size, cfg.num_sequences - i * cfg.gen_batch_size)
             cpu_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
@@ -72,7 +71,7 @@ def generate_sequences(cfg: TrainConfig, target: TargetModel, data: list[Path], 
             greedy = torch.rand(n, generator=cpu_gen) < cfg.greedy_fraction
             temps = torch.where(greedy, 0.0, cfg.gen_temperature)
             dev_gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + i)
-            with autocast:
+            with _autocast(target.device):
                 seqs = target.generate(prompts.to(target.device), cfg.gen_len, temps, dev_gen).cpu()
             chunks[i] = seqs.to(torch.int32)
             torch.save({"key": key, "tokens": chunks[i], "greedy": greedy}, data_dir / f"seqs_{i:05d}.pt")
@@ -221,8 +220,8 @@ def train(cfg: TrainConfig, target: TargetModel, model: Eagle3TrainModel, train_
             ev = evaluate(model, target, val_seqs, cfg)
             log.append({"step": step, "val": ev})
             a = ev["acc"]
-            last_train = next(x for x in reversed(log) if "loss" in x)
-            bar.write(f"{step:>7} {last_train['loss']:>7.3f} {a[0]:>6.3f} {a[min(1, K - 1)]:>6.3f} "
+            last_train = next((x["loss"] for x in reversed(log) if "loss" in x), float("nan"))
+            bar.write(f"{step:>7} {last_train:>7.3f} {a[0]:>6.3f} {a[min(1, K - 1)]:>6.3f} "
                       f"{a[min(2, K - 1)]:>6.3f} {a[min(6, K - 1)]:>6.3f} {ev['tau_proxy']:>5.2f} {lr:>8.2e} "
                       f"{(time.time() - t0) / 60:>6.2f}   (held-out sequences)")
         if step % cfg.checkpoint_every == 0 or finished:
