@@ -85,7 +85,10 @@ class AcceptanceBook:
     """Global acceptance per budget (all requests), the prior for requests with little history."""
 
     totals: dict[DraftBudget, list[float]] = field(default_factory=dict)
-    prior_accepted: float = 1.0  # optimistic, so an untried budget gets tried when cheap
+    # Optimism under uncertainty: an untried budget is assumed to accept half its
+    # depth, so each budget gets tried while speculation is cheap; two observations
+    # weigh as much as the prior.
+    prior_share: float = 0.5
     prior_weight: float = 2.0
 
     def record(self, budget: DraftBudget, accepted: int) -> None:
@@ -97,7 +100,8 @@ class AcceptanceBook:
         """Expected accepted drafted tokens for a request: its own decayed mean blended with
         the global mean, which is in turn blended with the prior."""
         s = self.totals.get(budget, [0.0, 0.0])
-        glob = (s[0] + self.prior_accepted * self.prior_weight) / (s[1] + self.prior_weight)
+        prior = self.prior_share * budget.steps
+        glob = (s[0] + prior * self.prior_weight) / (s[1] + self.prior_weight)
         if own is None:
             return glob
         mean, weight = own
