@@ -17,13 +17,22 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
 from opentelemetry import trace
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway.clients import DraftClient, TargetClient
 from gateway.draft_pool import DraftPool, DraftReplica
 from gateway.metrics import GatewayMetrics
-from gateway.policy import NO_SPEC, AcceptanceBook, Candidate, CostModel, PolicyConfig, choose_budgets
+from gateway.policy import (
+    NO_SPEC,
+    AcceptanceBook,
+    Candidate,
+    CostModel,
+    LoadGate,
+    PolicyConfig,
+    choose_budgets,
+)
 from gateway.request import Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, plan_step
 from gateway.types import DeltaSink, GenerationParams, SpecStats
@@ -55,6 +64,7 @@ class GatewayCore:
         self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set())
         self.costs = CostModel()
         self.book = AcceptanceBook()
+        self.gate = LoadGate()
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()
         self.eos_ids: frozenset[int] = frozenset()
@@ -72,6 +82,7 @@ class GatewayCore:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.step_count = 0
+        self._quiet = 0  # consecutive steps in which auto chose no tree
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -208,10 +219,13 @@ class GatewayCore:
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
                                f"{self._free_blocks} KV blocks free")
         plan.budgets = self._budgets(plan)
-        trees, draft_pred, draft_seen = self._draft(plan)
+        self._track_quiet(plan)
+        if log.isEnabledFor(logging.DEBUG):
+            spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
+            log.debug("step %d: %d items, %d tokens, trees %s, gate %s", self.step_count,
+                      len(plan.items), plan.num_tokens, spec, self.gate.arms)
+        trees = self._draft(plan)
         steps = [self._sequence_step(it, trees.get(it.request.request_id)) for it in plan.items]
-        target_pred = self.costs.target_time(sum(len(s.tokens) for s in steps), len(steps))
-        t_target = time.perf_counter()
         try:
             results, load, _ = self.target.step(steps, self.feature_layers)
         except ResourceExhausted:
@@ -220,7 +234,6 @@ class GatewayCore:
             return
         self._free_blocks = load.free_blocks
         self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
-        self.costs.observe(target_pred, time.perf_counter() - t_target, draft_pred, draft_seen)
         for it, res in zip(plan.items, results, strict=True):
             rid = it.request.request_id
             self._apply(it, res, trees.get(rid), plan.budgets.get(rid, NO_SPEC))
@@ -228,7 +241,12 @@ class GatewayCore:
         self.step_count += 1
         self.metrics.requests_running.set(len(self.running))
         self.metrics.requests_waiting.set(len(self.waiting))
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.metrics.step_seconds.observe(seconds)
+        if any(it.is_decode and self._mode(it.request) == "auto" for it in plan.items):
+            committed = sum(len(res.tokens) for it, res in zip(plan.items, results, strict=True) if it.is_decode)
+            self.gate.record(len(steps), bool(trees), committed, seconds)
+
 
     # --- speculation -------------------------------------------------------------
     def _mode(self, r: Request) -> str:
@@ -255,6 +273,8 @@ class GatewayCore:
                 continue
             cands.append(Candidate(r.request_id, {o: r.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
                                    self._mode(r)))
+        if cands and not self.gate.allow_spec(len(plan.items)):
+            cands = [c for c in cands if c.mode != "auto"]  # measured: plain decode pays at this load
         other = [it for it in plan.items if it.request.request_id not in {c.key for c in cands}]
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands,
                                  sum(len(it.tokens) for it in other), len(other))
@@ -267,21 +287,46 @@ class GatewayCore:
                 budgets[rid] = DraftBudget(room, b.topk, b.num_draft_tokens) if room >= 1 else NO_SPEC
         return budgets
 
-    def _draft(self, plan: StepPlan) -> tuple[dict[str, DraftTree], float, float]:
+    # Under load `auto` stops speculating; feeding every request's features to the
+    # draft would then cost target output, gateway work and draft compute for
+    # nothing. After QUIET_STEPS steps without a tree, auto requests go dormant (no
+    # features, no ingest); every WAKE_EVERY steps they wake for QUIET_STEPS steps,
+    # catch up from their tokens and are offered to the policy again.
+    QUIET_STEPS = 16
+    WAKE_EVERY = 128
+
+    def _track_quiet(self, plan: StepPlan) -> None:
+        if any(not b.empty for b in plan.budgets.values()) or len(plan.items) < self.gate.min_batch:
+            self._quiet = 0  # speculating, or too light a load for feature traffic to matter
+        elif any(it.is_decode and self._mode(it.request) == "auto" for it in plan.items):
+            self._quiet += 1
+
+    def _dormant(self, r: Request) -> bool:
+        q = self._quiet
+        return self._mode(r) == "auto" and q >= self.QUIET_STEPS and q % self.WAKE_EVERY >= self.QUIET_STEPS
+
+    def _draft(self, plan: StepPlan) -> dict[str, DraftTree]:
         by_replica: dict[int, list[tuple[Request, DraftBudget]]] = {}
         for it in plan.items:
             b = plan.budgets.get(it.request.request_id, NO_SPEC)
             if not b.empty:
                 by_replica.setdefault(it.request.draft_replica, []).append((it.request, b))
+        drafting = {r.request_id for items in by_replica.values() for r, _ in items}
+        for r in self.running:  # deferred ingests of requests that do not draft now: send them off
+            if r.pending_ingest is not None and r.request_id not in drafting:
+                self._send_ingest(r)
         if not by_replica:
-            return {}, 0.0, 0.0
-        t0 = time.perf_counter()
-        pred = self.costs.draft_time([b for items in by_replica.values() for _, b in items])
+            return {}
         futures = {}
         for idx, items in by_replica.items():
             rep = self.pool.replicas[idx]
+            # The drafting requests' new tokens and features ride in the same call.
+            ingest = [r.pending_ingest for r, _ in items if r.pending_ingest is not None]
+            for r, _ in items:
+                r.pending_ingest = None
             calls = [(r.request_id, b, len(r.tokens)) for r, b in items]
-            futures[idx] = rep.submit(lambda rep=rep, calls=calls: rep.client.draft([], calls)[0])
+
+            futures[idx] = rep.submit(lambda rep=rep, ingest=ingest, calls=calls: rep.client.draft(ingest, calls)[0])
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:
@@ -294,14 +339,14 @@ class GatewayCore:
                     self._detach_draft(r, release=True)
             except Exception as exc:
                 self.pool.mark_lost(self.pool.replicas[idx], str(exc))
-        return trees, pred, time.perf_counter() - t0
+        return trees
 
     # --- target step items and results ---------------------------------------------
     def _sequence_step(self, it: PlannedItem, tree: DraftTree | None) -> SequenceStep:
         r = it.request
         p = r.params
         sampling = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
-        want_features = self._replica(r) is not None and self._mode(r) != "never"
+        want_features = self._replica(r) is not None and self._mode(r) != "never" and not self._dormant(r)
         top = p.logprobs or 0
         if tree is not None:
             tokens, parents, num_fixed = tree.verify_tree()
@@ -319,7 +364,7 @@ class GatewayCore:
         r.target_created = True
         r.target_len = res.num_committed
         if not it.reaches_end:  # a prefill chunk that is not the last: its sample is not output
-            self._feed_draft(r, old_len, res)
+            self._feed_draft(r, old_len, res, defer=False)
             return
         stats = r.stats
         if tree is not None:
@@ -335,6 +380,7 @@ class GatewayCore:
             stats = SpecStats(stats.draft_tokens, stats.accepted_tokens, stats.verify_steps,
                               stats.plain_steps + 1)
             self.metrics.plain_decode_steps.inc()
+            r.acceptance.fade(0.85)
         first = r.first_token_at is None
         prev_last = r.last_token_at
         delta = r.commit(res.tokens, res.logprobs, res.top_logprobs, res.num_committed, stats)
@@ -347,7 +393,7 @@ class GatewayCore:
                 self.metrics.itl.observe(gap)
         self._emit(r, delta)
         if r.phase != Phase.FINISHED:
-            self._feed_draft(r, old_len, res)
+            self._feed_draft(r, old_len, res, defer=tree is not None)
 
     def _emit(self, r: Request, delta) -> None:
         try:
@@ -390,6 +436,7 @@ class GatewayCore:
         r.draft_len = 0
         r.draft_feature_len = 0
         r.draft_caught_up = False
+        r.pending_ingest = None
 
     def _detach_lost_drafts(self) -> None:
         for r in self.running:
@@ -398,30 +445,48 @@ class GatewayCore:
             if r.draft_replica is None and r.phase == Phase.RUNNING and self._mode(r) != "never":
                 self._attach_draft(r)
 
-    def _feed_draft(self, r: Request, old_len: int, res: SequenceResult) -> None:
-        """Queue the request's new tokens (and features) to its replica without waiting.
+    def _feed_draft(self, r: Request, old_len: int, res: SequenceResult, defer: bool) -> None:
+        """Pass the request's new tokens (and features) to its replica.
 
-        The replica's worker applies them before any later draft call, so the
-        critical path only waits for them when this request drafts next.
+        defer: the request just drafted and will likely draft again, so the
+        ingest waits to ride in its next draft call (one round trip, not two).
+        Otherwise it goes now, without waiting: the replica's worker applies it
+        before any later draft call, and the replica computes the KV while the
+        target runs the next step.
         """
         rep = self._replica(r)
-        if rep is None:
+        if rep is None or self._dormant(r):
             return
         # The draft learns committed tokens and the one after them, never more: a
         # position it computes without the target's features is only approximate.
         known = r.tokens[:r.target_len + 1]
         feats = res.features
-        if feats is not None and r.draft_len >= old_len and r.draft_feature_len == old_len:
+        pending = r.pending_ingest
+        if feats is not None and r.draft_feature_len == old_len and r.draft_len >= old_len:
             start = old_len  # contiguous: these features belong to positions old_len..
             r.draft_feature_len = old_len + feats.shape[0]
+            if pending is not None and pending.features is not None and \
+                    pending.start_position + pending.features.shape[0] == old_len:
+                start, feats = pending.start_position, torch.cat((pending.features, feats))
+            elif pending is not None:
+                self._send_ingest(r)
         else:
+            if pending is not None:
+                self._send_ingest(r)
             start, feats = r.draft_len, None  # tokens only: the draft catches up from its own states
-        item = IngestItem(r.request_id, start, tuple(known[start:]), feats)
+        r.pending_ingest = IngestItem(r.request_id, start, tuple(known[start:]), feats)
         r.draft_len = len(known)
+        if not defer or not r.draft_caught_up:
+            self._send_ingest(r)
+
+    def _send_ingest(self, r: Request) -> None:
+        rep = self._replica(r)
+        item, r.pending_ingest = r.pending_ingest, None
+        if rep is None or item is None:
+            return
 
         def send(rep=rep, item=item, r=r):
-            # catch_up: the draft service computes its KV now, while the target runs the
-            # next step, instead of inside the next draft call.
+            # catch_up: compute the draft KV now, while the target runs the next step.
             rep.client.ingest([item], catch_up=True)
             r.draft_caught_up = True  # a plain flag write; the loop reads it next step
 

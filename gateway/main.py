@@ -88,7 +88,8 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s gateway %(levelname)s %(message)s")
     from gateway.grpc_api import add_generation_service
     from gateway.openai_api import create_app
     from gateway.tracing import setup_tracing

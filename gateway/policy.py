@@ -44,13 +44,21 @@ class PolicyConfig:
         return list(dict.fromkeys(opts))
 
 
+def batch_bucket(seqs: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a correction factor."""
+    return max(seqs, 1).bit_length()
+
+
 @dataclass
 class CostModel:
     """Predicted wall time of a step, in seconds, from profiled linear fits.
 
     target: base + per_token * tokens + per_seq * sequences
     draft:  base + per_level * deepest tree + per_expansion * sum(steps * topk)
-    A running correction factor per service absorbs drift from the profile.
+
+    The profile sees each service alone; what it misses under load (gateway
+    work, the draft's catch-up, contention on shared cores) is caught by
+    LoadGate, which measures whole steps.
     """
 
     target_base: float = 5e-3
@@ -59,25 +67,19 @@ class CostModel:
     draft_base: float = 2e-3
     draft_per_level: float = 1e-3
     draft_per_expansion: float = 5e-5
-    target_scale: float = 1.0
-    draft_scale: float = 1.0
 
     def target_time(self, tokens: int, seqs: int) -> float:
-        return self.target_scale * (self.target_base + self.target_per_token * tokens
-                                    + self.target_per_seq * seqs)
+        return self.target_base + self.target_per_token * tokens + self.target_per_seq * seqs
 
     def draft_time(self, budgets: list[DraftBudget]) -> float:
         live = [b for b in budgets if not b.empty]
         if not live:
             return 0.0
-        return self.draft_scale * (self.draft_base + self.draft_per_level * max(b.steps for b in live)
-                                   + self.draft_per_expansion * sum(b.steps * b.topk for b in live))
+        return (self.draft_base + self.draft_per_level * max(b.steps for b in live)
+                + self.draft_per_expansion * sum(b.steps * b.topk for b in live))
 
-    def observe(self, target_pred: float, target_seen: float, draft_pred: float, draft_seen: float) -> None:
-        if target_pred > 0 and target_seen > 0:
-            self.target_scale = 0.9 * self.target_scale + 0.1 * self.target_scale * target_seen / target_pred
-        if draft_pred > 0 and draft_seen > 0:
-            self.draft_scale = 0.9 * self.draft_scale + 0.1 * self.draft_scale * draft_seen / draft_pred
+    def step_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
+        return self.target_time(tokens, seqs) + self.draft_time(budgets)
 
 
 @dataclass
@@ -138,7 +140,7 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook,
     base_tokens = other_tokens + len(candidates) + sum(b.max_nodes for b in fixed)
     base_seqs = other_seqs + len(candidates)
     base_committed = float(len(candidates))  # + the fixed-budget requests' acceptance, same for all choices
-    best_rate = base_committed / (costs.target_time(base_tokens, base_seqs) + costs.draft_time(fixed))
+    best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed)
     best: tuple[DraftBudget, list[Candidate]] | None = None
     for o in cfg.auto_options():
         ranked = sorted(auto, key=lambda c: -book.expected(o, c.own_stats.get(o)))
@@ -146,10 +148,79 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook,
         for k, c in enumerate(ranked, start=1):
             committed += book.expected(o, c.own_stats.get(o))
             tokens += o.max_nodes
-            t = costs.target_time(tokens, base_seqs) + costs.draft_time(fixed + [o] * k)
+            t = costs.step_time(tokens, base_seqs, fixed + [o] * k)
             if committed / t > best_rate * (1 + 1e-9):
                 best_rate, best = committed / t, (o, ranked[:k])
     if best is not None:
         for c in best[1]:
             out[c.key] = best[0]
     return out
+
+
+@dataclass
+class Arm:
+    goodput: float = 0.0  # committed tokens per second of step wall time (decayed mean)
+    samples: int = 0
+    since: int = 0  # steps of this bucket since the arm was last measured
+
+
+@dataclass
+class LoadGate:
+    """Whether `auto` speculates at all at this load: measured, not predicted.
+
+    Per batch bucket it keeps the goodput of recent steps with trees and
+    without. Each arm is first measured for `probe_steps` steps; then
+    speculation stays on unless plain decode measured `margin` times better;
+    the losing arm is measured again for `probe_steps` steps once its figure is
+    `stale_after` steps old, so a change in load mix or acceptance is noticed.
+    Below `min_batch` sequences the gate stays open: there a step is mostly
+    fixed cost, which the start-up profile captures, and a few noisy steps at
+    the start of a generation (when acceptance is lowest) would mislead it.
+    The cost model still picks the trees inside the speculative arm; the gate
+    catches what the model misses (gateway work, the draft's catch-up of fed
+    features, contention between services on shared cores).
+    """
+
+    stale_after: int = 48
+    probe_steps: int = 8
+    margin: float = 1.1  # plain decode must measure this much better to switch speculation off
+    min_batch: int = 4
+    arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
+    _probing: dict[int, tuple[bool, int]] = field(default_factory=dict)  # bucket -> (arm, steps left)
+
+    def allow_spec(self, seqs: int) -> bool:
+        if seqs < self.min_batch:
+            return True
+        b = batch_bucket(seqs)
+        if b in self._probing:
+            return self._probing[b][0]
+        spec = self.arms.setdefault((b, True), Arm())
+        plain = self.arms.setdefault((b, False), Arm())
+        for arm, key in ((spec, True), (plain, False)):
+            if arm.samples == 0:
+                self._probing[b] = (key, self.probe_steps)
+                return key
+        # The cost model already chose to speculate; overrule it only on clear evidence.
+        spec_wins = plain.goodput <= self.margin * spec.goodput
+        loser = plain if spec_wins else spec
+        if loser.since >= self.stale_after:
+            self._probing[b] = (not spec_wins, self.probe_steps)
+            return not spec_wins
+        return spec_wins
+
+    def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        b = batch_bucket(seqs)
+        arm = self.arms.setdefault((b, spec), Arm())
+        rate = committed / seconds
+        arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
+        arm.samples += 1
+        arm.since = 0
+        self.arms.setdefault((b, not spec), Arm()).since += 1
+        if b in self._probing:
+            key, left = self._probing[b]
+            if left <= 1:
+                del self._probing[b]
+            else:
+                self._probing[b] = (key, left - 1)

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from draft_service.types import IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.types import Delta, DeltaSink, GenerationParams, SpecStats, TokenLogprob
 
@@ -32,6 +33,13 @@ class AcceptanceStats:
         # Exponential decay keeps the estimate tracking the text the request is producing now.
         s[0] = 0.8 * s[0] + accepted
         s[1] = 0.8 * s[1] + 1.0
+
+    def fade(self, factor: float) -> None:
+        """Forget a little: a request that stopped speculating on a bad start is not stuck
+        with it; as its history fades the global estimate takes over and it tries again."""
+        for s in self.totals.values():
+            s[0] *= factor
+            s[1] *= factor
 
     def mean(self, budget: tuple[int, int, int]) -> tuple[float, float] | None:
         s = self.totals.get(budget)
@@ -58,6 +66,7 @@ class Request:
     draft_len: int = 0  # tokens the draft replica has been sent (committed + pending)
     draft_feature_len: int = 0  # leading tokens whose target features the draft has
     draft_caught_up: bool = False  # the replica has applied at least one ingest
+    pending_ingest: IngestItem | None = None  # new tokens/features held for the next draft call
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     first_token_at: float | None = None
@@ -152,5 +161,6 @@ class Request:
         self.draft_len = 0
         self.draft_feature_len = 0
         self.draft_caught_up = False
+        self.pending_ingest = None
         self.draft_replica = None
         self.num_preemptions += 1
