@@ -162,3 +162,24 @@ def test_grpc_generate_matches_rest(stack):
     replies = list(stub.Generate(req, timeout=60))
     assert "".join(m.text for m in replies) == greedy(stack, "def add(a, b):", "auto", 16)[0]
     assert replies[-1].finish_reason and replies[-1].usage.completion_tokens > 0
+
+
+def test_preemption_by_recompute_leaves_output_unchanged(pair, tmp_path):
+    # 20 blocks of 8 tokens: four requests of ~110 tokens cannot all hold their KV at once.
+    st = Stack(tmp_path, pair[0], [pair[1]], "--no-profile", "--max-model-len", "160",
+               target_args=("--num-blocks", "20", "--block-size", "8"))
+    try:
+        prompts = [p + " " * 20 for p in PROMPTS[:4]]
+        solo = {f"p{i}": greedy(st, p, "always", 48)[0] for i, p in enumerate(prompts)}
+        got: dict[str, str] = {}
+        threads = [threading.Thread(target=stream_text, args=(st.url, p, 48, got, f"p{i}"))
+                   for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert got == solo
+        assert "preempting" in st.gateway_log.read_text()
+        wait_idle(st)
+    finally:
+        st.stop()
