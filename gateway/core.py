@@ -37,7 +37,7 @@ from gateway.request import Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, plan_step
 from gateway.types import DeltaSink, GenerationParams, SpecStats
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
-from target_service.types import SamplingParams, SequenceResult, SequenceStep
+from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger("tandem.gateway")
 # A no-op tracer unless gateway.tracing installed a provider (--otlp-endpoint).
@@ -326,11 +326,13 @@ class GatewayCore:
                 r.pending_ingest = None
             calls = [(r.request_id, b, len(r.tokens)) for r, b in items]
 
-            futures[idx] = rep.submit(lambda rep=rep, ingest=ingest, calls=calls: rep.client.draft(ingest, calls)[0])
+            futures[idx] = rep.submit(lambda rep=rep, ingest=ingest, calls=calls: rep.client.draft(ingest, calls))
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:
-                for t in fut.result():
+                got, load = fut.result()
+                self._draft_usage(load)
+                for t in got:
                     if t.tokens:
                         trees[t.request_id] = t
             except (InvalidArgument, ResourceExhausted) as exc:
@@ -487,11 +489,14 @@ class GatewayCore:
 
         def send(rep=rep, item=item, r=r):
             # catch_up: compute the draft KV now, while the target runs the next step.
-            rep.client.ingest([item], catch_up=True)
+            self._draft_usage(rep.client.ingest([item], catch_up=True))
             r.draft_caught_up = True  # a plain flag write; the loop reads it next step
 
         fut = rep.submit(send)
         fut.add_done_callback(lambda f, rep=rep: f.exception() and self._ingest_failed(rep, f.exception()))
+
+    def _draft_usage(self, load: KvLoad) -> None:
+        self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
 
     def _ingest_failed(self, rep: DraftReplica, exc: BaseException) -> None:
         if isinstance(exc, (InvalidArgument, ResourceExhausted)):

@@ -150,6 +150,8 @@ def test_killing_the_draft_mid_stream_falls_back_to_plain_decode(pair, tmp_path)
         assert got["t"] == expected
         m = st.metrics()
         assert m["tandem_spec_decode_num_drafts_total"] > 0 and m["tandem_plain_decode_steps_total"] > 0
+        assert 'tandem_kv_cache_usage_ratio{service="draft"}' in m
+        assert 'tandem_kv_cache_usage_ratio{service="target"}' in m
     finally:
         st.stop()
 
