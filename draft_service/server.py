@@ -18,7 +18,6 @@ from draft_service.types import (
     MAX_TOPK,
     DraftBudget,
     DraftItem,
-    DraftLoad,
     DraftTree,
     IngestItem,
     RequestStatus,
@@ -26,20 +25,15 @@ from draft_service.types import (
 from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.layers import DTYPES
+from tandem.load_proto import load_to_proto
 from tandem.tensors import tensor_from_proto, tensor_to_proto
-from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("tandem.draft")
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 # --- conversions ------------------------------------------------------------------------------
-
-def load_to_proto(load: DraftLoad) -> common_pb2.KvLoad:
-    return common_pb2.KvLoad(num_sequences=load.num_sequences, block_size=load.block_size,
-                             total_blocks=load.total_blocks, free_blocks=load.free_blocks,
-                             free_token_slots=load.free_token_slots)
-
 
 def ingest_from_proto(m: draft_pb2.IngestItem) -> IngestItem:
     features = tensor_from_proto(m.features) if m.HasField("features") else None

@@ -9,19 +9,14 @@ from pathlib import Path
 
 from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors
+from tandem.load_proto import load_to_proto
 from tandem.tensors import tensor_to_proto
-from tandem.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.parallel import EngineSpec, ParallelEngine
-from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+from target_service.types import SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger("tandem.target")
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-
-
-def load_to_proto(load: KvLoad) -> common_pb2.KvLoad:
-    return common_pb2.KvLoad(num_sequences=load.num_sequences, block_size=load.block_size,
-                             total_blocks=load.total_blocks, free_blocks=load.free_blocks,
-                             free_token_slots=load.free_token_slots)
 
 
 def item_from_proto(m: target_pb2.SequenceStep) -> SequenceStep:
