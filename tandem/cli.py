@@ -11,7 +11,7 @@ commands:
   draft     serve an EAGLE-3 draft head over gRPC, with its own KV cache
   gateway   serve the OpenAI-compatible REST API and gRPC Generation, deciding speculation per step
   serve     start target, draft and gateway together on this machine
-  bench     sweep throughput against concurrency for never/always/auto speculation
+  bench     (not built yet) sweep throughput against concurrency for never/always/auto; see bench/load_sweep.py
   train-draft  train an EAGLE-3 draft head for a Llama-family target (SGLang checkpoint format)
 
 Run `tandem <command> --help` for a command's options.
