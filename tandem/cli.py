@@ -11,7 +11,7 @@ commands:
   draft     serve an EAGLE-3 draft head over gRPC, with its own KV cache
   gateway   serve the OpenAI-compatible REST API and gRPC Generation, deciding speculation per step
   serve     start target, draft and gateway together on this machine
-  bench     (not built yet) sweep throughput against concurrency for never/always/auto; see bench/load_sweep.py
+  bench     sweep throughput against concurrency for never/always/auto; table, JSON and PNG
   train-draft  train an EAGLE-3 draft head for a Llama-family target (SGLang checkpoint format)
 
 Run `tandem <command> --help` for a command's options.
@@ -43,7 +43,13 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway, "serve": _serve, "train-draft": _train_draft}
+def _bench(argv: list[str]) -> int:
+    from tandem.bench import main
+    return main(argv)
+
+
+COMMANDS = {"target": _target, "draft": _draft, "gateway": _gateway, "serve": _serve, "bench": _bench,
+            "train-draft": _train_draft}
 
 
 def main(argv: list[str] | None = None) -> int:

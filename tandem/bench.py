@@ -1,0 +1,241 @@
+"""`tandem bench`: throughput against concurrency for the speculation modes.
+
+Starts `tandem serve` (or uses a running gateway given by --url), sends the
+held-out demo prompts as streaming greedy completions at each concurrency, for
+each mode, and reports per mode and concurrency: total output tok/s, tok/s per
+request, time to first token p50, inter-chunk latency p50/p99 and acceptance
+length (tokens committed per verify step, bonus included). Writes a JSON file
+and a PNG plot of the curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+HELDOUT = REPO / "demo" / "heldout_prompts.jsonl"
+MODES = ("never", "always", "auto")
+
+
+@dataclass
+class RequestResult:
+    seconds: float
+    ttft: float
+    gaps: list[float]  # between streamed chunks after the first
+    tokens: int
+    accepted: int
+    verify_steps: int
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    concurrency: int
+    requests: int
+    total_tok_s: float
+    tok_s_per_request: float
+    ttft_p50_s: float
+    itl_p50_s: float
+    itl_p99_s: float
+    acceptance_length: float | None
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, mode: str, max_tokens: int) -> RequestResult:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "speculation": mode, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, last, gaps, usage, spec = None, None, [], {}, {}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("choices"):
+                if first is None:
+                    first = now
+                elif last is not None:
+                    gaps.append(now - last)
+                last = now
+            if chunk.get("usage"):
+                usage, spec = chunk["usage"], chunk.get("spec_stats") or {}
+    end = time.perf_counter()
+    return RequestResult(end - t0, (first or end) - t0, gaps, usage.get("completion_tokens", 0),
+                         spec.get("accepted_tokens", 0), spec.get("verify_steps", 0))
+
+
+async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, requests: int,
+                    max_tokens: int) -> LevelResult:
+    queue = list(range(requests))
+    results: list[RequestResult] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            i = queue.pop()
+            results.append(await one_request(client, url, prompts[i % len(prompts)], mode, max_tokens))
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r.tokens for r in results)
+    verify = sum(r.verify_steps for r in results)
+    return LevelResult(
+        mode, concurrency, len(results), tokens / wall,
+        statistics.mean(r.tokens / r.seconds for r in results),
+        percentile([r.ttft for r in results], 0.5),
+        percentile([g for r in results for g in r.gaps], 0.5),
+        percentile([g for r in results for g in r.gaps], 0.99),
+        (sum(r.accepted for r in results) + verify) / verify if verify else None)
+
+
+def print_table(rows: list[LevelResult]) -> None:
+    for mode in dict.fromkeys(r.mode for r in rows):
+        print(f"\n{mode}")
+        print(f"{'conc':>5} {'tok/s':>9} {'tok/s/req':>10} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'accept':>7}")
+        for r in rows:
+            if r.mode == mode:
+                acc = f"{r.acceptance_length:.2f}" if r.acceptance_length else "-"
+                print(f"{r.concurrency:>5} {r.total_tok_s:9.1f} {r.tok_s_per_request:10.1f} "
+                      f"{r.ttft_p50_s * 1e3:7.0f}ms {r.itl_p50_s * 1e3:6.1f}ms {r.itl_p99_s * 1e3:6.1f}ms {acc:>7}")
+    by = {(r.mode, r.concurrency): r.total_tok_s for r in rows}
+    concs = sorted({r.concurrency for r in rows})
+    if all((m, c) in by for m in MODES for c in concs):
+        print("\nauto / max(never, always): " + ", ".join(
+            f"c={c}: {by[('auto', c)] / max(by[('never', c)], by[('always', c)]):.2f}" for c in concs))
+
+
+def plot(rows: list[LevelResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(r.mode for r in rows):
+        pts = sorted((r.concurrency, r.total_tok_s) for r in rows if r.mode == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    concs = sorted({r.concurrency for r in rows})
+    ax.set_xticks(concs, [str(c) for c in concs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s (total)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--grpc-port", str(free_port())]
+    for flag in ("model", "draft", "device", "dtype"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: tandem serve exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("error: tandem serve did not become ready")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench", description=__doc__.splitlines()[0] + (
+        " Starts `tandem serve` on the demo pair unless --url is given."))
+    p.add_argument("--url", default=None, help="a running gateway (default: start tandem serve)")
+    p.add_argument("--model", default=None, help="target for the started stack (default: the demo pair)")
+    p.add_argument("--draft", default=None, help="draft for the started stack")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels (default 1,2,4,8,16)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated (default never,always,auto)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--requests-per-level", type=int, default=0,
+                   help="requests per level (default 2 x concurrency, at least 4)")
+    p.add_argument("--prompts", type=Path, default=HELDOUT, help="JSONL with a 'prompt' field per line")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json and bench.png")
+    p.add_argument("--title", default="tandem: throughput against concurrency (demo track)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tqdm import tqdm
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        modes = [m.strip() for m in args.modes.split(",")]
+    except ValueError:
+        raise SystemExit("error: --concurrency takes comma-separated integers") from None
+    if not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1:
+        raise SystemExit("error: --concurrency needs positive integers, --modes a subset of never,always,auto, "
+                         "--max-tokens a positive integer")
+    if not args.prompts.exists():
+        raise SystemExit(f"error: {args.prompts} does not exist")
+    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    proc, url = (None, args.url) if args.url else start_serve(args)
+    rows: list[LevelResult] = []
+    try:
+        with tqdm(total=len(levels) * len(modes), desc="bench", unit="level") as bar:
+            for conc in levels:
+                for mode in modes:
+                    n = args.requests_per_level or max(4, 2 * conc)
+                    bar.set_postfix(mode=mode, concurrency=conc)
+                    rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
+                    bar.update()
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print_table(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"url": args.url or "started tandem serve", "model": args.model or "demo/target",
+            "draft": args.draft or "demo/draft", "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d"),
+            "track": "demo" if not args.model else "custom"}
+    (args.out / "bench.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows]}, indent=1))
+    plot(rows, args.out / "bench.png", args.title)
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    return 0
