@@ -122,6 +122,10 @@ class GatewayCore:
     def ready(self) -> bool:
         return self._ready and not self._draining
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def drain(self, timeout: float) -> None:
         """Refuse new requests, let running ones finish within `timeout`, abort the rest."""
         self._draining = True
@@ -262,14 +266,17 @@ class GatewayCore:
         rep = self.pool.replicas[r.draft_replica]
         return rep if rep.healthy else None
 
+    def _draft_room(self, r: Request) -> int:
+        """Deepest tree worth drafting: the bonus token takes one of the tokens still allowed."""
+        return min(self.max_model_len - len(r.tokens), r.params.max_tokens - len(r.output)) - 1
+
     def _budgets(self, plan: StepPlan) -> dict[str, DraftBudget]:
         cands = []
         for it in plan.items:
             r = it.request
             if not it.is_decode or self._mode(r) == "never" or not self._draft_ready(r):
                 continue
-            room = min(self.max_model_len - len(r.tokens), r.params.max_tokens - len(r.output))
-            if room < 2:
+            if self._draft_room(r) < 1:
                 continue
             cands.append(Candidate(r.request_id, {o: r.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
                                    self._mode(r)))
@@ -282,7 +289,7 @@ class GatewayCore:
         by_id = {it.request.request_id: it.request for it in plan.items}
         for rid, b in list(budgets.items()):
             r = by_id[rid]
-            room = min(self.max_model_len - len(r.tokens), r.params.max_tokens - len(r.output)) - 1
+            room = self._draft_room(r)
             if not b.empty and b.steps > room:
                 budgets[rid] = DraftBudget(room, b.topk, b.num_draft_tokens) if room >= 1 else NO_SPEC
         return budgets

@@ -74,8 +74,8 @@ class _Server(uvicorn.Server):
     drain_seconds: float
 
     def handle_exit(self, sig, frame) -> None:
-        if self.core.ready() or self.core._draining:
-            if not self.core._draining:
+        if self.core.ready() or self.core.draining:
+            if not self.core.draining:
                 log.info("draining for up to %.0f s", self.drain_seconds)
                 threading.Thread(target=self._drain_then_exit, daemon=True).start()
             return

@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from draft_service.types import IngestItem
+from draft_service.types import DraftBudget, IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.types import Delta, DeltaSink, GenerationParams, SpecStats, TokenLogprob
 
@@ -26,9 +26,9 @@ class Phase(enum.Enum):
 class AcceptanceStats:
     """Online acceptance per speculation budget: mean drafted tokens accepted per verify step."""
 
-    totals: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)  # budget -> [sum, n]
+    totals: dict[DraftBudget, list[float]] = field(default_factory=dict)  # budget -> [sum, n]
 
-    def record(self, budget: tuple[int, int, int], accepted: int) -> None:
+    def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
         # Exponential decay keeps the estimate tracking the text the request is producing now.
         s[0] = 0.8 * s[0] + accepted
@@ -41,7 +41,7 @@ class AcceptanceStats:
             s[0] *= factor
             s[1] *= factor
 
-    def mean(self, budget: tuple[int, int, int]) -> tuple[float, float] | None:
+    def mean(self, budget: DraftBudget) -> tuple[float, float] | None:
         s = self.totals.get(budget)
         return None if not s or s[1] == 0 else (s[0] / s[1], s[1])
 

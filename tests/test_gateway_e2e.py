@@ -106,17 +106,22 @@ def stream_text(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> 
     out[key] = "".join(text)
 
 
-def test_32_concurrent_streams_equal_their_solo_runs(stack):
-    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
-    solo = {f"p{i}": greedy(stack, p, "auto", 20)[0] for i, p in enumerate(prompts)}
+def concurrent_streams(url: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Stream every prompt at once (greedy); texts keyed p0, p1, ..."""
     got: dict[str, str] = {}
-    threads = [threading.Thread(target=stream_text, args=(stack.url, p, 20, got, f"p{i}"))
+    threads = [threading.Thread(target=stream_text, args=(url, p, max_tokens, got, f"p{i}"))
                for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
-    assert got == solo
+    return got
+
+
+def test_32_concurrent_streams_equal_their_solo_runs(stack):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    solo = {f"p{i}": greedy(stack, p, "auto", 20)[0] for i, p in enumerate(prompts)}
+    assert concurrent_streams(stack.url, prompts, 20) == solo
     wait_idle(stack)
 
 
@@ -173,14 +178,7 @@ def test_preemption_by_recompute_leaves_output_unchanged(pair, tmp_path):
     try:
         prompts = [p + " " * 20 for p in PROMPTS[:4]]
         solo = {f"p{i}": greedy(st, p, "always", 48)[0] for i, p in enumerate(prompts)}
-        got: dict[str, str] = {}
-        threads = [threading.Thread(target=stream_text, args=(st.url, p, 48, got, f"p{i}"))
-                   for i, p in enumerate(prompts)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert got == solo
+        assert concurrent_streams(st.url, prompts, 48) == solo
         assert "preempting" in st.gateway_log.read_text()
         wait_idle(st)
     finally:
