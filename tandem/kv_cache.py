@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -84,12 +85,15 @@ class PagedKVCache:
         return True
 
     # --- data -------------------------------------------------------------
+    def host_slots(self, seq_id: str, start: int, stop: int) -> np.ndarray:
+        """Flat slot indices (block * block_size + offset) of tokens [start, stop), on the host."""
+        pos = np.arange(start, stop)
+        blocks = np.asarray(self.seqs[seq_id].blocks, dtype=np.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
     def slots(self, seq_id: str, start: int, stop: int) -> torch.Tensor:
-        """Flat slot indices (block * block_size + offset) of tokens [start, stop)."""
-        seq = self.seqs[seq_id]
-        pos = torch.arange(start, stop)
-        blocks = torch.tensor(seq.blocks, dtype=torch.long)[pos // self.block_size]
-        return (blocks * self.block_size + pos % self.block_size).to(self.k[0].device)
+        """host_slots on the cache's device."""
+        return torch.from_numpy(self.host_slots(seq_id, start, stop)).to(self.k[0].device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [len(slots), kv_heads, head_dim]."""

@@ -11,6 +11,7 @@ from the target.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +50,12 @@ class Acceptance:
 
 
 def accept_greedy(tokens: list[int], kids: list[list[int]], root: int,
-                  logits_of: dict[int, torch.Tensor]) -> Acceptance:
+                  argmax_of: Mapping[int, int]) -> Acceptance:
+    """argmax_of[n]: the target's most likely token after node n."""
     accepted: list[int] = []
     node = root
     while True:
-        best = int(torch.argmax(logits_of[node]))
+        best = argmax_of[node]
         nxt = next((c for c in kids[node] if tokens[c] == best), None)
         if nxt is None:
             return Acceptance(accepted, best)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.backend import get_attention_backend
+from kernels.rmsnorm import rms_norm_triton
+from kernels.rope import rope_triton
 from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.layers import Rotary, SafetensorsDir, rms_norm
@@ -129,6 +131,21 @@ class LlamaModel:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.cfg.num_layers * self.kv_heads_local * self.cfg.head_dim * self.dtype.itemsize
 
+    @property
+    def fused_elementwise(self) -> bool:
+        """RMSNorm and RoPE as single Triton kernels (on GPU) instead of ~8 torch ops each."""
+        return self.device.type == "cuda" and self.attention.name == "triton"
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_elementwise:
+            return rms_norm_triton(x, weight, self.cfg.rms_norm_eps)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.fused_elementwise:
+            return rope_triton(x, positions, self.rotary.cos, self.rotary.sin)
+        return self.rotary.apply(x, positions)
+
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:
             dist.all_reduce(x)
@@ -153,11 +170,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if i in feature_layers:
                 captured[i] = x
-            h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+            h = self._norm(x, layer["input_norm"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
-            q = self.rotary.apply(q.view(T, hq, D), positions)
-            k = self.rotary.apply(k.view(T, hkv, D), positions)
+            q = self._rope(q.view(T, hq, D), positions)
+            k = self._rope(k.view(T, hkv, D), positions)
             v = v.view(T, hkv, D)
             new_k.append(k)
             new_v.append(v)
@@ -166,7 +183,7 @@ class LlamaModel:
             if layer["o_bias"] is not None:
                 o = o + layer["o_bias"]
             x = x + o
-            h = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
+            h = self._norm(x, layer["post_norm"])
             gate, up = F.linear(h, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
             m = self._all_reduce(F.linear(F.silu(gate) * up, layer["down"]))
             if layer["down_bias"] is not None:
@@ -174,7 +191,7 @@ class LlamaModel:
             x = x + m
         if cfg.num_layers in feature_layers:
             captured[cfg.num_layers] = x
-        h = rms_norm(x[logit_rows], self.norm, cfg.rms_norm_eps)
+        h = self._norm(x[logit_rows], self.norm)
         logits = F.linear(h, self.lm_head).float()
         features = torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
         return StepOutput(new_k, new_v, logits, features)

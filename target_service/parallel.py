@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,10 @@ import torch.distributed as dist
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.layers import DTYPES
 from tandem.model_config import load_llama_config
+from target_service.cuda_graphs import GraphConfig
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel, ParallelSpec, check_tp
+from target_service.random_model import RandomInit, random_llama_model
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,9 @@ class EngineSpec:
     block_size: int = 16
     kv_cache_gb: float = 1.0
     max_model_len: int | None = None
+    random_weights: bool = False  # benchmarks: draw weights for model_dir's config.json
+    cuda_graphs: bool = True  # on CUDA with TP=1: decode/verify steps replay captured graphs
+    graph_max_batch: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,10 +62,22 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
     if device == "cuda":
         torch.cuda.set_device(tp.rank)
         device = f"cuda:{tp.rank}"
-    model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp)
+    if spec.random_weights:
+        raw = json.loads((Path(spec.model_dir) / "config.json").read_text())
+        model = random_llama_model(load_llama_config(spec.model_dir), DTYPES[spec.dtype], device, tp,
+                                   init=RandomInit.from_config_json(raw))
+    else:
+        model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp)
     num_blocks = spec.num_blocks or max(
         1, int(spec.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * spec.block_size)))
-    return TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len)
+    graphs = None
+    if spec.cuda_graphs and model.device.type == "cuda" and model.attention.name == "triton" and tp.size == 1:
+        graphs = GraphConfig(max_batch=spec.graph_max_batch)
+    engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs)
+    if engine.graphs is not None:
+        log.info("capturing %d CUDA graphs (batch up to %d)", len(engine.graphs.buckets), spec.graph_max_batch)
+        log.info("CUDA graphs captured in %.1f s", engine.graphs.capture_all())
+    return engine
 
 
 def _free_port() -> int:

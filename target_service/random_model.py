@@ -6,6 +6,8 @@ weights are drawn on the model's device as LlamaModel._load asks for them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.backend import get_attention_backend
@@ -21,14 +23,42 @@ LLAMA_31_8B = LlamaConfig(
     eos_token_ids=(128001, 128008, 128009))
 
 
+@dataclass(frozen=True)
+class RandomInit:
+    """How the weights are drawn. With planted_next_token the greedy output is a fixed
+    permutation walk (token t is followed by perm[t]) with a wide margin: embeddings
+    dominate the residual stream (embed_std large, residual_out_std small) and lm_head
+    rows are permuted embeddings. Shapes, and so every cost, are those of the config;
+    only the values differ. A plain random model's top two logits are often closer than
+    bf16 rounding, so its greedy output changes with the batch it runs in, and a
+    recorded continuation could not be replayed."""
+
+    seed: int = 0
+    std: float = 0.02
+    embed_std: float = 0.02
+    residual_out_std: float = 0.02  # o_proj and down_proj
+    planted_next_token: bool = False
+
+    @classmethod
+    def from_config_json(cls, raw: dict) -> RandomInit:
+        """The config.json key "tandem_random_init" (absent: the defaults)."""
+        spec = raw.get("tandem_random_init") or {}
+        unknown = set(spec) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown tandem_random_init field(s): {sorted(unknown)}")
+        return cls(**spec)
+
+
 class RandomWeights:
     """Answers LlamaModel._load's requests the way SafetensorsDir does, with random
     tensors (norm weights 1, matrices N(0, std)) made directly on `device`."""
 
     def __init__(self, cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 std: float = 0.02):
-        self.cfg, self.device, self.dtype, self.std = cfg, device, dtype, std
-        self.gen = torch.Generator(device=device).manual_seed(seed)
+                 std: float = 0.02, init: RandomInit | None = None):
+        self.init = init or RandomInit(seed=seed, std=std)
+        self.cfg, self.device, self.dtype, self.std = cfg, device, dtype, self.init.std
+        self.gen = torch.Generator(device=device).manual_seed(self.init.seed)
+        self._embed: torch.Tensor | None = None
 
     def __contains__(self, name: str) -> bool:
         if name == "lm_head.weight":
@@ -47,13 +77,25 @@ class RandomWeights:
             shape[dim] = len(range(shape[dim])[start:stop])
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=self.device, dtype=self.dtype)
-        out = torch.empty(shape, device=self.device, dtype=self.dtype)
-        return out.normal_(0.0, self.std, generator=self.gen)
+        init = self.init
+        if name == "lm_head.weight" and init.planted_next_token and self._embed is not None:
+            # Row j is the embedding of perm^-1(j): after token t the largest logit is perm(t).
+            order = torch.randperm(shape[0], generator=self.gen, device=self.device)
+            return self._embed[order]
+        std = self.std
+        if name.endswith("embed_tokens.weight"):
+            std = init.embed_std
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = init.residual_out_std
+        out = torch.empty(shape, device=self.device, dtype=self.dtype).normal_(0.0, std, generator=self.gen)
+        if name.endswith("embed_tokens.weight"):
+            self._embed = out
+        return out
 
 
 def random_llama_model(cfg: LlamaConfig, dtype: torch.dtype = torch.bfloat16,
                        device: str | torch.device = "cpu", tp: ParallelSpec | None = None, seed: int = 0,
-                       attention_backend: str | None = None) -> LlamaModel:
+                       attention_backend: str | None = None, init: RandomInit | None = None) -> LlamaModel:
     """LlamaModel(...) for `cfg` with random weights; same attributes as a loaded one."""
     model = LlamaModel.__new__(LlamaModel)
     # Mirrors LlamaModel.__init__ (tests/test_random_model.py checks they agree),
@@ -73,5 +115,5 @@ def random_llama_model(cfg: LlamaConfig, dtype: torch.dtype = torch.bfloat16,
     model.scale = cfg.head_dim ** -0.5
     model.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position, model.device)
     model.attention = get_attention_backend(attention_backend, model.device)
-    model._load(RandomWeights(cfg, model.device, dtype, seed), kv_start)
+    model._load(RandomWeights(cfg, model.device, dtype, seed, init=init), kv_start)
     return model

@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "--num-blocks is 0 (default 1)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest sequence accepted "
                    "(default: the model's max_position_embeddings)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (by default, on "
+                   "CUDA with --tp 1, decode and verify steps replay CUDA graphs captured at start-up)")
+    p.add_argument("--graph-max-batch", type=int, default=128, help="largest batch captured in a CUDA "
+                   "graph; larger steps run eagerly (default 128)")
+    p.add_argument("--random-weights", action="store_true", help="benchmarks only: draw random weights "
+                   "for --model's config.json instead of loading any (realistic step costs, no checkpoint)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -131,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
                                                                  else "float32"),
                       device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
-                      kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len)
+                      kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
+                      random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
+                      graph_max_batch=args.graph_max_batch)
     servicer = TargetServicer(Path(args.model).resolve())
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)

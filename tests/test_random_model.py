@@ -58,3 +58,33 @@ def test_random_weights_slice_like_a_checkpoint():
     assert w.get("model.layers.0.mlp.down_proj.weight", (8, 10), dim=1, start=4, stop=10).shape == (8, 6)
     assert torch.equal(w.get("model.norm.weight", (5,)), torch.ones(5))
     assert "lm_head.weight" in w and "model.layers.0.self_attn.q_proj.bias" not in w
+
+
+def test_planted_model_greedy_output_is_a_wide_margin_permutation_walk():
+    """The scale track's target: greedy output must not depend on bf16 rounding or batching."""
+    from dataclasses import replace
+
+    from target_service.engine import TargetEngine
+    from target_service.random_model import RandomInit
+    from target_service.types import SequenceStep
+
+    cfg = replace(LLAMA_31_8B, vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=64, max_position=256)
+    init = RandomInit(embed_std=1.0, residual_out_std=0.002, planted_next_token=True)
+    model = random_llama_model(cfg, torch.bfloat16, "cpu", init=init)
+    engine = TargetEngine(model, num_blocks=64, block_size=8)
+    prompts = {"a": [3, 9, 27], "b": [100, 200, 27], "c": [5]}
+    out = {r: engine.step([SequenceStep.chain(r, p, create=True, top_logprobs=2)])[0] for r, p in prompts.items()}
+    seqs = {r: [res.tokens[0]] for r, res in out.items()}
+    for _ in range(8):  # decode all three in one batch
+        res = engine.step([SequenceStep.chain(r, [s[-1]], top_logprobs=2) for r, s in seqs.items()])
+        for r in res:
+            seqs[r.request_id].append(r.tokens[0])
+            (_, (top1, top2)), = r.top_logprobs
+            assert top1 - top2 > 5.0  # the margin no rounding can flip
+    # The next token depends on the last one only: prompts ending alike continue alike.
+    assert seqs["a"] == seqs["b"]
+    nxt = {}
+    for s in seqs.values():
+        for x, y in zip(s, s[1:]):
+            assert nxt.setdefault(x, y) == y

@@ -1,0 +1,116 @@
+"""Wall time of a whole TargetEngine.step (host work, forward, acceptance, KV commit), graphs vs eager.
+
+    python bench/engine_step.py --out engine_step.json     # 8B-shaped random bf16 target on a GPU
+    python bench/engine_step.py --tiny                     # CPU smoke run (eager only)
+
+bench/step_cost.py times the model's forward alone; this times what the target
+service does per Step call minus gRPC: build the layout, pack the attention
+metadata, run the forward (a replayed CUDA graph, or eager), move the argmax and
+log-probs to the host, walk acceptance, write the accepted KV. Every request has
+a committed prefix (default 1024 tokens); decode steps are one node, verify
+steps a tree of N nodes (a chain of N/2 with a sibling per level). A benchmark,
+not a test; figures are from the "8B-shaped random weights" track.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from target_service.cuda_graphs import GraphConfig  # noqa: E402
+from target_service.engine import TargetEngine  # noqa: E402
+from target_service.random_model import LLAMA_31_8B, random_llama_model  # noqa: E402
+from target_service.types import SequenceStep  # noqa: E402
+
+
+def tree(root: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    tokens, parents, tip = [root], [-1], 0
+    while len(tokens) < nodes:
+        tokens.append(len(tokens) + 10)
+        parents.append(tip)
+        if len(tokens) < nodes:
+            tokens.append(len(tokens) + 10)
+            parents.append(tip)
+        tip = len(tokens) - 1
+    return tuple(tokens), tuple(parents)
+
+
+def prefill(engine: TargetEngine, batch: int, prefix: int) -> list[str]:
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    g = torch.Generator().manual_seed(batch)
+    for rid in ids:  # one eager chunk per request
+        tokens = torch.randint(0, engine.model.cfg.vocab_size, (prefix,), generator=g).tolist()
+        engine.step([SequenceStep.chain(rid, tokens, create=True)])
+    return ids
+
+
+def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str) -> float:
+    last = {rid: 1 for rid in ids}
+    times = []
+    for _ in range(iters + 3):
+        items = [SequenceStep(rid, *tree(last[rid], nodes), 1) for rid in ids]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.step(items)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        last = {r.request_id: r.tokens[-1] for r in out}
+    return 1000 * statistics.median(times[3:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--nodes", default="1,4,8,16")
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    device = "cpu" if args.tiny else "cuda"
+    cfg = LLAMA_31_8B
+    if args.tiny:
+        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, head_dim=16)
+        args.batches, args.nodes, args.prefix, args.iters = "1,4", "1,4", 32, 2
+    batches = [int(b) for b in args.batches.split(",")]
+    nodes = [int(n) for n in args.nodes.split(",")]
+    model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    blocks = max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
+    modes = {"eager": None} if args.tiny else {"graphs": GraphConfig(max_batch=max(batches), max_nodes=max(nodes)),
+                                               "eager": None}
+    rows = []
+    for mode, graphs in modes.items():
+        engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs)
+        if engine.graphs is not None:
+            print(f"captured {len(engine.graphs.buckets)} graphs in {engine.graphs.capture_all():.1f} s", flush=True)
+        for b in batches:
+            ids = prefill(engine, b, args.prefix)
+            for n in nodes:
+                ms = time_steps(engine, ids, n, args.iters, device)
+                rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms})
+                print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step", flush=True)
+            engine.release(ids)
+        del engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
+                                        "prefix": args.prefix, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The graph path of the target step: padded static buffers give the eager step's results.
+
+On CPU the buffers run eagerly (GraphConfig(capture=False)) with the Triton
+kernels under TRITON_INTERPRET=1; on a GPU the same test captures real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_service.cuda_graphs import GraphConfig
+from target_service.engine import TargetEngine
+from target_service.model import LlamaModel
+from target_service.types import SequenceStep
+from tests.test_target_verify import PROMPT, tree_with_path
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama):
+    path = tiny_llama("gqa")
+    return LlamaModel(path, device=DEVICE, attention_backend="torch"), \
+        LlamaModel(path, device=DEVICE, attention_backend="triton")
+
+
+def engines(models):
+    eager = TargetEngine(models[0], num_blocks=96, block_size=4)
+    graphs = TargetEngine(models[1], num_blocks=96, block_size=4,
+                          graphs=GraphConfig(max_batch=4, max_nodes=16, max_tokens=64,
+                                             capture=DEVICE == "cuda"))
+    return eager, graphs
+
+
+def run_both(eager, graphs, items, **kw):
+    a, b = eager.step(items, **kw), graphs.step(items, **kw)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens and x.accepted_nodes == y.accepted_nodes
+        assert x.num_committed == y.num_committed
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+        if x.features is not None:
+            assert torch.allclose(x.features, y.features, atol=1e-4)
+    return a
+
+
+def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
+    eager, graphs = engines(models)
+    prompts = {f"r{i}": [(t * (i + 3)) % 97 + 1 for t in PROMPT][: 3 + 2 * i] for i in range(3)}
+    first = run_both(eager, graphs, [SequenceStep.chain(r, p, create=True) for r, p in prompts.items()])
+    assert graphs.graphs.replays == 0  # prefill runs eagerly
+    last = {r.request_id: r.tokens[-1] for r in first}
+    for step in range(6):
+        items = []
+        for i, rid in enumerate(prompts):
+            if (step + i) % 3 == 0:  # plain decode
+                items.append(SequenceStep.chain(rid, [last[rid]]))
+            else:  # a tree with siblings and dead branches, some of it right by chance
+                toks, parents = tree_with_path(last[rid], [(last[rid] * 7 + k) % 97 for k in range(2 + i)],
+                                               {1: [5], 2: [9, 11]})
+                items.append(SequenceStep(rid, tuple(toks), tuple(parents), 1, top_logprobs=3,
+                                          return_features=step == 2))
+        # Ragged batches: drop one request now and then (batch 3 pads to bucket 4, 2 stays 2).
+        items = items if step % 2 else items[:2]
+        results = run_both(eager, graphs, items)
+        last.update({r.request_id: r.tokens[-1] for r in results})
+    assert graphs.graphs.replays == 6
+    for rid in prompts:  # the committed caches agree too
+        n = eager.kv.seqs[rid].length
+        assert graphs.kv.seqs[rid].length == n
+        for layer in range(len(eager.kv.k)):
+            ka, _ = eager.kv.read(layer, eager.kv.slots(rid, 0, n))
+            kb, _ = graphs.kv.read(layer, graphs.kv.slots(rid, 0, n))
+            assert torch.allclose(ka, kb, atol=1e-5)
+
+
+def test_steps_outside_every_bucket_run_eagerly(models):
+    eager, graphs = engines(models)
+    rids = [f"s{i}" for i in range(5)]
+    first = run_both(eager, graphs, [SequenceStep.chain(r, PROMPT, create=True) for r in rids])
+    # 5 sequences is over max_batch 4: eager, same result.
+    run_both(eager, graphs, [SequenceStep.chain(r.request_id, [r.tokens[-1]]) for r in first])
+    assert graphs.graphs.replays == 0
+    # A 20-node tree is over max_nodes 16.
+    toks = [first[0].tokens[-1]] + list(range(1, 20))
+    run_both(eager, graphs, [SequenceStep(rids[0], tuple(toks), (-1,) + (0,) * 19, 1)])
+    assert graphs.graphs.replays == 0
