@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from draft_service.engine import DraftEngine
+from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
 from draft_service.model import Eagle3Draft
 from draft_service.types import (
     MAX_DRAFT_TOKENS,
@@ -66,6 +67,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.model_name = model_name
         self.target_model_name = target_model_name
         self.engine: DraftEngine | None = None
+        self.forcing: ForcedProposals | None = None  # benchmarks' scale track only
         # One engine call at a time: requests' state and the KV cache are shared.
         self._lock = threading.Lock()
 
@@ -102,6 +104,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         items = [item_from_proto(m) for m in request.items]
         with self._lock:
             trees = engine.draft(items, ingest)
+            if self.forcing is not None:
+                trees = [self.forcing.rewrite(t, engine.requests[t.request_id].tokens) for t in trees]
             load = engine.load()
             seconds = engine.last_call_seconds
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
@@ -128,6 +132,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         engine = self._ready()
         with self._lock:
             n = engine.release(list(request.request_ids))
+            if self.forcing is not None:
+                self.forcing.release(list(request.request_ids))
             load = engine.load()
         return draft_pb2.DraftReleaseResponse(released=n, load=load_to_proto(load))
 
@@ -156,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=0, help="KV blocks; 0 sizes the cache from --kv-cache-gb")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache size in GiB when --num-blocks "
                    "is 0 (default 0.5: the draft has one layer, so that holds many tokens)")
+    bench = p.add_argument_group("benchmarks only (the scale track; see draft_service/forcing.py)")
+    bench.add_argument("--force-record", metavar="JSONL", default=None,
+                       help="recorded greedy outputs of the target, one {\"tokens\": [...]} per prompt: the "
+                       "draft still runs, then its trees' main paths are set to the record")
+    bench.add_argument("--force-acceptance", type=float, default=0.8, metavar="P",
+                       help="per-token probability that a forced main-path token is right (default 0.8)")
+    bench.add_argument("--force-seed", type=int, default=0, help="seed of the forced draws (default 0)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -176,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible")
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name)
+    forcing, records = None, []
+    if args.force_record:  # checked before the (possibly long) model load
+        try:
+            forcing = ForcingConfig(args.force_record, args.force_acceptance, args.force_seed)
+            records = load_records(forcing.record)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
     host.start()  # health says NOT_SERVING until the model is loaded
@@ -188,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         host.stop(0)
         raise SystemExit(f"error: cannot load draft {args.model}: {exc}") from None
     info, load = servicer.engine.info(), servicer.engine.load()
+    if forcing is not None:
+        servicer.forcing = ForcedProposals(forcing, records, info.target_vocab_size)
+        log.info("forcing proposals to %d recorded outputs at acceptance %.2f (benchmark scale track)",
+                 len(records), forcing.acceptance)
     log.info("ready: target feature layers %s, %d KV blocks of %d tokens", list(info.feature_layers),
              load.total_blocks, load.block_size)
     host.set_serving(True)
