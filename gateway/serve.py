@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree size for `always`, root included (default 8)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="target KV cache per GPU/rank in GiB (default: the target's)")
+    p.add_argument("--target-args", metavar="ARGS", default="",
+                   help="more arguments for each `tandem target` child, as one quoted string "
+                        "(e.g. \"--no-cuda-graphs --num-blocks 4096\"; see tandem target --help)")
+    p.add_argument("--draft-args", metavar="ARGS", default="",
+                   help="more arguments for each `tandem draft` child, as one quoted string")
     p.add_argument("--log-dir", metavar="DIR", default=None,
                    help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
@@ -147,6 +153,11 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise ServeError(f"{flag} must be a port number (1-65535), got {value}")
     if args.port == args.grpc_port:
         raise ServeError("--port and --grpc-port must differ")
+    for flag, value in (("--target-args", args.target_args), ("--draft-args", args.draft_args)):
+        try:
+            shlex.split(value)
+        except ValueError as exc:
+            raise ServeError(f"{flag}: cannot split {value!r} into arguments ({exc})") from None
     for flag, value in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if not port_is_free(args.host, value):
             raise ServeError(f"{flag} {value}: {args.host}:{value} is already in use")
@@ -179,7 +190,7 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> lis
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gb:
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    return cmd
+    return cmd + shlex.split(args.target_args)
 
 
 def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> list[str]:
@@ -188,7 +199,7 @@ def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> list
            "--port-file", str(port_file), "--device", plan.device]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    return cmd
+    return cmd + shlex.split(args.draft_args)
 
 
 def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: list[str]) -> list[str]:

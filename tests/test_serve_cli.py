@@ -74,6 +74,8 @@ def test_bad_flags_are_errors_before_anything_starts(dirs, tmp_path, capsys):
         port = busy.getsockname()[1]
         assert serve.main(["--model", str(model), "--port", str(port)]) == 2
         assert "already in use" in capsys.readouterr().err
+    assert serve.main(["--model", str(model), "--target-args", "'unclosed"]) == 2
+    assert "--target-args: cannot split" in capsys.readouterr().err
 
 
 def test_child_command_lines(dirs, tmp_path):
@@ -95,6 +97,11 @@ def test_child_command_lines(dirs, tmp_path):
         "--spec-steps", "5", "--spec-topk", "4", "--spec-draft-tokens", "8", "--api-key", "k",
         "--max-queue", "7", "--max-model-len", "4096", "--otlp-endpoint", "http://c:4317"]
     assert "--draft" not in serve.gateway_command(args, plan, "127.0.0.1:1", [])
+    # Extra child arguments are appended as the shell would split them.
+    args = serve.build_parser().parse_args(["--model", str(model), "--target-args=--random-weights --num-blocks 9",
+                                            "--draft-args", "--force-record 'a b.jsonl'"])
+    assert serve.target_command(args, plan, tmp_path / "t.port")[-3:] == ["--random-weights", "--num-blocks", "9"]
+    assert serve.draft_command(args, plan, tmp_path / "d.port")[-2:] == ["--force-record", "a b.jsonl"]
 
 
 class ServeProcess:
