@@ -41,18 +41,29 @@ SHAPES = {
 def write_pair(root: Path, s: dict, dtype: torch.dtype, device: str) -> tuple[Path, Path]:
     target, draft = root / "target", root / "draft"
     target.mkdir()
-    draft.mkdir()
+    (target / "config.json").write_text(json.dumps(dict(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"], max_position_embeddings=8192, rms_norm_eps=1e-5)))
+    embed = (torch.randn(s["vocab"], s["hidden"], device=device) * 0.02).to(dtype).cpu()
+    save_file({"model.embed_tokens.weight": embed}, str(target / "model.safetensors"))
+    write_draft(draft, s, dtype, device)
+    return target, draft
+
+
+def write_draft(draft: Path, s: dict, dtype: torch.dtype, device: str, seed: int = 0,
+                lm_head_std: float = 0.02) -> Path:
+    """A random EAGLE-3 head of shape `s` in SGLang's format (the target's files are not read here).
+    A large lm_head_std makes it confident (top-1 log-prob near 0), so its trees grow deep
+    along one path, as a well-trained head's do."""
+    draft.mkdir(parents=True)
     H, D = s["hidden"], s["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, device=device) * 0.02).to(dtype).cpu()
+        return (torch.randn(*shape, device=device, generator=gen) * 0.02).to(dtype).cpu()
 
-    (target / "config.json").write_text(json.dumps(dict(
-        vocab_size=s["vocab"], hidden_size=H, intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=D,
-        max_position_embeddings=8192, rms_norm_eps=1e-5)))
-    save_file({"model.embed_tokens.weight": rnd(s["vocab"], H)}, str(target / "model.safetensors"))
-    hot = torch.randperm(s["vocab"])[:s["draft_vocab"]].sort().values
+    hot = torch.randperm(s["vocab"], generator=torch.Generator().manual_seed(seed))[:s["draft_vocab"]].sort().values
     t2d = torch.zeros(s["vocab"], dtype=torch.bool)
     t2d[hot] = True
     p = "midlayer."
@@ -65,7 +76,8 @@ def write_pair(root: Path, s: dict, dtype: torch.dtype, device: str) -> tuple[Pa
         p + "self_attn.v_proj.weight": rnd(s["kv_heads"] * D, 2 * H),
         p + "self_attn.o_proj.weight": rnd(H, s["heads"] * D),
         p + "mlp.gate_proj.weight": rnd(s["inter"], H), p + "mlp.up_proj.weight": rnd(s["inter"], H),
-        p + "mlp.down_proj.weight": rnd(H, s["inter"]), "lm_head.weight": rnd(s["draft_vocab"], H),
+        p + "mlp.down_proj.weight": rnd(H, s["inter"]),
+        "lm_head.weight": rnd(s["draft_vocab"], H) * (lm_head_std / 0.02),
         "d2t": hot - torch.arange(s["draft_vocab"]), "t2d": t2d,
     }, str(draft / "model.safetensors"))
     (draft / "config.json").write_text(json.dumps(dict(
@@ -73,7 +85,7 @@ def write_pair(root: Path, s: dict, dtype: torch.dtype, device: str) -> tuple[Pa
         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=D, num_hidden_layers=1,
         vocab_size=s["vocab"], draft_vocab_size=s["draft_vocab"], max_position_embeddings=8192,
         rms_norm_eps=1e-5)))
-    return target, draft
+    return draft
 
 
 def sync(device: str) -> None:
