@@ -16,10 +16,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from draft_service.model import Eagle3Draft
-from draft_service.tree_growth import TreeGrowth
+from draft_service.tree_growth import TreeGrowth, top_children
 from draft_service.types import (
     MAX_STEPS,
     DraftInfo,
@@ -51,7 +52,8 @@ class _Growing:
     growth: TreeGrowth
     length: int  # computed draft positions (= root position)
     root_h: torch.Tensor
-    prefix_slots: torch.Tensor
+    prefix_slots: torch.Tensor  # host
+    block_table: list[int]  # host; with host masks, the kernel's metadata needs no device reads
     nodes: list[int] = field(default_factory=list)  # candidates run through the model so far
     node_parent: list[int] = field(default_factory=list)  # index into nodes, -1 = the root
     k: torch.Tensor | None = None  # scratch K/V of `nodes`
@@ -194,7 +196,7 @@ class DraftEngine:
         model, dev = self.model, self.model.device
         next_tokens: list[int] = []
         positions: list[int] = []
-        starts, counts, prefix, masks = [], [], [], []
+        starts, counts, prefix, masks, tables = [], [], [], [], []
         feat_rows, feat_at, h_rows, h_at = [], [], [], []
         for rid, a, b in batch:
             st, row = self.requests[rid], len(next_tokens)
@@ -202,8 +204,9 @@ class DraftEngine:
             positions += range(a, b)
             starts.append(row)
             counts.append(b - a)
-            prefix.append(self.kv.slots(rid, 0, a))
-            masks.append(torch.ones(b - a, b - a, dtype=torch.bool, device=dev).tril())
+            prefix.append(torch.from_numpy(self.kv.host_slots(rid, 0, a)))
+            tables.append(list(self.kv.seqs[rid].blocks))
+            masks.append(torch.ones(b - a, b - a, dtype=torch.bool).tril())
             for p in range(a, b):
                 if p in st.features:
                     feat_rows.append(st.features[p])
@@ -217,11 +220,11 @@ class DraftEngine:
             g[torch.tensor(feat_at, device=dev)] = model.project(torch.stack(feat_rows))
         if h_rows:
             g[torch.tensor(h_at, device=dev)] = torch.stack(h_rows)
-        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks))
+        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks), tuple(tables))
         k, v, h = model.forward(torch.tensor(next_tokens, device=dev), g, torch.tensor(positions, device=dev),
                                 layout, self.kv)
-        slots = torch.cat([self.kv.slots(rid, a, b) for rid, a, b in batch])
-        self.kv.write(0, slots, k, v)
+        slots = np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch])
+        self.kv.write(0, torch.from_numpy(slots).to(dev), k, v)
         for (rid, a, b), row, n in zip(batch, starts, counts):
             st = self.requests[rid]
             self.kv.seqs[rid].length = b
@@ -272,13 +275,15 @@ class DraftEngine:
             # A request with one known token has no draft position yet: no tree.
             if not it.budget.empty and st.last_h is not None:
                 growing.append(_Growing(tree, TreeGrowth(it.budget), n, st.last_h,
-                                        self.kv.slots(it.request_id, 0, n)))
+                                        torch.from_numpy(self.kv.host_slots(it.request_id, 0, n)),
+                                        list(self.kv.seqs[it.request_id].blocks)))
         if not growing:
             return trees
         # Level 0: the root's children come from the last computed position.
         lp = self.model.logprobs(torch.stack([g.root_h for g in growing]))
+        ids, lps = top_children(lp, max(g.growth.budget.topk for g in growing))
         for i, g in enumerate(growing):
-            g.growth.expand(lp[i:i + 1])
+            g.growth.expand_ranked(ids[i:i + 1], lps[i:i + 1])
         while active := [g for g in growing if not g.growth.done]:
             self._tree_level(active)
         for g in growing:
@@ -304,7 +309,7 @@ class DraftEngine:
         g = torch.stack(g_rows)
         q_new, k_new, v_new = model.attention_inputs(torch.tensor(tokens, device=dev), g,
                                                      torch.tensor(positions, device=dev))
-        qs, ks, vs, starts, counts, prefix, masks, new_rows = [], [], [], [], [], [], [], []
+        qs, ks, vs, starts, counts, prefix, masks, tables, new_rows = [], [], [], [], [], [], [], [], []
         row = new = 0
         for a in active:
             f = len(a.growth.frontier)
@@ -321,20 +326,21 @@ class DraftEngine:
             starts.append(row)
             counts.append(old + f)
             prefix.append(a.prefix_slots)
-            masks.append(ancestor_mask(a.node_parent).to(dev))
+            tables.append(a.block_table)
+            masks.append(ancestor_mask(a.node_parent))
             new_rows += range(row + old, row + old + f)
             row += old + f
             new += f
-        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks))
+        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks), tuple(tables))
         attn = model.attend(torch.cat(qs), torch.cat(ks), torch.cat(vs), layout, self.kv)
         h = model.finish(attn[torch.tensor(new_rows, device=dev)], g)
-        lp = model.logprobs(h)
+        ids, lps = top_children(model.logprobs(h), max(a.growth.budget.topk for a in active))
         new = 0
         for a in active:
             frontier = a.growth.frontier
             for i, c in enumerate(frontier):
                 a.h[c] = h[new + i]
-            a.growth.expand(lp[new:new + len(frontier)])
+            a.growth.expand_ranked(ids[new:new + len(frontier)], lps[new:new + len(frontier)])
             new += len(frontier)
 
     def _emit(self, g: _Growing) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -23,6 +24,7 @@ from draft_service.types import (
     IngestItem,
     RequestStatus,
 )
+from kernels.tree_attention import warm_up
 from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.layers import DTYPES
@@ -178,6 +180,10 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
     model = Eagle3Draft(args.model, args.target_model, dtype, args.device)
     num_blocks = args.num_blocks or max(
         1, int(args.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * args.block_size)))
+    if model.device.type == "cuda" and model.attention.name == "triton":
+        t0 = time.perf_counter()
+        n = warm_up(model.num_heads, model.num_kv_heads, model.head_dim, args.block_size, model.dtype, model.device)
+        log.info("compiled %d tree-attention variants in %.1f s", n, time.perf_counter() - t0)
     return DraftEngine(model, num_blocks, args.block_size)
 
 

@@ -26,6 +26,14 @@ def ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def top_children(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The k best children of each row of [rows, vocab] log-probs, ranked as `ranked` does,
+    as host lists. The sort runs where the log-probs are (the GPU for a GPU draft): one
+    small copy for all rows instead of every row's full vocabulary."""
+    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return ids[:, :k].cpu().tolist(), values[:, :k].double().cpu().tolist()
+
+
 @dataclass
 class TreeGrowth:
     budget: DraftBudget
@@ -44,21 +52,25 @@ class TreeGrowth:
     def expand(self, logprobs: torch.Tensor) -> list[int]:
         """Add the next level given log-probs [rows, vocab] below the nodes being expanded:
         one row (the root) at level 0, one per frontier node after. Returns the new frontier."""
+        ids, lps = top_children(logprobs, self.budget.topk)
+        return self.expand_ranked(ids, lps)
+
+    def expand_ranked(self, child_ids: list[list[int]], child_lp: list[list[float]]) -> list[int]:
+        """expand() from each expanded node's children already ranked (top_children): rows
+        as in expand(), at least topk columns (extra ones are ignored)."""
         k = self.budget.topk
         parents = [-1] if self.level == 0 else self.frontier
-        if logprobs.shape[0] != len(parents):
-            raise ValueError(f"expected {len(parents)} rows of log-probs, got {logprobs.shape[0]}")
-        logprobs = logprobs.double().cpu()  # scores add up in float64: fewer ties
-        child_ids = ranked(logprobs, k)  # [rows, k]
-        child_lp = logprobs.gather(1, child_ids)
-        base = torch.tensor([0.0 if p < 0 else self.scores[p] for p in parents], dtype=torch.float64)[:, None]
-        cand_scores = (base + child_lp).flatten()
+        if len(child_ids) != len(parents):
+            raise ValueError(f"expected {len(parents)} rows of children, got {len(child_ids)}")
         first = len(self.tokens)
-        self.tokens += child_ids.flatten().tolist()
-        self.parents += [p for p in parents for _ in range(k)]
-        self.levels += [self.level] * cand_scores.numel()
-        self.logprobs += child_lp.flatten().tolist()
-        self.scores += cand_scores.tolist()
+        for p, ids, lps in zip(parents, child_ids, child_lp):
+            base = 0.0 if p < 0 else self.scores[p]
+            self.tokens += ids[:k]
+            self.parents += [p] * k
+            self.levels += [self.level] * k
+            self.logprobs += lps[:k]
+            self.scores += [base + lp for lp in lps[:k]]  # float64: fewer ties
+        cand_scores = torch.tensor(self.scores[first:], dtype=torch.float64)
         self.frontier = sorted(first + i for i in ranked(cand_scores, k).tolist())
         self.level += 1
         return self.frontier

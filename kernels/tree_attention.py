@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import interpreting, tl, triton
-from kernels.tree_metadata import TreeAttnMetadata, metadata_from_layout
+from kernels.tree_metadata import TreeAttnMetadata, build_tree_metadata, choose_block_m, metadata_from_layout
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,12 @@ def _logits(q, k, qk_scale, F32_DOT: tl.constexpr):
     return s * qk_scale
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised: Triton
+# compiles a variant per (== 1, % 16 == 0, other) class of each int argument, and
+# these classes vary with batch and prefix, so a served step could stop for a
+# compile whenever a new combination shows up. Only constexprs pick variants now,
+# and warm_up() compiles them all at start-up.
+@triton.jit(do_not_specialize=["bt_off", "info_off", "tile_off", "bt_stride", "mw_stride", "num_splits"])
 def _tree_attention_kernel(
     Q, K, V, KC, VC, Out, PartOut, PartLse, Ints, MaskWords,
     bt_off, info_off, tile_off, bt_stride, mw_stride,
@@ -189,7 +194,7 @@ def _tree_attention_kernel(
                  out.to(Out.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["info_off", "tile_off", "num_splits"])
 def _merge_splits_kernel(
     PartOut, PartLse, Ints, Out, info_off, tile_off,
     sp_s, sp_t, sp_h, sl_s, sl_t, so_t, so_h, num_splits,
@@ -282,3 +287,28 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             HEAD_DIM=D, num_warps=4,
         )
     return out
+
+
+def warm_up(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+            device: torch.device | str) -> int:
+    """Compile every kernel variant a model with these shapes can need (tile heights, with
+    and without prefix splits, each merge width), so no served step waits for Triton.
+    Returns the number of variants run."""
+    device = torch.device(device)
+    group = num_q_heads // num_kv_heads
+    cache_k = torch.zeros(4, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache_v = torch.zeros_like(cache_k)
+    prefix = 3 * block_size
+    runs = 0
+    for block_m in sorted({choose_block_m(n, group) for n in (1, 8, 16, 64, 1024)}):
+        nodes = max(1, block_m // group)
+        q = torch.zeros(nodes, num_q_heads, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(nodes, num_kv_heads, head_dim, dtype=dtype, device=device)
+        mask = torch.ones(nodes, nodes, dtype=torch.bool).tril()
+        for splits in (1, 2, 4, 8, 16, 32):
+            meta = build_tree_metadata([[0, 1, 2]], [prefix], [0], [mask], block_size=block_size,
+                                       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, device=device,
+                                       num_splits=splits, block_m=block_m)
+            tree_attention_triton(q, k, k, cache_k, cache_v, meta, 1.0)
+            runs += 1
+    return runs

@@ -15,12 +15,14 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from kernels.tree_attention import warm_up
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.layers import DTYPES
 from tandem.model_config import load_llama_config
@@ -70,6 +72,11 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
         model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp)
     num_blocks = spec.num_blocks or max(
         1, int(spec.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * spec.block_size)))
+    if model.device.type == "cuda" and model.attention.name == "triton":
+        t0 = time.perf_counter()
+        n = warm_up(model.heads_local, model.kv_heads_local, model.cfg.head_dim, spec.block_size, model.dtype,
+                    model.device)
+        log.info("compiled %d tree-attention variants in %.1f s", n, time.perf_counter() - t0)
     graphs = None
     if spec.cuda_graphs and model.device.type == "cuda" and model.attention.name == "triton" and tp.size == 1:
         graphs = GraphConfig(max_batch=spec.graph_max_batch)

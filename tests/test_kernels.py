@@ -350,3 +350,13 @@ def test_model_backends_agree(tiny_llama, device):
     rows = torch.arange(5, device=device)
     logits = {name: m.forward(tokens, positions, layout, kv, rows).logits for name, m in models.items()}
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warm_up_compiles_every_variant_and_changes_nothing(device):
+    from kernels.tree_attention import warm_up
+
+    # Tile heights 16, 32, 64, each with no split and 2..32 splits (every merge width).
+    assert warm_up(8, 2, 16, 4, torch.float32, device) == 18
+    step = make_step(scenarios(device)["mixed"], SHAPES[device].gqa[1], device, torch.float32)
+    torch.testing.assert_close(run_triton(step, device), reference(step, 0.17), **TOL[torch.float32])
