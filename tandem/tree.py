@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 
@@ -41,14 +44,21 @@ def depths(parents: list[int] | tuple[int, ...]) -> list[int]:
 
 
 def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """[n, n] bool: mask[i, j] is True when j is i or an ancestor of i."""
+    """[n, n] bool: mask[i, j] is True when j is i or an ancestor of i. Shared between
+    calls with the same tree (a batch repeats few shapes): read it, never write it."""
+    return _ancestor_mask(tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    # numpy rows: a per-row torch op costs microseconds, and a step builds hundreds of rows.
     n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask = np.zeros((n, n), dtype=bool)
     for i, p in enumerate(parents):
         if p >= 0:
             mask[i] = mask[p]
         mask[i, i] = True
-    return mask
+    return torch.from_numpy(mask)
 
 
 def children(parents: list[int] | tuple[int, ...]) -> list[list[int]]:
