@@ -70,8 +70,10 @@ class TreeGrowth:
             self.levels += [self.level] * k
             self.logprobs += lps[:k]
             self.scores += [base + lp for lp in lps[:k]]  # float64: fewer ties
-        cand_scores = torch.tensor(self.scores[first:], dtype=torch.float64)
-        self.frontier = sorted(first + i for i in ranked(cand_scores, k).tolist())
+        # A few dozen candidates: a Python sort (same order as `ranked`) beats a torch call.
+        new = self.scores[first:]
+        best = sorted(range(len(new)), key=lambda i: (-new[i], i))[:k]
+        self.frontier = sorted(first + i for i in best)
         self.level += 1
         return self.frontier
 
