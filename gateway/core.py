@@ -247,7 +247,12 @@ class GatewayCore:
         self.metrics.requests_waiting.set(len(self.waiting))
         seconds = time.perf_counter() - t0
         self.metrics.step_seconds.observe(seconds)
-        if any(it.is_decode and self._mode(it.request) == "auto" for it in plan.items):
+        # Only decode steps measure what the policy chooses between: prefill work in a step
+        # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
+        decode = all(it.is_decode for it in plan.items)
+        if decode and len(steps) < self.gate.min_batch:  # from min_batch on, the gate measures
+            self.costs.observe(plan.num_tokens, len(steps), [plan.budgets[rid] for rid in trees], seconds)
+        if decode and any(self._mode(it.request) == "auto" for it in plan.items):
             committed = sum(len(res.tokens) for it, res in zip(plan.items, results, strict=True) if it.is_decode)
             self.gate.record(len(steps), bool(trees), committed, seconds)
 
@@ -282,9 +287,10 @@ class GatewayCore:
                                    self._mode(r)))
         if cands and not self.gate.allow_spec(len(plan.items)):
             cands = [c for c in cands if c.mode != "auto"]  # measured: plain decode pays at this load
+        probe = bool(cands) and self.gate.probing_spec(len(plan.items))
         other = [it for it in plan.items if it.request.request_id not in {c.key for c in cands}]
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands,
-                                 sum(len(it.tokens) for it in other), len(other))
+                                 sum(len(it.tokens) for it in other), len(other), probe)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
         for rid, b in list(budgets.items()):
@@ -305,7 +311,12 @@ class GatewayCore:
     def _track_quiet(self, plan: StepPlan) -> None:
         if any(not b.empty for b in plan.budgets.values()) or len(plan.items) < self.gate.min_batch:
             self._quiet = 0  # speculating, or too light a load for feature traffic to matter
-        elif any(it.is_decode and self._mode(it.request) == "auto" for it in plan.items):
+        elif self._quiet >= self.QUIET_STEPS or any(
+                it.is_decode and self._mode(it.request) == "auto" and self._draft_ready(it.request)
+                for it in plan.items):
+            # A step counts once auto could have drafted and chose not to: drafts still taking in
+            # the prompts of a filling batch are no verdict, and going dormant then (seen on the
+            # CI machine) kept 48 requests from ever being offered a tree.
             self._quiet += 1
 
     def _dormant(self, r: Request) -> bool:

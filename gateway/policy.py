@@ -56,9 +56,13 @@ class CostModel:
     target: base + per_token * tokens + per_seq * sequences
     draft:  base + per_level * deepest tree + per_expansion * sum(steps * topk)
 
-    The profile sees each service alone; what it misses under load (gateway
-    work, the draft's catch-up, contention on shared cores) is caught by
-    LoadGate, which measures whole steps.
+    The profile sees each service alone, and on a busy host through noise (on
+    the 2-core CI machine one start-up put the draft call's fixed cost at 38 ms,
+    others at 5-18 ms; with it `auto` decoded a lone request plainly, at 0.66x
+    the speed its trees measured). So light-load decode steps correct it:
+    `ratios` holds measured over profiled wall time per batch bucket, for steps
+    with trees and without, and scales what `step_time` predicts. From
+    LoadGate.min_batch on, the gate compares whole steps instead.
     """
 
     target_base: float = 5e-3
@@ -67,6 +71,7 @@ class CostModel:
     draft_base: float = 2e-3
     draft_per_level: float = 1e-3
     draft_per_expansion: float = 5e-5
+    ratios: dict[tuple[int, bool], float] = field(default_factory=dict)  # (batch bucket, trees?) -> ratio
 
     def target_time(self, tokens: int, seqs: int) -> float:
         return self.target_base + self.target_per_token * tokens + self.target_per_seq * seqs
@@ -78,8 +83,23 @@ class CostModel:
         return (self.draft_base + self.draft_per_level * max(b.steps for b in live)
                 + self.draft_per_expansion * sum(b.steps * b.topk for b in live))
 
-    def step_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
+    def profiled_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
         return self.target_time(tokens, seqs) + self.draft_time(budgets)
+
+    def step_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
+        key = (batch_bucket(seqs), any(not b.empty for b in budgets))
+        return self.profiled_time(tokens, seqs, budgets) * self.ratios.get(key, 1.0)
+
+    def observe(self, tokens: int, seqs: int, budgets: list[DraftBudget], seconds: float) -> None:
+        """A decode step of `seqs` sequences and `tokens` fixed tokens, with these trees, took `seconds`."""
+        predicted = self.profiled_time(tokens + sum(b.max_nodes for b in budgets), seqs, budgets)
+        if predicted <= 0 or seconds <= 0:
+            return
+        key = (batch_bucket(seqs), any(not b.empty for b in budgets))
+        # Starts from the profile (ratio 1) and moves a fifth of the way per step, so one
+        # step stalled by the host, or the slow first tree of a request, cannot swing it.
+        ratio = min(max(seconds / predicted, 0.25), 4.0)
+        self.ratios[key] = 0.8 * self.ratios.get(key, 1.0) + 0.2 * ratio
 
 
 @dataclass
@@ -92,6 +112,16 @@ class AcceptanceBook:
     # weigh as much as the prior.
     prior_share: float = 0.5
     prior_weight: float = 2.0
+    # Once auto stops speculating nothing refreshes these figures (nor the cost model's
+    # ratio for steps with trees), so a few unlucky trees (the first steps after a prompt
+    # are the hardest to guess) would rule speculation out for the life of the server.
+    # After `explore_after` steps in which auto had candidates and chose no tree, the
+    # most promising one gets a tree anyway. A draft that is never right costs one tree
+    # per `explore_after` quiet steps: bounded, unlike fading the evidence towards the
+    # prior, whose retry rate grows as speculation looks cheaper (tried: with a random
+    # draft on the demo target, 23% of a lone request's steps went to trees).
+    explore_after: int = 32
+    quiet_steps: int = 0  # steps since auto last chose a tree
 
     def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
@@ -119,13 +149,18 @@ class Candidate:
     mode: str  # the request's effective mode
 
 
-def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook,
-                   candidates: list[Candidate], other_tokens: int, other_seqs: int) -> dict[str, DraftBudget]:
+def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
+                   other_tokens: int, other_seqs: int, probe: bool = False) -> dict[str, DraftBudget]:
     """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
 
     For `auto`, each option o is tried on the k requests expected to accept most
     under it, for every k; the (o, k) with the highest goodput wins. That is
     O(options * requests) per step, cheap enough to run every step at batch 256.
+    Figures nothing refreshes go stale, so trees are sometimes drafted although
+    the figures say they do not pay: every auto candidate gets the option that
+    comes closest while the load gate measures trees at this load (`probe`: a
+    probe the figures decline would measure nothing), and the best single tree
+    is taken after `book.explore_after` steps without one.
     """
     out = {c.key: NO_SPEC for c in candidates}
     auto = []
@@ -142,18 +177,29 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook,
     base_committed = float(len(candidates))  # + the fixed-budget requests' acceptance, same for all choices
     best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed)
     best: tuple[DraftBudget, list[Candidate]] | None = None
+    single: tuple[float, DraftBudget, Candidate] | None = None  # the best one-tree choice
+    every: tuple[float, DraftBudget] | None = None  # the best option given to every auto candidate
     for o in cfg.auto_options():
         ranked = sorted(auto, key=lambda c: -book.expected(o, c.own_stats.get(o)))
         committed, tokens = base_committed, base_tokens
         for k, c in enumerate(ranked, start=1):
             committed += book.expected(o, c.own_stats.get(o))
             tokens += o.max_nodes
-            t = costs.step_time(tokens, base_seqs, fixed + [o] * k)
-            if committed / t > best_rate * (1 + 1e-9):
-                best_rate, best = committed / t, (o, ranked[:k])
+            rate = committed / costs.step_time(tokens, base_seqs, fixed + [o] * k)
+            if k == 1 and (single is None or rate > single[0]):
+                single = (rate, o, c)
+            if k == len(ranked) and (every is None or rate > every[0]):
+                every = (rate, o)
+            if rate > best_rate * (1 + 1e-9):
+                best_rate, best = rate, (o, ranked[:k])
+    if best is None and probe and every is not None:
+        best = (every[1], auto)
+    elif best is None and single is not None and book.quiet_steps >= book.explore_after:
+        best = (single[1], [single[2]])
     if best is not None:
         for c in best[1]:
             out[c.key] = best[0]
+    book.quiet_steps = 0 if best is not None else book.quiet_steps + 1
     return out
 
 
@@ -173,9 +219,16 @@ class LoadGate:
     speculation stays on unless plain decode measured `margin` times better;
     the losing arm is measured again for `probe_steps` steps once its figure is
     `stale_after` steps old, so a change in load mix or acceptance is noticed.
+    The verdict is taken when a probe ends and held until the next one: the
+    first step after a switch pays for it (after plain steps the draft still
+    works through the features it was fed; after trees, deferred feeds go
+    out), so judging step by step flipped the arms back and forth, each flip
+    charged to the arm switched to. For the same reason the first quarter of
+    a probe is not recorded.
     Below `min_batch` sequences the gate stays open: there a step is mostly
-    fixed cost, which the start-up profile captures, and a few noisy steps at
-    the start of a generation (when acceptance is lowest) would mislead it.
+    fixed cost, which the profile (corrected by measured steps, see CostModel)
+    captures, and a few noisy steps at the start of a generation (when
+    acceptance is lowest) would mislead it.
     The cost model still picks the trees inside the speculative arm; the gate
     catches what the model misses (gateway work, the draft's catch-up of fed
     features, contention between services on shared cores).
@@ -187,6 +240,7 @@ class LoadGate:
     min_batch: int = 4
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, tuple[bool, int]] = field(default_factory=dict)  # bucket -> (arm, steps left)
+    _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
 
     def allow_spec(self, seqs: int) -> bool:
         if seqs < self.min_batch:
@@ -200,27 +254,42 @@ class LoadGate:
             if arm.samples == 0:
                 self._probing[b] = (key, self.probe_steps)
                 return key
-        # The cost model already chose to speculate; overrule it only on clear evidence.
-        spec_wins = plain.goodput <= self.margin * spec.goodput
+        spec_wins = self._verdict.setdefault(b, self._judge(b))
         loser = plain if spec_wins else spec
         if loser.since >= self.stale_after:
             self._probing[b] = (not spec_wins, self.probe_steps)
             return not spec_wins
         return spec_wins
 
+    def _judge(self, b: int) -> bool:
+        # The cost model already chose to speculate; overrule it only on clear evidence.
+        return self.arms[(b, False)].goodput <= self.margin * self.arms[(b, True)].goodput
+
+    def probing_spec(self, seqs: int) -> bool:
+        """Whether this step measures trees at this load (ask after allow_spec): then the policy drafts
+        them even where its acceptance figures say they do not pay, since those may be stale (a budget
+        judged on two trees at the start of a request, then never tried again)."""
+        return seqs >= self.min_batch and self._probing.get(batch_bucket(seqs), (False, 0))[0]
+
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> None:
         if seconds <= 0:
             return
         b = batch_bucket(seqs)
-        arm = self.arms.setdefault((b, spec), Arm())
-        rate = committed / seconds
-        arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
-        arm.samples += 1
-        arm.since = 0
+        # Only steps of the probed arm count towards a probe: while trees are probed the cost
+        # model may still choose none, and such a step says nothing about trees.
+        probe = self._probing.get(b)
+        probing = probe is not None and probe[0] == spec
+        if not probing or probe[1] <= self.probe_steps - self.probe_steps // 4:
+            arm = self.arms.setdefault((b, spec), Arm())
+            rate = committed / seconds
+            arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
+            arm.samples += 1
+            arm.since = 0
         self.arms.setdefault((b, not spec), Arm()).since += 1
-        if b in self._probing:
-            key, left = self._probing[b]
-            if left <= 1:
-                del self._probing[b]
+        if probing:
+            if probe[1] > 1:
+                self._probing[b] = (spec, probe[1] - 1)
             else:
-                self._probing[b] = (key, left - 1)
+                del self._probing[b]
+                if self.arms.setdefault((b, not spec), Arm()).samples:
+                    self._verdict[b] = self._judge(b)

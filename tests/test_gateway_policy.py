@@ -85,3 +85,84 @@ def test_plan_chunks_prefill_within_the_token_budget_and_preempts_when_kv_runs_o
         r.phase, r.target_len, r.target_created, r.output = Phase.RUNNING, 8, True, [5]
     plan = plan_step(cfg, [a, b], [], free_blocks=1, tree_nodes=4)
     assert plan.preempted == [b] and [i.request.request_id for i in plan.items] == ["a"]
+
+
+def test_auto_explores_again_after_unlucky_trees_and_keeps_going_if_they_pay():
+    # CPU-like costs: a tree pays only if it is accepted about as often as the prior says.
+    costs = CostModel(target_base=1.2e-2, target_per_token=5e-4, target_per_seq=4e-3, draft_base=5e-3,
+                      draft_per_level=3e-3, draft_per_expansion=4e-4)
+    book = AcceptanceBook(explore_after=8)
+    first = choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"]
+    assert not first.empty  # untried: the prior is optimistic
+    for o in CFG.auto_options():  # the first trees after the prompt were all rejected
+        book.record(o, 0)
+    chosen = [choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"] for _ in range(9)]
+    assert all(b.empty for b in chosen[:8]) and not chosen[8].empty  # quiet for 8 steps, then one try
+    book.record(chosen[8], 0)  # the draft is still wrong: quiet again, for another 8 steps
+    assert all(choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"].empty for _ in range(8))
+    tried = choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"]
+    assert not tried.empty
+    book.record(tried, tried.steps)  # now it is right: the request keeps speculating on its own evidence
+    own = {tried: (float(tried.steps), 1.0)}
+    assert choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)["r0"] == tried
+
+
+def test_measured_step_times_correct_a_noisy_profile():
+    # The profile saw the draft at 38 ms a call; in service a 5/4/8 step takes 60 ms, a plain one 28 ms.
+    costs = CostModel(target_base=2e-2, target_per_token=3.4e-4, target_per_seq=6.3e-3, draft_base=3.8e-2,
+                      draft_per_level=0.0, draft_per_expansion=6.7e-4)
+    tree = DraftBudget(5, 4, 8)
+    chain, wide = CFG.auto_options()[0], CFG.auto_options()[2]
+    seen = {chain: (1.4, 10.0), tree: (1.8, 10.0), wide: (2.4, 10.0)}  # accepted per tree, on hard text
+    assert choose_budgets(CFG, costs, AcceptanceBook(), candidates(1, stats=seen), 0, 0)["r0"] == NO_SPEC
+    costs.observe(1, 1, [tree], 0.5)  # a stalled step moves the estimate a little, not to 4x
+    assert costs.step_time(1 + tree.max_nodes, 1, [tree]) < 1.7 * costs.profiled_time(1 + tree.max_nodes, 1, [tree])
+    for _ in range(30):
+        costs.observe(1, 1, [], 0.028)
+        costs.observe(1, 1, [tree], 0.060)
+    assert not choose_budgets(CFG, costs, AcceptanceBook(), candidates(1, stats=seen), 0, 0)["r0"].empty
+    assert abs(costs.step_time(1 + tree.max_nodes, 1, [tree]) - 0.060) < 1e-3
+    # Another batch size keeps the profile's figure until its own steps are measured.
+    assert costs.step_time(40, 40, []) == costs.profiled_time(40, 40, [])
+
+
+def test_a_probe_of_speculation_counts_only_steps_that_had_trees():
+    gate = LoadGate(probe_steps=3)
+    assert gate.allow_spec(32)  # speculation is probed first
+    gate.record(32, True, committed=32, seconds=0.4)  # one tree step, slowed while the batch filled: 80 tok/s
+    for _ in range(5):  # then the cost model chose no tree: these steps measure plain decoding (320 tok/s)
+        gate.record(32, False, committed=32, seconds=0.1)
+    assert gate.allow_spec(32)  # still probing: one step is no measurement of trees
+    for _ in range(2):
+        gate.record(32, True, committed=96, seconds=0.1)  # 960 tok/s
+    assert gate.allow_spec(32)  # measured: trees pay here
+
+
+def test_the_gate_holds_its_verdict_between_probes():
+    gate = LoadGate(stale_after=6, probe_steps=2)
+    for spec, rate in ((True, 400), (True, 400), (False, 300), (False, 300)):  # the first probes
+        assert gate.allow_spec(32) == spec
+        gate.record(32, spec, committed=rate, seconds=1.0)
+    seen = []
+    for _ in range(6):  # slow steps right after the switch: no flip back and forth on them
+        seen.append(gate.allow_spec(32))
+        gate.record(32, True, committed=100, seconds=1.0)
+    assert seen == [True] * 6
+    for _ in range(2):  # plain decoding is measured again once its figure is stale, and judged
+        assert not gate.allow_spec(32)
+        gate.record(32, False, committed=300, seconds=1.0)
+    assert not gate.allow_spec(32)  # trees now measure about 135 tok/s against 300
+
+
+def test_while_the_gate_probes_trees_every_request_gets_one_though_stale_figures_say_no():
+    costs = gpu_like_costs()
+    book = AcceptanceBook()
+    for o in CFG.auto_options():  # judged on a few trees at the start of requests, long ago
+        for _ in range(3):
+            book.record(o, 0)
+    assert all(b.empty for b in choose_budgets(CFG, costs, book, candidates(48, stats={}), 0, 0).values())
+    probed = choose_budgets(CFG, costs, book, candidates(48, stats={}), 0, 0, probe=True)
+    assert len(set(probed.values())) == 1 and not probed["r0"].empty
+    gate = LoadGate()
+    assert gate.allow_spec(48) and gate.probing_spec(48)  # trees are measured first at a new batch size
+    assert gate.allow_spec(2) and not gate.probing_spec(2)  # light load: the cost model decides alone
