@@ -238,6 +238,15 @@ class LoadGate:
     probe_steps: int = 8
     margin: float = 1.1  # plain decode must measure this much better to switch speculation off
     min_batch: int = 4
+    # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
+    # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
+    # cost more than the probes could ever win. A probe of an arm that measures `clear`
+    # times worse ends after its first recorded step; the loser is re-probed after
+    # stale_after * (gap ** 2) steps, at most `max_stale_factor` times as long; and a
+    # bucket met for the first time above one where plain decoding clearly won starts
+    # with plain decoding (trees only cost more as the batch grows), probing trees later.
+    clear: float = 1.5
+    max_stale_factor: float = 8.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, tuple[bool, int]] = field(default_factory=dict)  # bucket -> (arm, steps left)
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
@@ -250,16 +259,37 @@ class LoadGate:
             return self._probing[b][0]
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
+        if spec.samples == 0 and plain.samples == 0 and b not in self._verdict and self._plain_below(b):
+            self._verdict[b] = False  # inherited: trees are probed once they are stale
         for arm, key in ((spec, True), (plain, False)):
-            if arm.samples == 0:
+            if arm.samples == 0 and not (key and self._verdict.get(b) is False
+                                         and arm.since < self.stale_after):
                 self._probing[b] = (key, self.probe_steps)
                 return key
         spec_wins = self._verdict.setdefault(b, self._judge(b))
         loser = plain if spec_wins else spec
-        if loser.since >= self.stale_after:
+        if loser.since >= self._stale_after(b, spec_wins):
             self._probing[b] = (not spec_wins, self.probe_steps)
             return not spec_wins
         return spec_wins
+
+    def _gap(self, b: int, spec_wins: bool) -> float:
+        """How many times better the verdict's winner measures than the loser (at least 1)."""
+        s, p = self.arms[(b, True)].goodput, self.arms[(b, False)].goodput
+        if s <= 0 or p <= 0:
+            return 1.0
+        return max(1.0, s / p if spec_wins else p / s)
+
+    def _stale_after(self, b: int, spec_wins: bool) -> float:
+        return self.stale_after * min(self._gap(b, spec_wins) ** 2, self.max_stale_factor)
+
+    def _plain_below(self, b: int) -> bool:
+        """Whether the nearest smaller bucket with a verdict found plain decoding clearly better."""
+        lower = [x for x in self._verdict if x < b]
+        if not lower:
+            return False
+        x = max(lower)
+        return self._verdict[x] is False and self._gap(x, False) >= self.clear
 
     def _judge(self, b: int) -> bool:
         # The cost model already chose to speculate; overrule it only on clear evidence.
@@ -287,6 +317,9 @@ class LoadGate:
             arm.since = 0
         self.arms.setdefault((b, not spec), Arm()).since += 1
         if probing:
+            this, other = self.arms[(b, spec)], self.arms.setdefault((b, not spec), Arm())
+            if this.samples and other.samples and other.goodput >= self.clear * this.goodput:
+                probe = (spec, 1)  # clearly losing: one recorded step settles it
             if probe[1] > 1:
                 self._probing[b] = (spec, probe[1] - 1)
             else:
