@@ -309,7 +309,8 @@ class LoadGate:
         # model may still choose none, and such a step says nothing about trees.
         probe = self._probing.get(b)
         probing = probe is not None and probe[0] == spec
-        if not probing or probe[1] <= self.probe_steps - self.probe_steps // 4:
+        recorded = not probing or probe[1] <= self.probe_steps - self.probe_steps // 4
+        if recorded:
             arm = self.arms.setdefault((b, spec), Arm())
             rate = committed / seconds
             arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
@@ -318,8 +319,11 @@ class LoadGate:
         self.arms.setdefault((b, not spec), Arm()).since += 1
         if probing:
             this, other = self.arms[(b, spec)], self.arms.setdefault((b, not spec), Arm())
-            if this.samples and other.samples and other.goodput >= self.clear * this.goodput:
-                probe = (spec, 1)  # clearly losing: one recorded step settles it
+            # Clearly losing on a fresh figure: one recorded step settles it (judging on the
+            # stale figure that started the probe would end every probe at once, and re-probe
+            # on every step).
+            if recorded and other.samples and other.goodput >= self.clear * this.goodput:
+                probe = (spec, 1)
             if probe[1] > 1:
                 self._probing[b] = (spec, probe[1] - 1)
             else:

@@ -187,3 +187,21 @@ def test_a_bigger_batch_starts_plain_where_a_smaller_one_found_plain_clearly_bet
         spec = fresh.allow_spec(8)
         fresh.record(8, spec, committed=40 if spec else 8, seconds=0.02 if spec else 0.01)
     assert fresh.allow_spec(32)
+
+
+def test_a_stale_losing_arm_is_re_probed_briefly_not_on_every_step():
+    """GPU-like load (trees 5x slower per step, 3.5x the tokens), half the steps unrecorded
+    (prefill in them), a batch wobbling between two buckets: trees stay rare after the first
+    probes, and are still re-measured now and then."""
+    import random
+
+    gate = LoadGate()
+    rng = random.Random(0)
+    seen = []
+    for _ in range(600):
+        n = 16 if rng.random() < 0.7 else 15
+        spec = gate.allow_spec(n)
+        seen.append(spec)
+        if rng.random() < 0.5:
+            gate.record(n, spec, int(n * (3.5 if spec else 1)), (0.060 if spec else 0.011) * (1 + 0.1 * rng.random()))
+    assert sum(seen[100:]) / 500 < 0.03 and any(seen[100:])
