@@ -242,9 +242,7 @@ class LoadGate:
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
     # times worse ends after its first recorded step; the loser is re-probed after
-    # stale_after * (gap ** 2) steps, at most `max_stale_factor` times as long; and a
-    # bucket met for the first time above one where plain decoding clearly won starts
-    # with plain decoding (trees only cost more as the batch grows), probing trees later.
+    # stale_after * (gap ** 2) steps, at most `max_stale_factor` times as long.
     clear: float = 1.5
     max_stale_factor: float = 8.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
@@ -259,11 +257,8 @@ class LoadGate:
             return self._probing[b][0]
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
-        if spec.samples == 0 and plain.samples == 0 and b not in self._verdict and self._plain_below(b):
-            self._verdict[b] = False  # inherited: trees are probed once they are stale
         for arm, key in ((spec, True), (plain, False)):
-            if arm.samples == 0 and not (key and self._verdict.get(b) is False
-                                         and arm.since < self.stale_after):
+            if arm.samples == 0:
                 self._probing[b] = (key, self.probe_steps)
                 return key
         spec_wins = self._verdict.setdefault(b, self._judge(b))
@@ -282,14 +277,6 @@ class LoadGate:
 
     def _stale_after(self, b: int, spec_wins: bool) -> float:
         return self.stale_after * min(self._gap(b, spec_wins) ** 2, self.max_stale_factor)
-
-    def _plain_below(self, b: int) -> bool:
-        """Whether the nearest smaller bucket with a verdict found plain decoding clearly better."""
-        lower = [x for x in self._verdict if x < b]
-        if not lower:
-            return False
-        x = max(lower)
-        return self._verdict[x] is False and self._gap(x, False) >= self.clear
 
     def _judge(self, b: int) -> bool:
         # The cost model already chose to speculate; overrule it only on clear evidence.

@@ -169,26 +169,6 @@ def test_while_the_gate_probes_trees_every_request_gets_one_though_stale_figures
     assert gate.allow_spec(2) and not gate.probing_spec(2)  # light load: the cost model decides alone
 
 
-def test_a_bigger_batch_starts_plain_where_a_smaller_one_found_plain_clearly_better():
-    gate = LoadGate(stale_after=10, probe_steps=2)
-    for _ in range(8):  # batch 8: trees measure 3x worse than plain decoding
-        spec = gate.allow_spec(8)
-        gate.record(8, spec, committed=24 if spec else 8, seconds=0.09 if spec else 0.01)
-    assert not gate.allow_spec(8)
-    seen = []
-    for _ in range(12):  # batch 32, never seen: plain first, trees only once stale
-        spec = gate.allow_spec(32)
-        seen.append(spec)
-        gate.record(32, spec, committed=96 if spec else 32, seconds=0.4 if spec else 0.02)
-    assert seen[:10] == [False] * 10 and True in seen[10:]
-    # Where trees won below, a new bucket measures both arms as usual.
-    fresh = LoadGate(stale_after=10, probe_steps=2)
-    for _ in range(8):
-        spec = fresh.allow_spec(8)
-        fresh.record(8, spec, committed=40 if spec else 8, seconds=0.02 if spec else 0.01)
-    assert fresh.allow_spec(32)
-
-
 def test_a_stale_losing_arm_is_re_probed_briefly_not_on_every_step():
     """GPU-like load (trees 5x slower per step, 3.5x the tokens), half the steps unrecorded
     (prefill in them), a batch wobbling between two buckets: trees stay rare after the first
