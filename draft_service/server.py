@@ -29,6 +29,7 @@ from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.layers import DTYPES
 from tandem.load_proto import load_to_proto
+from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.tensors import tensor_from_proto, tensor_to_proto
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
@@ -65,8 +66,9 @@ def status_to_proto(s: RequestStatus) -> draft_pb2.RequestStatus:
 # --- the servicer ---------------------------------------------------------------------------------
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, model_name: str, target_model_name: str):
+    def __init__(self, model_name: str, target_model_name: str, pacing: StepPacing | None = None):
         self.model_name = model_name
+        self.pacing = pacing
         self.target_model_name = target_model_name
         self.engine: DraftEngine | None = None
         self.forcing: ForcedProposals | None = None  # benchmarks' scale track only
@@ -105,11 +107,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         ingest = [ingest_from_proto(m) for m in request.ingest]
         items = [item_from_proto(m) for m in request.items]
         with self._lock:
+            t0 = time.perf_counter()
             trees = engine.draft(items, ingest)
             if self.forcing is not None:
                 trees = [self.forcing.rewrite(t, engine.requests[t.request_id].tokens) for t in trees]
+            if self.pacing is not None:
+                # The draft's work: each tree level runs topk nodes per request.
+                self.pacing.hold(t0, sum(it.budget.steps * it.budget.topk for it in items if not it.budget.empty))
             load = engine.load()
-            seconds = engine.last_call_seconds
+            seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
                                        load=load_to_proto(load), draft_seconds=seconds)
 
@@ -171,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--force-acceptance", type=float, default=0.8, metavar="P",
                        help="per-token probability that a forced main-path token is right (default 0.8)")
     bench.add_argument("--force-seed", type=int, default=0, help="seed of the forced draws (default 0)")
+    add_pacing_argument(p, "Draft call", "its tree nodes expanded (steps x topk per request)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --block-size and --kv-cache-gb must be positive, --num-blocks >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible")
-    servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name)
+    pacing = pacing_from_args(args.emulate_step_cost)
+    servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)
     forcing, records = None, []
     if args.force_record:  # checked before the (possibly long) model load
         try:
@@ -220,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                  len(records), forcing.acceptance)
     log.info("ready: target feature layers %s, %d KV blocks of %d tokens", list(info.feature_layers),
              load.total_blocks, load.block_size)
+    if pacing is not None:
+        log.warning("emulating call cost: every Draft call lasts at least %g ms + %g ms per tree node "
+                    "expanded (steps x topk per request)",
+                    pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
     host.run_until_signal()
     log.info("stopped")

@@ -254,7 +254,10 @@ class GatewayCore:
             self.costs.observe(plan.num_tokens, len(steps), [plan.budgets[rid] for rid in trees], seconds)
         if decode and any(self._mode(it.request) == "auto" for it in plan.items):
             committed = sum(len(res.tokens) for it, res in zip(plan.items, results, strict=True) if it.is_decode)
-            self.gate.record(len(steps), bool(trees), committed, seconds)
+            verdict = self.gate.record(len(steps), bool(trees), committed, seconds)
+            if verdict is not None:
+                log.info("load gate, %s: %s", self.gate.describe(len(steps)),
+                         "speculating" if verdict else "decoding plainly")
 
 
     # --- speculation -------------------------------------------------------------

@@ -288,9 +288,10 @@ class LoadGate:
         judged on two trees at the start of a request, then never tried again)."""
         return seqs >= self.min_batch and self._probing.get(batch_bucket(seqs), (False, 0))[0]
 
-    def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> None:
+    def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
+        """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
         if seconds <= 0:
-            return
+            return None
         b = batch_bucket(seqs)
         # Only steps of the probed arm count towards a probe: while trees are probed the cost
         # model may still choose none, and such a step says nothing about trees.
@@ -317,3 +318,13 @@ class LoadGate:
                 del self._probing[b]
                 if self.arms.setdefault((b, not spec), Arm()).samples:
                     self._verdict[b] = self._judge(b)
+                    return self._verdict[b]
+        return None
+
+    def describe(self, seqs: int) -> str:
+        """The measured arms of this load's bucket, for logs."""
+        b = batch_bucket(seqs)
+        lo, hi = 1 << (b - 1), (1 << b) - 1
+        s, p = self.arms.get((b, True), Arm()), self.arms.get((b, False), Arm())
+        return (f"{lo}-{hi} sequences: trees {s.goodput:.1f} tok/s ({s.samples} steps), "
+                f"plain {p.goodput:.1f} tok/s ({p.samples} steps)")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from pathlib import Path
 
 from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors
 from tandem.load_proto import load_to_proto
+from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.tensors import tensor_to_proto
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.parallel import EngineSpec, ParallelEngine
@@ -45,8 +47,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, pacing: StepPacing | None = None):
         self.model_dir = model_dir
+        self.pacing = pacing
         self.model_name = model_dir.name
         self.engine: ParallelEngine | None = None
         # One step at a time: the KV cache and the TP ranks see one command stream.
@@ -73,9 +76,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         engine = self._ready()
         items = [item_from_proto(m) for m in request.items]
         with self._lock:
+            t0 = time.perf_counter()
             results = engine.step(items, tuple(request.feature_layers))
+            if self.pacing is not None:
+                self.pacing.hold(t0, sum(len(it.tokens) for it in items))
             load = engine.load()
-            seconds = engine.engine.last_step_seconds
+            seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
         return target_pb2.StepResponse(results=[result_to_proto(r) for r in results],
                                        load=load_to_proto(load), step_seconds=seconds)
 
@@ -125,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "graph; larger steps run eagerly (default 128)")
     p.add_argument("--random-weights", action="store_true", help="benchmarks only: draw random weights "
                    "for --model's config.json instead of loading any (realistic step costs, no checkpoint)")
+    add_pacing_argument(p, "step", "its tokens")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -134,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s target %(levelname)s %(message)s")
     if args.tp < 1:
         raise SystemExit("error: --tp must be >= 1")
+    pacing = pacing_from_args(args.emulate_step_cost)
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
                                                                  else "float32"),
                       device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch)
-    servicer = TargetServicer(Path(args.model).resolve())
+    servicer = TargetServicer(Path(args.model).resolve(), pacing)
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
     host.start()
@@ -154,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
     load = servicer.engine.load()
     log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
+    if pacing is not None:
+        log.warning("emulating step cost: every step lasts at least %g ms + %g ms per token",
+                    pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
     host.run_until_signal(on_stop=servicer.engine.shutdown)
     log.info("stopped")

@@ -22,10 +22,12 @@ def free_port() -> int:
 
 class Stack:
     def __init__(self, tmp: Path, target_dir: Path, draft_dirs: list[Path], *gateway_args: str,
-                 target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8")):
+                 target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8"),
+                 draft_args: tuple[str, ...] = ()):
         self.tmp = tmp
         self.target = Service(["target", "--model", str(target_dir), *target_args], tmp, "target")
-        self.drafts = [Service(["draft", "--model", str(d), "--target-model", str(target_dir)], tmp, f"draft{i}")
+        self.drafts = [Service(["draft", "--model", str(d), "--target-model", str(target_dir), *draft_args], tmp,
+                              f"draft{i}")
                        for i, d in enumerate(draft_dirs)]
         self.target.wait_serving()
         for d in self.drafts:

@@ -2,18 +2,23 @@
 
 Phase 1: one request at a time, the first on a fresh gateway (the held-out
 prompts the demo tests start with: the first is among the hardest for the
-draft). Trees pay (about 1.3x on this CPU), so the `tandem_spec_decode_*`
-counters move and `tandem_plain_decode_steps_total` moves less.
+draft). Trees pay, so the `tandem_spec_decode_*` counters move and
+`tandem_plain_decode_steps_total` moves little.
 
-Phase 2: LOAD streams at once. On this 2-core CPU the demo pair's 3-token
-chain still pays at that load: with 48 streams, all of them on the chain made
-1.37-1.54x the tokens/s of plain decoding (three alternating 10 s windows;
-1.28-1.37x at 64 streams), while the 5/4/8 tree made 0.85x at 64. So `auto`
-must keep speculating, with the chain, and decode plainly only in the load
-gate's probes and for requests whose drafts do badly. Plain decoding wins
-under load only where verifying a tree costs more as the batch grows (a GPU
-at large batch); on this CPU the per-sequence costs of a step (Python in the
-services, gRPC, streaming) dominate, and a tree spreads them over ~3 tokens.
+Phase 2: LOAD streams at once. Whether trees pay there is a property of the
+hardware. With the demo pair's own costs on a 2-core CPU the per-sequence
+costs of a step (Python, gRPC, streaming) dominate, and a 3-token chain still
+paid at 48 streams: the load gate measured 280 tok/s with trees against 243
+plain here, and one CI run measured the opposite, so a test of that regime
+asserts a coin toss. On a GPU at load every drafted token costs compute, in
+the target's verify and in the draft's call (H200 scale track at 64 requests:
+a plain step 13 ms, a verify of 4 nodes per request 17 ms, the chain's draft
+call 27 ms). So both services run with `--emulate-step-cost` (tandem/pacing.py):
+each call lasts at least a base plus a cost per token (target: per token in
+the step; draft: per tree node expanded). The figures are harsher than the
+H200's so the verdict is not close: with them the gate measured trees at
+about half of plain's tok/s under load, while alone trees still won. The
+gateway sees only the calls' wall times, as on a GPU.
 
 The window of phase 2 opens once every stream has streamed WINDOW[0] chunks
 (all admitted, the gate's first probes of this batch size done) and closes at
@@ -35,7 +40,9 @@ from tests.stack import Stack
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 PROMPTS = [json.loads(line)["prompt"] for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
 LOAD = 48
-WINDOW = (20, 32)  # chunks streamed by the slowest stream when the window opens / closes
+WINDOW = (24, 64)  # chunks streamed by the slowest stream when the window opens / closes
+TARGET_COST = "30,4"  # ms per step, ms per token in it
+DRAFT_COST = "5,3"  # ms per Draft call, ms per tree node expanded
 COUNTERS = ("tandem_spec_decode_num_drafts_total", "tandem_spec_decode_num_draft_tokens_total",
             "tandem_spec_decode_num_accepted_tokens_total", "tandem_plain_decode_steps_total")
 
@@ -94,10 +101,11 @@ def delta(a: dict[str, float], b: dict[str, float]) -> tuple[float, float, float
     return trees, trees / max(trees + plain, 1), (b[COUNTERS[1]] - a[COUNTERS[1]]) / max(trees, 1)
 
 
-def test_auto_speculates_alone_and_keeps_the_chain_under_load(tmp_path):
+def test_auto_speculates_alone_and_stops_under_load(tmp_path):
     t0 = time.monotonic()
     st = Stack(tmp_path, DEMO / "target", [DEMO / "draft"], "--speculation", "auto", "--max-model-len", "1024",
-               target_args=("--num-blocks", "2048", "--block-size", "16"))
+               target_args=("--num-blocks", "2048", "--block-size", "16", "--emulate-step-cost", TARGET_COST),
+               draft_args=("--emulate-step-cost", DRAFT_COST))
     try:
         # Phase 1: one request at a time.
         before = counters(st)
@@ -114,18 +122,21 @@ def test_auto_speculates_alone_and_keeps_the_chain_under_load(tmp_path):
         # Phase 2: LOAD streams; read the counters over a window in which all of them run.
         load = Streams(st.url, [PROMPTS[i % len(PROMPTS)] for i in range(LOAD)], 400)
         try:
-            load.wait_all(WINDOW[0], 45)
+            load.wait_all(WINDOW[0], 150)
             a = counters(st)
-            load.wait_all(WINDOW[1], 45)
+            load.wait_all(WINDOW[1], 120)
             b = counters(st)
         finally:
             load.stop()
         trees, share, size = delta(a, b)
-        print(f"under load ({LOAD}): {share:.0%} of decode steps speculative, {size:.1f} tokens per tree "
+        plain = b[COUNTERS[3]] - a[COUNTERS[3]]
+        print(f"under load ({LOAD}): {share:.0%} of decode steps speculative, {plain:.0f} plain "
               f"({time.monotonic() - t0:.0f} s in all)")
-        # Plain steps left: the gate's probes, and requests whose drafts are doing badly (auto's budgets are
-        # per request). Stopping under load would leave about 10% (probes only).
-        assert share >= 0.6, f"under load auto speculated in only {share:.0%} of decode steps, though trees pay"
-        assert size <= 4.5, f"under load auto drafted {size:.1f} tokens per tree; the 3-token chain is cheapest"
+        gate = [line.split(" INFO ")[1] for line in st.gateway_log.read_text().splitlines() if "load gate" in line]
+        print("\n".join(gate))
+        # What may remain: a probe of trees (at most 8 steps of the 40 in the window; after a clear
+        # loss the next comes 160 steps later) and the one tree auto tries after 32 quiet steps.
+        assert plain >= LOAD * 20, f"under load only {plain:.0f} plain decode steps in the window"
+        assert share <= 0.25, f"under load auto still speculated in {share:.0%} of decode steps"
     finally:
         st.stop()
