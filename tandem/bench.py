@@ -162,6 +162,9 @@ def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     for flag in ("model", "draft", "device", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", str(getattr(args, flag))]
+    for flag in ("target_args", "draft_args"):  # one argument each, as serve takes them
+        if getattr(args, flag):
+            cmd.append(f"--{flag.replace('_', '-')}={getattr(args, flag)}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -187,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft for the started stack")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--target-args", default="", metavar="ARGS",
+                   help="more arguments for the started stack's target, as `tandem serve --target-args` takes "
+                   "them (e.g. \"--emulate-step-cost 30,4\" for GPU-like step costs on a CPU)")
+    p.add_argument("--draft-args", default="", metavar="ARGS",
+                   help="more arguments for the started stack's draft (e.g. \"--emulate-step-cost 5,3\")")
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels (default 1,2,4,8,16)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated (default never,always,auto)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
@@ -210,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1:
         raise SystemExit("error: --concurrency needs positive integers, --modes a subset of never,always,auto, "
                          "--max-tokens a positive integer")
+    if args.url and (args.target_args or args.draft_args or args.model or args.draft):
+        raise SystemExit("error: --model, --draft, --target-args and --draft-args configure the stack bench "
+                         "starts; with --url, configure the running stack instead")
     if not args.prompts.exists():
         raise SystemExit(f"error: {args.prompts} does not exist")
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -234,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"url": args.url or "started tandem serve", "model": args.model or "demo/target",
             "draft": args.draft or "demo/draft", "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d"),
-            "track": "demo" if not args.model else "custom"}
+            "track": "demo" if not args.model else "custom",
+            "target_args": args.target_args, "draft_args": args.draft_args}
     (args.out / "bench.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows]}, indent=1))
     plot(rows, args.out / "bench.png", args.title)
     print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")

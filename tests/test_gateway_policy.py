@@ -185,3 +185,25 @@ def test_a_stale_losing_arm_is_re_probed_briefly_not_on_every_step():
         if rng.random() < 0.5:
             gate.record(n, spec, int(n * (3.5 if spec else 1)), (0.060 if spec else 0.011) * (1 + 0.1 * rng.random()))
     assert sum(seen[100:]) / 500 < 0.03 and any(seen[100:])
+
+
+def test_a_heavier_bucket_measures_plain_first_where_plain_won_below():
+    """Trees only cost more as the batch grows: where plain decoding won at 8-15 sequences, the
+    16-31 bucket measures plain first and ends its probe of trees after one recorded step, so it
+    drafts 3 tree steps, not 8; a bucket above one where trees won still measures trees first."""
+    def run(gate: LoadGate, n: int, steps: int, spec_rate: float, plain_rate: float) -> list[bool]:
+        seen = []
+        for _ in range(steps):
+            spec = gate.allow_spec(n)
+            seen.append(spec)
+            gate.record(n, spec, n, n / (spec_rate if spec else plain_rate))
+        return seen
+
+    gate = LoadGate()
+    assert run(gate, 8, 40, spec_rate=100, plain_rate=200)[:16] == [True] * 8 + [False] * 8
+    seen = run(gate, 16, 40, spec_rate=100, plain_rate=200)
+    assert seen[:8] == [False] * 8 and seen[8:11] == [True] * 3 and not any(seen[11:])
+
+    gate = LoadGate()
+    run(gate, 8, 40, spec_rate=200, plain_rate=100)
+    assert run(gate, 16, 16, spec_rate=200, plain_rate=100)[:8] == [True] * 8
