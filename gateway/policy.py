@@ -242,11 +242,14 @@ class LoadGate:
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
     # times worse ends after its first recorded step; the loser is re-probed after
-    # stale_after * (gap ** 2) steps, at most `max_stale_factor` times as long.
+    # stale_after * (gap ** 2) steps, at most `max_stale_factor` times as long. A re-probe
+    # only asks whether anything changed: it ends after its first recorded step unless that
+    # step alone comes within `margin` of the winner (on the emulated GPU-like costs at 8
+    # requests, full 8-step re-probes of trees cost auto 7% of never's throughput).
     clear: float = 1.5
     max_stale_factor: float = 8.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
-    _probing: dict[int, tuple[bool, int]] = field(default_factory=dict)  # bucket -> (arm, steps left)
+    _probing: dict[int, tuple[bool, int, bool]] = field(default_factory=dict)  # bucket -> (arm, steps left, re-probe?)
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
 
     def allow_spec(self, seqs: int) -> bool:
@@ -264,12 +267,12 @@ class LoadGate:
         order = ((plain, False), (spec, True)) if self._verdict_below(b) is False else ((spec, True), (plain, False))
         for arm, key in order:
             if arm.samples == 0:
-                self._probing[b] = (key, self.probe_steps)
+                self._probing[b] = (key, self.probe_steps, False)
                 return key
         spec_wins = self._verdict.setdefault(b, self._judge(b))
         loser = plain if spec_wins else spec
         if loser.since >= self._stale_after(b, spec_wins):
-            self._probing[b] = (not spec_wins, self.probe_steps)
+            self._probing[b] = (not spec_wins, self.probe_steps, True)
             return not spec_wins
         return spec_wins
 
@@ -296,7 +299,7 @@ class LoadGate:
         """Whether this step measures trees at this load (ask after allow_spec): then the policy drafts
         them even where its acceptance figures say they do not pay, since those may be stale (a budget
         judged on two trees at the start of a request, then never tried again)."""
-        return seqs >= self.min_batch and self._probing.get(batch_bucket(seqs), (False, 0))[0]
+        return seqs >= self.min_batch and self._probing.get(batch_bucket(seqs), (False, 0, False))[0]
 
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
         """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
@@ -308,9 +311,9 @@ class LoadGate:
         probe = self._probing.get(b)
         probing = probe is not None and probe[0] == spec
         recorded = not probing or probe[1] <= self.probe_steps - self.probe_steps // 4
+        rate = committed / seconds
         if recorded:
             arm = self.arms.setdefault((b, spec), Arm())
-            rate = committed / seconds
             arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
             arm.samples += 1
             arm.since = 0
@@ -320,10 +323,11 @@ class LoadGate:
             # Clearly losing on a fresh figure: one recorded step settles it (judging on the
             # stale figure that started the probe would end every probe at once, and re-probe
             # on every step).
-            if recorded and other.samples and other.goodput >= self.clear * this.goodput:
-                probe = (spec, 1)
+            if recorded and other.samples and (other.goodput >= self.clear * this.goodput
+                                               or (probe[2] and other.goodput >= self.margin * rate)):
+                probe = (spec, 1, probe[2])
             if probe[1] > 1:
-                self._probing[b] = (spec, probe[1] - 1)
+                self._probing[b] = (spec, probe[1] - 1, probe[2])
             else:
                 del self._probing[b]
                 if self.arms.setdefault((b, not spec), Arm()).samples:

@@ -207,3 +207,25 @@ def test_a_heavier_bucket_measures_plain_first_where_plain_won_below():
     gate = LoadGate()
     run(gate, 8, 40, spec_rate=200, plain_rate=100)
     assert run(gate, 16, 16, spec_rate=200, plain_rate=100)[:8] == [True] * 8
+
+
+def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the_verdict():
+    """Trees 1.4x worse (not `clear`ly): the first probe runs its 8 steps; later re-probes of the
+    still-losing trees take 3 (two warm-up steps unrecorded, one recorded). Once trees pay, the
+    re-probe runs in full and flips the verdict: trees from then on."""
+    from itertools import groupby
+
+    gate = LoadGate(stale_after=10)
+
+    def tree_runs(steps: int, spec_rate: float) -> list[int]:
+        seen = []
+        for _ in range(steps):
+            spec = gate.allow_spec(8)
+            seen.append(spec)
+            gate.record(8, spec, 8, 8 / (spec_rate if spec else 140.0))
+        return [len(list(g)) for spec, g in groupby(seen) if spec]
+
+    first, *later = tree_runs(200, spec_rate=100.0)
+    assert first == 8 and len(later) >= 3 and all(r == 3 for r in later)
+    runs = tree_runs(200, spec_rate=300.0)
+    assert runs[0] >= 40 and sum(runs) >= 170  # the re-probe found trees paying; now plain gets the short re-probes
