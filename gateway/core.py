@@ -32,6 +32,7 @@ from gateway.policy import (
     LoadGate,
     PolicyConfig,
     choose_budgets,
+    predicts_trees,
 )
 from gateway.request import Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, plan_step
@@ -288,12 +289,18 @@ class GatewayCore:
                 continue
             cands.append(Candidate(r.request_id, {o: r.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
                                    self._mode(r)))
-        if cands and not self.gate.allow_spec(len(plan.items)):
+        def other_work(cands: list[Candidate]) -> tuple[int, int]:
+            keys = {c.key for c in cands}
+            other = [it for it in plan.items if it.request.request_id not in keys]
+            return sum(len(it.tokens) for it in other), len(other)
+
+        def model_prefers_spec() -> bool:
+            return predicts_trees(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
+
+        if cands and not self.gate.allow_spec(len(plan.items), model_prefers_spec):
             cands = [c for c in cands if c.mode != "auto"]  # measured: plain decode pays at this load
         probe = bool(cands) and self.gate.probing_spec(len(plan.items))
-        other = [it for it in plan.items if it.request.request_id not in {c.key for c in cands}]
-        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands,
-                                 sum(len(it.tokens) for it in other), len(other), probe)
+        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
         for rid, b in list(budgets.items()):

@@ -13,6 +13,7 @@ draft call adds its own time, and budget 0 wins.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draft_service.types import DraftBudget
@@ -149,19 +150,11 @@ class Candidate:
     mode: str  # the request's effective mode
 
 
-def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-                   other_tokens: int, other_seqs: int, probe: bool = False) -> dict[str, DraftBudget]:
-    """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
-
-    For `auto`, each option o is tried on the k requests expected to accept most
-    under it, for every k; the (o, k) with the highest goodput wins. That is
-    O(options * requests) per step, cheap enough to run every step at batch 256.
-    Figures nothing refreshes go stale, so trees are sometimes drafted although
-    the figures say they do not pay: every auto candidate gets the option that
-    comes closest while the load gate measures trees at this load (`probe`: a
-    probe the figures decline would measure nothing), and the best single tree
-    is taken after `book.explore_after` steps without one.
-    """
+def _search(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
+            other_tokens: int, other_seqs: int):
+    """The budgets of non-auto candidates, the auto candidates, and for auto the best (option,
+    requests) by predicted goodput (None: no tree pays), the best single tree, and the best option
+    given to every auto candidate."""
     out = {c.key: NO_SPEC for c in candidates}
     auto = []
     for c in candidates:
@@ -169,16 +162,16 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
             out[c.key] = cfg.fixed_budget
         elif c.mode == "auto":
             auto.append(c)
+    best: tuple[DraftBudget, list[Candidate]] | None = None
+    single: tuple[float, DraftBudget, Candidate] | None = None  # the best one-tree choice
+    every: tuple[float, DraftBudget] | None = None  # the best option given to every auto candidate
     if not auto:
-        return out
+        return out, auto, best, single, every
     fixed = [b for b in out.values() if not b.empty]
     base_tokens = other_tokens + len(candidates) + sum(b.max_nodes for b in fixed)
     base_seqs = other_seqs + len(candidates)
     base_committed = float(len(candidates))  # + the fixed-budget requests' acceptance, same for all choices
     best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed)
-    best: tuple[DraftBudget, list[Candidate]] | None = None
-    single: tuple[float, DraftBudget, Candidate] | None = None  # the best one-tree choice
-    every: tuple[float, DraftBudget] | None = None  # the best option given to every auto candidate
     for o in cfg.auto_options():
         ranked = sorted(auto, key=lambda c: -book.expected(o, c.own_stats.get(o)))
         committed, tokens = base_committed, base_tokens
@@ -192,6 +185,31 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
                 every = (rate, o)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
+    return out, auto, best, single, every
+
+
+def predicts_trees(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
+                   other_tokens: int, other_seqs: int) -> bool:
+    """Whether the figures alone (no probe, no exploration) give any auto candidate a tree."""
+    return _search(cfg, costs, book, candidates, other_tokens, other_seqs)[2] is not None
+
+
+def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
+                   other_tokens: int, other_seqs: int, probe: bool = False) -> dict[str, DraftBudget]:
+    """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
+
+    For `auto`, each option o is tried on the k requests expected to accept most
+    under it, for every k; the (o, k) with the highest goodput wins. That is
+    O(options * requests) per step, cheap enough to run every step at batch 256.
+    Figures nothing refreshes go stale, so trees are sometimes drafted although
+    the figures say they do not pay: every auto candidate gets the option that
+    comes closest while the load gate measures trees at this load (`probe`: a
+    probe the figures decline would measure nothing), and the best single tree
+    is taken after `book.explore_after` steps without one.
+    """
+    out, auto, best, single, every = _search(cfg, costs, book, candidates, other_tokens, other_seqs)
+    if not auto:
+        return out
     if best is None and probe and every is not None:
         best = (every[1], auto)
     elif best is None and single is not None and book.quiet_steps >= book.explore_after:
@@ -206,6 +224,7 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
 @dataclass
 class Arm:
     goodput: float = 0.0  # committed tokens per second of step wall time (decayed mean)
+    seconds: float = 0.0  # wall time of a step (decayed mean)
     samples: int = 0
     since: int = 0  # steps of this bucket since the arm was last measured
 
@@ -241,18 +260,23 @@ class LoadGate:
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
-    # times worse ends after its first recorded step; the loser is re-probed after
-    # stale_after * (gap ** 2) steps, at most `max_stale_factor` times as long. A re-probe
-    # only asks whether anything changed: it ends after its first recorded step unless that
-    # step alone comes within `margin` of the winner (on the emulated GPU-like costs at 8
-    # requests, full 8-step re-probes of trees cost auto 7% of never's throughput).
+    # times worse ends after its first recorded step. A re-probe only asks whether anything
+    # changed: it ends after its first recorded step unless that step alone comes within
+    # `margin` of the winner. The loser is re-probed once the time a re-probe loses (its
+    # steps, at the loser's step time and shortfall) is `probe_budget` of the time since the
+    # last one, and after at least `stale_after` and at most `max_stale_factor` times as
+    # many steps (on emulated GPU-like costs at 16 requests, a 3-step re-probe of trees
+    # every 117 steps cost auto 2-4% of never's throughput).
     clear: float = 1.5
+    probe_budget: float = 0.01
     max_stale_factor: float = 8.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, tuple[bool, int, bool]] = field(default_factory=dict)  # bucket -> (arm, steps left, re-probe?)
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
 
-    def allow_spec(self, seqs: int) -> bool:
+    def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
+        """Whether auto may speculate at this load. model_prefers_spec: whether the cost model gives
+        any request a tree at this step, asked only when a bucket is met for the first time."""
         if seqs < self.min_batch:
             return True
         b = batch_bucket(seqs)
@@ -260,11 +284,14 @@ class LoadGate:
             return self._probing[b][0]
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
-        # A new bucket measures first the arm that won at the nearest lighter load: trees only
-        # cost more as the batch grows, and the probe of the other arm, measured second, can end
-        # after one recorded step when it clearly loses (probing trees first cost 8 tree steps at
-        # every new bucket of a loaded server).
-        order = ((plain, False), (spec, True)) if self._verdict_below(b) is False else ((spec, True), (plain, False))
+        # A new bucket measures plain decoding first where it won at the nearest lighter load
+        # (trees only cost more as the batch grows) or where the cost model predicts it: the
+        # probe of trees, measured second, then ends after one recorded step if they clearly
+        # lose (probing trees first cost 8 tree steps at every new bucket of a loaded server).
+        order = ((spec, True), (plain, False))
+        if spec.samples == 0 and plain.samples == 0 and (
+                self._verdict_below(b) is False or (model_prefers_spec is not None and not model_prefers_spec())):
+            order = order[::-1]
         for arm, key in order:
             if arm.samples == 0:
                 self._probing[b] = (key, self.probe_steps, False)
@@ -284,7 +311,13 @@ class LoadGate:
         return max(1.0, s / p if spec_wins else p / s)
 
     def _stale_after(self, b: int, spec_wins: bool) -> float:
-        return self.stale_after * min(self._gap(b, spec_wins) ** 2, self.max_stale_factor)
+        winner, loser = self.arms[(b, spec_wins)], self.arms[(b, not spec_wins)]
+        if min(winner.goodput, loser.goodput, winner.seconds, loser.seconds) <= 0:
+            return self.stale_after
+        reprobe = self.probe_steps // 4 + 1  # unrecorded warm-up steps, then one recorded
+        lost = reprobe * loser.seconds * max(0.0, 1.0 - loser.goodput / winner.goodput)
+        steps = lost / (self.probe_budget * winner.seconds)
+        return min(max(steps, self.stale_after), self.stale_after * self.max_stale_factor)
 
     def _verdict_below(self, b: int) -> bool | None:
         """The verdict of the nearest smaller bucket that has one (None: no such bucket)."""
@@ -315,6 +348,7 @@ class LoadGate:
         if recorded:
             arm = self.arms.setdefault((b, spec), Arm())
             arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
+            arm.seconds = seconds if arm.samples == 0 else 0.7 * arm.seconds + 0.3 * seconds
             arm.samples += 1
             arm.since = 0
         self.arms.setdefault((b, not spec), Arm()).since += 1
