@@ -19,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ def plot(rows: list[LevelResult], path: Path, title: str) -> None:
     ax.set_xticks(concs, [str(c) for c in concs])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s (total)")
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=11)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
