@@ -84,6 +84,7 @@ class GatewayCore:
         self._threads: list[threading.Thread] = []
         self.step_count = 0
         self._quiet = 0  # consecutive steps in which auto chose no tree
+        self._ingest_queue: dict[int, list[tuple[Request, IngestItem]]] = {}  # replica -> this step's ingests
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -243,6 +244,7 @@ class GatewayCore:
             rid = it.request.request_id
             self._apply(it, res, trees.get(rid), plan.budgets.get(rid, NO_SPEC))
         self._release_finished()
+        self._flush_ingests()
         self.step_count += 1
         self.metrics.requests_running.set(len(self.running))
         self.metrics.requests_waiting.set(len(self.waiting))
@@ -343,6 +345,7 @@ class GatewayCore:
         for r in self.running:  # deferred ingests of requests that do not draft now: send them off
             if r.pending_ingest is not None and r.request_id not in drafting:
                 self._send_ingest(r)
+        self._flush_ingests()  # before the draft calls: a replica applies its queue in order
         if not by_replica:
             return {}
         futures = {}
@@ -467,6 +470,9 @@ class GatewayCore:
         r.draft_feature_len = 0
         r.draft_caught_up = False
         r.pending_ingest = None
+        queued = self._ingest_queue.get(rep.index)
+        if queued:
+            self._ingest_queue[rep.index] = [(x, item) for x, item in queued if x is not r]
 
     def _detach_lost_drafts(self) -> None:
         for r in self.running:
@@ -510,18 +516,36 @@ class GatewayCore:
             self._send_ingest(r)
 
     def _send_ingest(self, r: Request) -> None:
+        """Queue r's pending ingest; _flush_ingests sends a step's ingests to each replica together."""
         rep = self._replica(r)
         item, r.pending_ingest = r.pending_ingest, None
         if rep is None or item is None:
             return
+        self._ingest_queue.setdefault(rep.index, []).append((r, item))
 
-        def send(rep=rep, item=item, r=r):
-            # catch_up: compute the draft KV now, while the target runs the next step.
-            self._draft_usage(rep.client.ingest([item], catch_up=True))
-            r.draft_caught_up = True  # a plain flag write; the loop reads it next step
+    def _flush_ingests(self) -> None:
+        """One Ingest call per replica (more only where a request has two items): one RPC per
+        request through the replica's queue made every step of 64 requests that were not drafting
+        wait behind 64 calls, and a switch back to trees after dormant steps stall for seconds."""
+        queued, self._ingest_queue = self._ingest_queue, {}
+        for idx, pairs in queued.items():
+            rep = self.pool.replicas[idx]
+            rounds: list[list[tuple[Request, IngestItem]]] = []
+            seen: dict[str, int] = {}
+            for r, item in pairs:  # the draft takes one item per request per call, in order
+                n = seen[r.request_id] = seen.get(r.request_id, -1) + 1
+                if n == len(rounds):
+                    rounds.append([])
+                rounds[n].append((r, item))
+            for batch in rounds:
+                def send(rep=rep, batch=batch):
+                    # catch_up: compute the draft KV now, while the target runs the next step.
+                    self._draft_usage(rep.client.ingest([item for _, item in batch], catch_up=True))
+                    for r, _ in batch:
+                        r.draft_caught_up = True  # a plain flag write; the loop reads it next step
 
-        fut = rep.submit(send)
-        fut.add_done_callback(lambda f, rep=rep: f.exception() and self._ingest_failed(rep, f.exception()))
+                fut = rep.submit(send)
+                fut.add_done_callback(lambda f, rep=rep: f.exception() and self._ingest_failed(rep, f.exception()))
 
     def _draft_usage(self, load: KvLoad) -> None:
         self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
