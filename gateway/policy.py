@@ -303,13 +303,6 @@ class LoadGate:
             return not spec_wins
         return spec_wins
 
-    def _gap(self, b: int, spec_wins: bool) -> float:
-        """How many times better the verdict's winner measures than the loser (at least 1)."""
-        s, p = self.arms[(b, True)].goodput, self.arms[(b, False)].goodput
-        if s <= 0 or p <= 0:
-            return 1.0
-        return max(1.0, s / p if spec_wins else p / s)
-
     def _stale_after(self, b: int, spec_wins: bool) -> float:
         winner, loser = self.arms[(b, spec_wins)], self.arms[(b, not spec_wins)]
         if min(winner.goodput, loser.goodput, winner.seconds, loser.seconds) <= 0:
