@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from draft_service.types import DraftBudget
 
@@ -229,6 +230,12 @@ class Arm:
     since: int = 0  # steps of this bucket since the arm was last measured
 
 
+class Probe(NamedTuple):
+    spec: bool  # the arm measured
+    steps_left: int  # steps of that arm still to take
+    reprobe: bool  # the arm had a figure before: the probe only asks whether it changed
+
+
 @dataclass
 class LoadGate:
     """Whether `auto` speculates at all at this load: measured, not predicted.
@@ -236,8 +243,8 @@ class LoadGate:
     Per batch bucket it keeps the goodput of recent steps with trees and
     without. Each arm is first measured for `probe_steps` steps; then
     speculation stays on unless plain decode measured `margin` times better;
-    the losing arm is measured again for `probe_steps` steps once its figure is
-    `stale_after` steps old, so a change in load mix or acceptance is noticed.
+    the losing arm is measured again now and then (see `probe_budget`), so a
+    change in load mix or acceptance is noticed.
     The verdict is taken when a probe ends and held until the next one: the
     first step after a switch pays for it (after plain steps the draft still
     works through the features it was fed; after trees, deferred feeds go
@@ -271,7 +278,7 @@ class LoadGate:
     probe_budget: float = 0.01
     max_stale_factor: float = 8.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
-    _probing: dict[int, tuple[bool, int, bool]] = field(default_factory=dict)  # bucket -> (arm, steps left, re-probe?)
+    _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
@@ -281,7 +288,7 @@ class LoadGate:
             return True
         b = batch_bucket(seqs)
         if b in self._probing:
-            return self._probing[b][0]
+            return self._probing[b].spec
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
         # A new bucket measures plain decoding first where it won at the nearest lighter load
@@ -294,12 +301,12 @@ class LoadGate:
             order = order[::-1]
         for arm, key in order:
             if arm.samples == 0:
-                self._probing[b] = (key, self.probe_steps, False)
+                self._probing[b] = Probe(key, self.probe_steps, False)
                 return key
         spec_wins = self._verdict.setdefault(b, self._judge(b))
         loser = plain if spec_wins else spec
         if loser.since >= self._stale_after(b, spec_wins):
-            self._probing[b] = (not spec_wins, self.probe_steps, True)
+            self._probing[b] = Probe(not spec_wins, self.probe_steps, True)
             return not spec_wins
         return spec_wins
 
@@ -325,7 +332,8 @@ class LoadGate:
         """Whether this step measures trees at this load (ask after allow_spec): then the policy drafts
         them even where its acceptance figures say they do not pay, since those may be stale (a budget
         judged on two trees at the start of a request, then never tried again)."""
-        return seqs >= self.min_batch and self._probing.get(batch_bucket(seqs), (False, 0, False))[0]
+        probe = self._probing.get(batch_bucket(seqs))
+        return seqs >= self.min_batch and probe is not None and probe.spec
 
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
         """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
@@ -335,32 +343,31 @@ class LoadGate:
         # Only steps of the probed arm count towards a probe: while trees are probed the cost
         # model may still choose none, and such a step says nothing about trees.
         probe = self._probing.get(b)
-        probing = probe is not None and probe[0] == spec
-        recorded = not probing or probe[1] <= self.probe_steps - self.probe_steps // 4
+        probing = probe is not None and probe.spec == spec
+        recorded = not probing or probe.steps_left <= self.probe_steps - self.probe_steps // 4
         rate = committed / seconds
+        this = self.arms.setdefault((b, spec), Arm())
+        other = self.arms.setdefault((b, not spec), Arm())
         if recorded:
-            arm = self.arms.setdefault((b, spec), Arm())
-            arm.goodput = rate if arm.samples == 0 else 0.7 * arm.goodput + 0.3 * rate
-            arm.seconds = seconds if arm.samples == 0 else 0.7 * arm.seconds + 0.3 * seconds
-            arm.samples += 1
-            arm.since = 0
-        self.arms.setdefault((b, not spec), Arm()).since += 1
-        if probing:
-            this, other = self.arms[(b, spec)], self.arms.setdefault((b, not spec), Arm())
-            # Clearly losing on a fresh figure: one recorded step settles it (judging on the
-            # stale figure that started the probe would end every probe at once, and re-probe
-            # on every step).
-            if recorded and other.samples and (other.goodput >= self.clear * this.goodput
-                                               or (probe[2] and other.goodput >= self.margin * rate)):
-                probe = (spec, 1, probe[2])
-            if probe[1] > 1:
-                self._probing[b] = (spec, probe[1] - 1, probe[2])
-            else:
-                del self._probing[b]
-                if self.arms.setdefault((b, not spec), Arm()).samples:
-                    self._verdict[b] = self._judge(b)
-                    return self._verdict[b]
-        return None
+            this.goodput = rate if this.samples == 0 else 0.7 * this.goodput + 0.3 * rate
+            this.seconds = seconds if this.samples == 0 else 0.7 * this.seconds + 0.3 * seconds
+            this.samples += 1
+            this.since = 0
+        other.since += 1
+        if not probing:
+            return None
+        # Clearly losing on a fresh figure: one recorded step settles it (judging on the stale
+        # figure that started the probe would end every probe at once, and re-probe on every step).
+        settled = recorded and other.samples and (other.goodput >= self.clear * this.goodput
+                                                  or (probe.reprobe and other.goodput >= self.margin * rate))
+        if probe.steps_left > 1 and not settled:
+            self._probing[b] = probe._replace(steps_left=probe.steps_left - 1)
+            return None
+        del self._probing[b]
+        if not other.samples:
+            return None
+        self._verdict[b] = self._judge(b)
+        return self._verdict[b]
 
     def describe(self, seqs: int) -> str:
         """The measured arms of this load's bucket, for logs."""
