@@ -60,3 +60,46 @@ def kv_write_triton(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tenso
         HEADS=heads, HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
     )
+
+
+def kv_commit_reference(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+    """Every layer at once. cache_k/v: [L, slots, Hkv, D] (flat slots); k, v: [L, T, Hkv, D]
+    (a step's K/V scratch); slots: [T]. cache[l, slots[t]] = k/v[l, t] for every row t:
+    rows that are not kept point at a trash slot."""
+    slots = slots.to(k.device, torch.long)
+    cache_k[:, slots] = k
+    cache_v[:, slots] = v
+
+
+@triton.jit
+def _kv_commit_kernel(CK, CV, K, V, Slots, sck_l, sck_s, scv_l, scv_s, sk_l, sk_t, sv_l, sv_t,
+                      ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(K + layer * sk_l + t * sk_t + offs, mask=mask)
+    v = tl.load(V + layer * sv_l + t * sv_t + offs, mask=mask)
+    tl.store(CK + layer * sck_l + slot * sck_s + offs, k.to(CK.dtype.element_ty), mask=mask)
+    tl.store(CV + layer * scv_l + slot * scv_s + offs, v.to(CV.dtype.element_ty), mask=mask)
+
+
+def kv_commit_triton(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+    """Same contract as kv_commit_reference: one launch for every row of every layer
+    (it replaces one kv_write launch per layer after each step)."""
+    L, T = k.shape[:2]
+    if k.shape != v.shape or slots.shape != (T,) or cache_k.shape[0] != L or cache_k.shape[2:] != k.shape[2:]:
+        raise ValueError(f"cache {tuple(cache_k.shape)}, k/v {tuple(k.shape)} and slots {tuple(slots.shape)} "
+                         "do not fit")
+    for t in (cache_k, cache_v, k, v):
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+            raise ValueError("each row (heads x head_dim) must be contiguous")
+    if T == 0:
+        return
+    row = k.shape[2] * k.shape[3]
+    _kv_commit_kernel[(T, L)](cache_k, cache_v, k, v, slots, cache_k.stride(0), cache_k.stride(1),
+                              cache_v.stride(0), cache_v.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                              v.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4)

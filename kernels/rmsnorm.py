@@ -49,3 +49,46 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                          N=n, BLOCK=triton.next_power_of_2(n),
                                          num_warps=8 if n >= 4096 else 4)
     return out
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's update and the next norm: s = x + residual (in x's dtype),
+    then (s, rms_norm(s))."""
+    s = x + residual
+    return s, rms_norm_reference(s, weight, eps)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Sum, Out, sx, sr, ss, so, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * sx + offs, mask=mask, other=0.0)
+    r = tl.load(R + row * sr + offs, mask=mask, other=0.0)
+    # The sum is rounded to the stream's dtype before the statistics, as x + residual is.
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(Sum + row * ss + offs, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(sf * sf, 0) / N + eps)
+    normed = (sf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * so + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as add_rms_norm_reference for 2-D x and residual [T, N]: one
+    kernel instead of an add and a norm (two launches and a re-read per layer, twice)."""
+    if x.shape != residual.shape or x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight "
+                         f"{tuple(weight.shape)} do not fit")
+    x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    n = x.shape[1]
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if x.shape[0]:
+        _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight.contiguous(), total, out, x.stride(0),
+                                            residual.stride(0), total.stride(0), out.stride(0), eps,
+                                            N=n, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+    return total, out

@@ -61,3 +61,80 @@ def rope_triton(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
                            HEADS=heads, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
                            BLOCK_HALF=triton.next_power_of_2(dim // 2), num_warps=4)
     return out
+
+
+def rope_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, (q_heads + 2 kv_heads) * D] from the fused projection. Returns rotated q
+    [T, q_heads, D], rotated k and v [T, kv_heads, D]."""
+    T = qkv.shape[0]
+    dim = qkv.shape[1] // (q_heads + 2 * kv_heads)
+    q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return (rope_reference(q.reshape(T, q_heads, dim), positions, cos, sin),
+            rope_reference(k.reshape(T, kv_heads, dim), positions, cos, sin), v.reshape(T, kv_heads, dim))
+
+
+@triton.jit
+def _rope_qkv_kernel(QKV, Pos, Cos, Sin, QOut, KOut, VOut, s_qkv, s_q, s_k, s_v, sc, ss,
+                     QH: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Program (t, g): token t; g = 0 rotates the query heads, 1 the key heads and copies
+    # the value heads. Head h of a group sits at column h * 2 * HALF of its part of qkv.
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    pos = tl.load(Pos + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = d < HALF
+    heads = tl.where(g == 0, QH, KVH)
+    mask = (h < heads) & d_ok
+    src = QKV + t * s_qkv + tl.where(g == 0, 0, QH * 2 * HALF) + h * 2 * HALF
+    x1 = tl.load(src + d, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0)
+    c1 = tl.load(Cos + pos * sc + d, mask=d_ok, other=0.0)
+    c2 = tl.load(Cos + pos * sc + HALF + d, mask=d_ok, other=0.0)
+    s1 = tl.load(Sin + pos * ss + d, mask=d_ok, other=0.0)
+    s2 = tl.load(Sin + pos * ss + HALF + d, mask=d_ok, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    out1 = (x1f * c1 + (-x2f) * s1).to(QOut.dtype.element_ty)
+    out2 = (x2f * c2 + x1f * s2).to(QOut.dtype.element_ty)
+    if g == 0:
+        tl.store(QOut + t * s_q + h * 2 * HALF + d, out1, mask=mask)
+        tl.store(QOut + t * s_q + h * 2 * HALF + HALF + d, out2, mask=mask)
+    else:
+        tl.store(KOut + t * s_k + h * 2 * HALF + d, out1, mask=mask)
+        tl.store(KOut + t * s_k + h * 2 * HALF + HALF + d, out2, mask=mask)
+        vsrc = QKV + t * s_qkv + (QH + KVH) * 2 * HALF + h * 2 * HALF
+        v1 = tl.load(vsrc + d, mask=mask, other=0.0)
+        v2 = tl.load(vsrc + HALF + d, mask=mask, other=0.0)
+        tl.store(VOut + t * s_v + h * 2 * HALF + d, v1, mask=mask)
+        tl.store(VOut + t * s_v + h * 2 * HALF + HALF + d, v2, mask=mask)
+
+
+def rope_qkv_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    q_heads: int, kv_heads: int, k_out: torch.Tensor | None = None,
+                    v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as rope_qkv_reference, in one kernel. k_out / v_out ([T, kv_heads, D],
+    contiguous), when given, receive k and v: the target writes them straight into the
+    step's K/V scratch, from which the accepted rows are committed to the cache."""
+    if qkv.dim() != 2 or qkv.stride(-1) != 1:
+        raise ValueError("qkv must be 2-D with a contiguous last dim")
+    T, width = qkv.shape
+    dim = width // (q_heads + 2 * kv_heads)
+    if dim * (q_heads + 2 * kv_heads) != width or dim % 2:
+        raise ValueError(f"qkv width {width} does not split into {q_heads}+2x{kv_heads} even heads")
+    q = torch.empty(T, q_heads, dim, dtype=qkv.dtype, device=qkv.device)
+    for name, t in (("k_out", k_out), ("v_out", v_out)):
+        if t is not None and (t.shape != (T, kv_heads, dim) or t.dtype != qkv.dtype or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {qkv.dtype} tensor of shape {(T, kv_heads, dim)}")
+    k = k_out if k_out is not None else torch.empty(T, kv_heads, dim, dtype=qkv.dtype, device=qkv.device)
+    v = v_out if v_out is not None else torch.empty(T, kv_heads, dim, dtype=qkv.dtype, device=qkv.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if T:
+        _rope_qkv_kernel[(T, 2)](qkv, positions.contiguous(), cos, sin, q, k, v, qkv.stride(0), q.stride(0),
+                                 k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
+                                 QH=q_heads, KVH=kv_heads, HALF=dim // 2,
+                                 BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)),
+                                 BLOCK_HALF=triton.next_power_of_2(dim // 2), num_warps=4)
+    return q, k, v

@@ -108,10 +108,10 @@ def _logits(q, k, qk_scale, F32_DOT: tl.constexpr):
 # these classes vary with batch and prefix, so a served step could stop for a
 # compile whenever a new combination shows up. Only constexprs pick variants now,
 # and warm_up() compiles them all at start-up.
-@triton.jit(do_not_specialize=["bt_off", "info_off", "tile_off", "bt_stride", "mw_stride", "num_splits"])
+@triton.jit(do_not_specialize=["info_off", "tile_off", "bt_stride", "mw_stride", "num_splits"])
 def _tree_attention_kernel(
-    Q, K, V, KC, VC, Out, PartOut, PartLse, Ints, MaskWords,
-    bt_off, info_off, tile_off, bt_stride, mw_stride,
+    Q, K, V, KC, VC, Out, PartOut, PartLse, Ints, BlockTable, MaskWords,
+    info_off, tile_off, bt_stride, mw_stride,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
     skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
     so_t, so_h, sp_s, sp_t, sp_h, sl_s, sl_t,
@@ -126,9 +126,10 @@ def _tree_attention_kernel(
     first = tl.load(Ints + tile_off + tile * 3 + 1)
     count = tl.load(Ints + tile_off + tile * 3 + 2)
     active = count > 0  # padding tiles (CUDA-graph buckets) do nothing
-    prefix_len = tl.where(active, tl.load(Ints + info_off + seq * 3), 0)
-    row0 = tl.load(Ints + info_off + seq * 3 + 1)
-    num_nodes = tl.load(Ints + info_off + seq * 3 + 2)
+    prefix_len = tl.where(active, tl.load(Ints + info_off + seq * 4), 0)
+    row0 = tl.load(Ints + info_off + seq * 4 + 1)
+    num_nodes = tl.load(Ints + info_off + seq * 4 + 2)
+    table = BlockTable + tl.load(Ints + info_off + seq * 4 + 3).to(tl.int64) * bt_stride
 
     offs_m = tl.arange(0, BLOCK_M)
     node = offs_m // GROUP
@@ -151,7 +152,7 @@ def _tree_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        block = tl.load(Ints + bt_off + seq * bt_stride + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        block = tl.load(table + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         within = offs_n % PAGE
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(KC + (block * skc_b + within * skc_s + kvh * skc_h)[:, None] + offs_d[None, :],
@@ -206,7 +207,7 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     seq = tl.load(Ints + tile_off + tile * 3)
     count = tl.load(Ints + tile_off + tile * 3 + 2)
-    row0 = tl.load(Ints + info_off + seq * 3 + 1) + tl.load(Ints + tile_off + tile * 3 + 1)
+    row0 = tl.load(Ints + info_off + seq * 4 + 1) + tl.load(Ints + tile_off + tile * 3 + 1)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
@@ -262,11 +263,12 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # The interpreter (triton 3.9) multiplies bf16 dot operands as raw bits, so
     # there bf16 dots run in float32 too.
     f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
-    info_off = meta.batch * meta.max_blocks
-    tile_off = info_off + 3 * meta.batch
+    info_off, tile_off = meta.info_off, meta.tile_off
+    if meta.block_table.stride(-1) != 1:
+        raise ValueError("the block table's last dim must be contiguous")
     _tree_attention_kernel[(meta.num_tiles, Hkv, splits)](
-        q, k, v, cache_k, cache_v, out, part, lse, meta.ints, meta.mask_words,
-        0, info_off, tile_off, meta.max_blocks, meta.mask_words.stride(0),
+        q, k, v, cache_k, cache_v, out, part, lse, meta.ints, meta.block_table, meta.mask_words,
+        info_off, tile_off, meta.block_table.stride(0), meta.mask_words.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),

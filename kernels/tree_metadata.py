@@ -1,10 +1,14 @@
-"""Device metadata for tree attention: built once per step on the host, read by every layer.
+"""Device metadata for tree attention: built once per step, read by every layer.
 
-Everything the kernel needs to know about the step's shape lives in two device
-tensors (one int32, one int64), so a step costs two host-to-device copies. With
-the padding arguments their shapes are fixed per bucket; a CUDA graph captured
-over one metadata object replays for a later step after `copy_` of a new one
-built with the same padding.
+What the kernel needs to know about the step's shape lives in three device
+tensors: an int32 buffer with per-sequence info and tiles, a block table, and
+the packed ancestor masks (int64). build_tree_metadata packs them from host
+lists (tests, benchmarks); the target engine instead points them at its own
+device-resident block table and at views of the one buffer a step is copied in
+as (target_service.step_batch), so a step costs one host-to-device copy. With
+the padding arguments shapes are fixed per bucket; a CUDA graph captured over
+one metadata object replays for a later step after `copy_` of a new one built
+with the same padding.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 # step at batch 1 of 6.85 ms against 7.04 ms with 4).
 MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 32
+SEQ_INFO_FIELDS = 4  # prefix_len, first row, node count, block-table row
 
 
 def _next_pow2(n: int) -> int:
@@ -43,52 +48,60 @@ def _cdiv(a: int, b: int) -> int:
 class TreeAttnMetadata:
     """What one step's tree attention reads, identical for every layer.
 
-    ints (int32, one buffer) holds, in order:
-      block_tables [B, max_blocks]  physical block of each prefix block
-      seq_info     [B, 3]           (prefix_len, first row in q/k/v, node count)
-      tiles        [num_tiles, 3]   (sequence, first local node, node count);
-                                    padding tiles have count 0 and do nothing
+    ints (int32) holds, from info_off and tile_off:
+      seq_info [B, 4]          (prefix_len, first row in q/k/v, node count, block-table row)
+      tiles    [num_tiles, 3]  (sequence, first local node, node count);
+                               padding tiles have count 0 and do nothing
+    block_table [rows, max_blocks] int32: physical block of each prefix block, one
+    row per sequence slot (seq_info says which row a sequence reads).
     mask_words [rows, W] int64: bit j%64 of word j//64 of row i is set when the
     sequence's own node j is visible to row i (its ancestor or itself).
     """
 
     ints: torch.Tensor
+    block_table: torch.Tensor
     mask_words: torch.Tensor
     batch: int
-    max_blocks: int
     num_tiles: int
     block_size: int
     group: int  # query heads per kv head
     block_m: int  # query rows (node, head) per program
     num_splits: int  # programs sharing one prefix (flash-decoding); 1 = no split
+    info_off: int = 0
+    tile_off: int | None = None  # default: right after seq_info
+
+    def __post_init__(self) -> None:
+        if self.tile_off is None:
+            self.tile_off = self.info_off + SEQ_INFO_FIELDS * self.batch
 
     @property
     def nodes_per_tile(self) -> int:
         return self.block_m // self.group
 
     @property
-    def block_tables(self) -> torch.Tensor:
-        return self.ints[: self.batch * self.max_blocks].view(self.batch, self.max_blocks)
+    def max_blocks(self) -> int:
+        return self.block_table.shape[1]
 
     @property
     def seq_info(self) -> torch.Tensor:
-        start = self.batch * self.max_blocks
-        return self.ints[start: start + 3 * self.batch].view(self.batch, 3)
+        return self.ints[self.info_off: self.info_off + SEQ_INFO_FIELDS * self.batch].view(
+            self.batch, SEQ_INFO_FIELDS)
 
     @property
     def tiles(self) -> torch.Tensor:
-        start = self.batch * (self.max_blocks + 3)
-        return self.ints[start: start + 3 * self.num_tiles].view(self.num_tiles, 3)
+        return self.ints[self.tile_off: self.tile_off + 3 * self.num_tiles].view(self.num_tiles, 3)
 
     def _static(self) -> tuple:
-        return (self.batch, self.max_blocks, self.num_tiles, self.block_size, self.group,
-                self.block_m, self.num_splits, tuple(self.ints.shape), tuple(self.mask_words.shape))
+        return (self.batch, self.num_tiles, self.block_size, self.group, self.block_m, self.num_splits,
+                self.info_off, self.tile_off, tuple(self.ints.shape), tuple(self.block_table.shape),
+                tuple(self.mask_words.shape))
 
     def copy_(self, other: TreeAttnMetadata) -> TreeAttnMetadata:
         """Overwrite in place (e.g. a CUDA graph's static metadata) with a step of the same bucket."""
         if self._static() != other._static():
             raise ValueError(f"metadata of another bucket: {other._static()} vs {self._static()}")
         self.ints.copy_(other.ints, non_blocking=True)
+        self.block_table.copy_(other.block_table, non_blocking=True)
         self.mask_words.copy_(other.mask_words, non_blocking=True)
         return self
 
@@ -115,7 +128,7 @@ def choose_num_splits(num_programs: int, max_prefix: int, device: torch.device) 
     return max(1, min(want, max_prefix // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
-def _packed_mask(mask: np.ndarray, words: int, r: int) -> np.ndarray:
+def packed_mask(mask: np.ndarray, words: int, r: int = 0) -> np.ndarray:
     """Check an [n, n] bool mask and pack it to [n, words] int64: bit j%64 of word
     j//64 of row i is mask[i, j]."""
     n = mask.shape[0]
@@ -188,31 +201,33 @@ def build_tree_metadata(block_tables: Sequence[Sequence[int]], prefix_lens: Sequ
 
     # Host work in numpy: this runs once per step for up to hundreds of sequences.
     tables = np.zeros((pB, pBlocks), dtype=np.int32)
-    info = np.zeros((pB, 3), dtype=np.int32)
+    info = np.zeros((pB, SEQ_INFO_FIELDS), dtype=np.int32)
     tile_t = np.zeros((pTiles, 3), dtype=np.int32)
     mask_words = np.zeros((pRows, pWords), dtype=np.int64)
     packed_by_mask: dict[tuple, np.ndarray] = {}  # a batch repeats few tree shapes
     for r, (table, plen, start, mask) in enumerate(zip(block_tables, prefix_lens, node_starts, masks)):
         used = _cdiv(plen, block_size)
         tables[r, :used] = table[:used]
-        info[r] = (plen, start, counts[r])
+        info[r] = (plen, start, counts[r], r)
         m = _as_bool_array(mask)
         key = (m.shape, m.tobytes())
         if key not in packed_by_mask:
-            packed_by_mask[key] = _packed_mask(m, pWords, r)
+            packed_by_mask[key] = packed_mask(m, pWords, r)
         mask_words[start: start + counts[r]] = packed_by_mask[key]
     if tiles:
         tile_t[: len(tiles)] = tiles
-    ints = torch.from_numpy(np.concatenate((tables.ravel(), info.ravel(), tile_t.ravel())))
-    words_t = torch.from_numpy(mask_words)
+    ints = torch.from_numpy(np.concatenate((info.ravel(), tile_t.ravel())))
     pin = device.type == "cuda"
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+
     if num_splits is None:
         num_splits = choose_num_splits(len(tiles) * num_kv_heads, max(prefix_lens, default=0), device)
     return TreeAttnMetadata(
-        ints=(ints.pin_memory() if pin else ints).to(device, non_blocking=pin),
-        mask_words=(words_t.pin_memory() if pin else words_t).to(device, non_blocking=pin),
-        batch=pB, max_blocks=pBlocks, num_tiles=pTiles, block_size=block_size, group=group,
-        block_m=block_m, num_splits=num_splits)
+        ints=to_device(ints), block_table=to_device(torch.from_numpy(tables)),
+        mask_words=to_device(torch.from_numpy(mask_words)), batch=pB, num_tiles=pTiles,
+        block_size=block_size, group=group, block_m=block_m, num_splits=num_splits)
 
 
 def _host_split(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[np.ndarray]:

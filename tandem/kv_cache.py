@@ -12,31 +12,77 @@ class OutOfBlocks(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceKV:
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose KV is written
+    row: int = -1  # this sequence's row of the device block table (when the cache keeps one)
+
+
+class BlockTable:
+    """The block lists of all sequences as one device tensor [rows + 1, max_blocks]
+    (int32), changed by what each step adds rather than rebuilt: reserve() records
+    (flat index, block) pairs, and the next step applies them on the device (the
+    target engine copies them in with the step's inputs). The last row is a
+    padding row that no sequence owns.
+    """
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device | str):
+        self.rows = rows
+        self.max_blocks = max_blocks
+        self.table = torch.zeros(rows + 1, max_blocks, dtype=torch.int32, device=device)
+        self._free_rows = list(range(rows - 1, -1, -1))
+        # row * max_blocks + column -> block; a dict, so a slot changed twice before a step
+        # (a row released and reused) carries only its last value to the device.
+        self.pending: dict[int, int] = {}
+
+    @property
+    def padding_row(self) -> int:
+        return self.rows
+
+    def take_row(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def give_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def take_pending(self) -> dict[int, int]:
+        pending, self.pending = self.pending, {}
+        return pending
 
 
 class PagedKVCache:
     """K and V for `num_layers` layers in blocks of `block_size` tokens.
 
-    Storage per layer: [num_blocks, block_size, kv_heads, head_dim]. A sequence
-    owns a list of blocks; token t lives in block blocks[t // block_size] at
-    slot t % block_size.
+    Storage: one tensor each for K and V, [num_layers, num_blocks + 1, block_size,
+    kv_heads, head_dim]; k[layer] / v[layer] are per-layer views. A sequence owns a
+    list of blocks; token t lives in block blocks[t // block_size] at slot
+    t % block_size. The extra last block is trash: rows of a step that are not
+    kept are written there, so one fixed-shape write serves every step.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self.k_all.unbind(0))
+        self.v = list(self.v_all.unbind(0))
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.trash_slot = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[str, SequenceKV] = {}
+        self.block_table: BlockTable | None = None
+
+    def keep_block_table(self, max_seqs: int, max_tokens_per_seq: int) -> BlockTable:
+        """Mirror every sequence's blocks in a device table (before any sequence exists)."""
+        if self.seqs:
+            raise RuntimeError("the block table must be set up before sequences are created")
+        self.block_table = BlockTable(max_seqs, self.blocks_for(max_tokens_per_seq), self.k_all.device)
+        return self.block_table
 
     # --- accounting -------------------------------------------------------
     @property
@@ -55,10 +101,21 @@ class PagedKVCache:
         return max(0, self.blocks_for(new_length) - held)
 
     # --- lifecycle --------------------------------------------------------
+    @property
+    def free_rows(self) -> int:
+        """Sequences that can still be created (unbounded without a block table)."""
+        return len(self.block_table._free_rows) if self.block_table is not None else 1 << 30
+
     def create(self, seq_id: str) -> SequenceKV:
         if seq_id in self.seqs:
             raise KeyError(f"sequence {seq_id!r} exists")
-        seq = self.seqs[seq_id] = SequenceKV()
+        seq = SequenceKV()
+        if self.block_table is not None:
+            row = self.block_table.take_row()
+            if row is None:
+                raise OutOfBlocks(f"all {self.block_table.rows} sequence slots are in use")
+            seq.row = row
+        self.seqs[seq_id] = seq
         return seq
 
     def reserve(self, seq_id: str, new_length: int) -> None:
@@ -67,8 +124,14 @@ class PagedKVCache:
         need = self.blocks_for(new_length) - len(seq.blocks)
         if need > len(self._free):
             raise OutOfBlocks(f"need {need} blocks, {len(self._free)} free")
+        table = self.block_table
+        if table is not None and len(seq.blocks) + need > table.max_blocks:
+            raise OutOfBlocks(f"a sequence of {new_length} tokens needs more than {table.max_blocks} blocks")
         for _ in range(need):
-            seq.blocks.append(self._free.pop())
+            block = self._free.pop()
+            if table is not None:
+                table.pending[seq.row * table.max_blocks + len(seq.blocks)] = block
+            seq.blocks.append(block)
 
     def trim(self, seq_id: str) -> None:
         """Give back blocks beyond the sequence's written length."""
@@ -82,6 +145,8 @@ class PagedKVCache:
         if seq is None:
             return False
         self._free.extend(reversed(seq.blocks))
+        if self.block_table is not None:
+            self.block_table.give_row(seq.row)
         return True
 
     # --- data -------------------------------------------------------------

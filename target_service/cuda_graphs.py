@@ -1,13 +1,21 @@
-"""CUDA graphs of the target's forward, one per (batch bucket, nodes-per-request bucket).
+"""CUDA graphs of the target step, one pair per (batch bucket, nodes-per-request bucket).
 
-A graph holds a decode or verify step of up to B sequences with up to N nodes
-each (N = 1 is plain decode). What a graph reads lives in static buffers that
-every replay overwrites: token ids, positions and the attention metadata, padded
-to the bucket. Padding rows run through the layers like any row but attend to
-nothing and are never read back. A graph never depends on what the previous step
-did, so a step that speculates and one that does not replay the same way; a
-step the buckets do not cover (prefill chunks, fixed chains, TP > 1, other
-feature layers) runs eagerly.
+A bucket holds a decode or verify step of up to B sequences with up to N nodes
+each (N = 1 is plain decode). Its inputs are views of one static device buffer
+that every step overwrites with one copy (target_service.step_inputs); padding
+rows run through the layers like any row but attend to nothing and are written
+to the cache's trash slot. Two graphs per bucket:
+
+- forward: the step's new block-table entries, then the model (logits of every
+  row, K/V into the step's scratch, features of the default layers);
+- greedy tail: acceptance, the kept nodes' K/V moved into the cache, results
+  packed into one buffer.
+
+A step with sampled sequences or top log-probs replays the forward graph and
+runs the tail eagerly. A graph never depends on what the previous step did, so a
+step that speculates and one that does not replay the same way; a step the
+buckets do not cover (prefill chunks, fixed chains, TP > 1, other feature
+layers) runs eagerly.
 
 With capture=False the same padded buffers run eagerly: the CPU tests use it to
 check that padding changes nothing.
@@ -18,14 +26,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.tree_attention import StepLayout
-from kernels.tree_metadata import TreeAttnMetadata, build_tree_metadata, choose_block_m, choose_num_splits
-from tandem.kv_cache import PagedKVCache
-from target_service.model import LlamaModel, StepOutput
-from target_service.types import SequenceStep
+from kernels.tree_metadata import choose_block_m, choose_num_splits
+from target_service.step_batch import StepBatch
+from target_service.step_inputs import PADDING_ROW, InputLayout, InputShape
+from target_service.step_tail import output_width
+
+if TYPE_CHECKING:
+    from target_service.engine import TargetEngine
 
 log = logging.getLogger(__name__)
 
@@ -58,120 +69,153 @@ class GraphConfig:
                 if b * n <= self.max_tokens]
 
 
-@dataclass
-class _Captured:
-    meta: TreeAttnMetadata  # the static metadata the graph reads
-    pad: dict  # build_tree_metadata's padding arguments for this bucket
-    out: StepOutput | None = None  # the graph's static outputs
-    graph: torch.cuda.CUDAGraph | None = None
+def bucket_shape(engine: TargetEngine, batch: int, nodes: int) -> tuple[InputShape, int]:
+    """A bucket's padded input shape and attention tile height."""
+    block_m = choose_block_m(nodes, engine.group)
+    tiles = batch * _cdiv(nodes, block_m // engine.group)
+    # A step adds at most cdiv(nodes, block) + 1 blocks per sequence.
+    updates = batch * (_cdiv(nodes, engine.kv.block_size) + 1)
+    return InputShape(rows=batch * nodes, seqs=batch, tree=nodes, tiles=tiles, updates=updates,
+                      words=_cdiv(nodes, 64)), block_m
+
+
+class BucketGraph:
+    """The static buffers and graphs of one (batch, nodes) bucket."""
+
+    def __init__(self, owner: StepGraphs, batch: int, nodes: int):
+        engine = owner.engine
+        model = engine.model
+        self.owner = owner
+        self.key = (batch, nodes)
+        self.shape, self.block_m = bucket_shape(engine, batch, nodes)
+        self.num_splits = choose_num_splits(self.shape.tiles * model.kv_heads_local, engine.max_model_len,
+                                            model.device)
+        self.layout = InputLayout(self.shape)
+        self.buffer = owner.buffer
+        self.views = self.layout.device_views(self.buffer)
+        self.k_scratch = owner.k_scratch[:, : self.shape.rows]
+        self.v_scratch = owner.v_scratch[:, : self.shape.rows]
+        self.tail = engine.new_tail(self.views, self.shape)
+        self.out = torch.zeros(batch, output_width(nodes, 0), dtype=torch.int32, device=model.device)
+        self.logits: torch.Tensor | None = None
+        self.features: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
+        self.forward_graph: torch.cuda.CUDAGraph | None = None
+        self.tail_graph: torch.cuda.CUDAGraph | None = None
+
+    # --- the two halves ---------------------------------------------------
+    def _forward(self) -> None:
+        engine = self.owner.engine
+        self.tail.apply_table_updates()
+        self.logits, self.features = engine.forward(self.buffer, self.layout, self.block_m, self.num_splits,
+                                                    self.owner.feature_layers, self.k_scratch, self.v_scratch)
+
+    def _greedy_tail(self) -> None:
+        self.kept = self.tail.pack(self.tail.greedy(self.logits), self.out)
+        self.tail.commit(self.tail.committed_rows(self.kept), self.k_scratch, self.v_scratch)
+
+    def _fill_padding(self) -> None:
+        """A step of padding only: what capture runs over (it writes nothing but trash)."""
+        v = self.views
+        self.buffer[: self.layout.size].zero_()
+        v["row_seq"].fill_(-1)
+        v["row_tree"].fill_(PADDING_ROW)
+        v["seq_info"].view(-1, 4)[:, 3] = self.owner.engine.table.padding_row
+        table = self.owner.engine.table
+        v["update_index"].fill_(table.padding_row * table.max_blocks)
+        v["greedy"].fill_(1)
+        v["top_p"].fill_(1.0)
+
+    def capture(self, pool) -> None:
+        self._fill_padding()
+        if not self.owner.cfg.capture:
+            return
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile and autotune outside the capture
+            self._forward()
+            self._greedy_tail()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool):
+            self._forward()
+        self.tail_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.tail_graph, pool=pool):
+            self._greedy_tail()
+        log.info("captured CUDA graphs for batch %d x %d nodes in %.2f s", *self.key, time.perf_counter() - t0)
+
+    # --- a step -----------------------------------------------------------
+    def load_inputs(self, host: torch.Tensor) -> None:
+        self.buffer[: host.numel()].copy_(host, non_blocking=host.is_pinned())
+
+    def replay(self, greedy_only: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the step; with greedy_only also the tail (returns the kept mask and results)."""
+        self.owner.replays += 1
+        if self.forward_graph is None:
+            self._forward()
+        else:
+            self.forward_graph.replay()
+        if not greedy_only:
+            return None, None
+        if self.tail_graph is None:
+            self._greedy_tail()
+        else:
+            self.tail_graph.replay()
+        return self.kept, self.out
+
+    def out_buffer(self, top_k: int) -> torch.Tensor:
+        return torch.empty(self.shape.seqs, output_width(self.shape.tree, top_k), dtype=torch.int32,
+                           device=self.buffer.device)
 
 
 class StepGraphs:
-    def __init__(self, model: LlamaModel, kv: PagedKVCache, max_model_len: int, cfg: GraphConfig):
+    def __init__(self, engine: TargetEngine, cfg: GraphConfig):
+        model = engine.model
         if cfg.capture and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if model.attention.name != "triton":
             raise ValueError(f"CUDA graphs need the triton attention backend, not {model.attention.name!r}")
         if model.tp.size > 1:
             raise ValueError("CUDA graphs are not supported with tensor parallelism yet")
-        self.model, self.kv, self.cfg = model, kv, cfg
-        self.buckets = cfg.buckets()
-        self.max_model_len = max_model_len
-        self.max_blocks = _cdiv(max_model_len, kv.block_size)
+        self.engine, self.cfg = engine, cfg
+        self.keys = cfg.buckets()
         self.feature_layers = model.cfg.default_feature_layers
-        max_rows = max(b * n for b, n in self.buckets)
-        device = model.device
-        # Rows 0.. hold the step's token ids, positions and the rows logits are read from.
-        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.rows = torch.arange(max_rows, device=device)
+        max_rows = max(b * n for b, n in self.keys)
+        sizes = [InputLayout(bucket_shape(engine, b, n)[0]).size for b, n in self.keys]
+        self.buffer = torch.zeros(max(sizes), dtype=torch.int32, device=model.device)
+        self.k_scratch, self.v_scratch = model.new_scratch(max_rows)
         self.pool = torch.cuda.graph_pool_handle() if cfg.capture else None
-        self._captured: dict[tuple[int, int], _Captured] = {}
+        self._buckets: dict[tuple[int, int], BucketGraph] = {}
         self.replays = 0
 
-    # --- which bucket -------------------------------------------------------
-    def bucket_for(self, items: list[SequenceStep], layers: tuple[int, ...]) -> tuple[int, int] | None:
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return self.keys
+
+    def bucket_for(self, batch: StepBatch, layers: tuple[int, ...], updates: int) -> BucketGraph | None:
         if layers and tuple(layers) != tuple(self.feature_layers):
             return None
-        if any(it.create or it.num_fixed != 1 for it in items):
+        if batch.create.any() or (batch.num_fixed != 1).any():
             return None  # prefill and fixed chains run eagerly
-        nodes = max(len(it.tokens) for it in items)
-        fits = [(b, n) for b, n in self.buckets if b >= len(items) and n >= nodes]
-        return min(fits, key=lambda bn: (bn[0] * bn[1], bn)) if fits else None
+        nodes = int(batch.num_nodes.max())
+        fits = [(b, n) for b, n in self.keys if b >= batch.size and n >= nodes]
+        if not fits:
+            return None
+        key = min(fits, key=lambda bn: (bn[0] * bn[1], bn))
+        bucket = self._bucket(key)
+        return bucket if updates <= bucket.shape.updates else None
 
-    # --- capture ------------------------------------------------------------
-    def _padding(self, batch: int, nodes: int) -> dict:
-        m = self.model
-        group = m.heads_local // m.kv_heads_local
-        block_m = choose_block_m(nodes, group)
-        tiles = batch * _cdiv(nodes, block_m // group)
-        splits = choose_num_splits(tiles * m.kv_heads_local, self.max_model_len, m.device)
-        return dict(max_batch=batch, max_blocks=self.max_blocks, max_tiles=tiles, max_rows=batch * nodes,
-                    max_words=_cdiv(nodes, 64), block_m=block_m, num_splits=splits)
-
-    def _metadata(self, layout: StepLayout, pad: dict, device: torch.device) -> TreeAttnMetadata:
-        m = self.model
-        return build_tree_metadata(layout.block_tables, [len(s) for s in layout.prefix_slots], layout.node_starts,
-                                   layout.masks, block_size=self.kv.block_size, num_q_heads=m.heads_local,
-                                   num_kv_heads=m.kv_heads_local, device=device, **pad)
-
-    def _forward(self, meta: TreeAttnMetadata, rows: int) -> StepOutput:
-        return self.model.forward(self.tokens[:rows], self.positions[:rows], meta, self.kv, self.rows[:rows],
-                                  self.feature_layers)
-
-    def _capture(self, batch: int, nodes: int) -> _Captured:
-        pad = self._padding(batch, nodes)
-        # Capture over an empty-prefix step of the bucket's shape; replays copy real metadata in.
-        chain = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool))
-        layout = StepLayout(tuple(range(0, batch * nodes, nodes)), (nodes,) * batch,
-                            (torch.zeros(0, dtype=torch.long),) * batch, (chain,) * batch, ([],) * batch)
-        cap = _Captured(self._metadata(layout, pad, self.model.device), pad)
-        if not self.cfg.capture:
-            return cap
-        t0 = time.perf_counter()
-        rows = batch * nodes
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile and autotune outside the capture
-            self._forward(cap.meta, rows)
-        torch.cuda.current_stream().wait_stream(stream)
-        cap.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cap.graph, pool=self.pool):
-            cap.out = self._forward(cap.meta, rows)
-        log.info("captured CUDA graph for batch %d x %d nodes in %.2f s", batch, nodes, time.perf_counter() - t0)
-        return cap
+    def _bucket(self, key: tuple[int, int]) -> BucketGraph:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = BucketGraph(self, *key)
+            bucket.capture(self.pool)
+        return bucket
 
     def capture_all(self) -> float:
         """Capture every bucket now (largest first, so smaller graphs reuse the pool); returns seconds."""
         t0 = time.perf_counter()
-        for b, n in sorted(self.buckets, key=lambda bn: -bn[0] * bn[1]):
-            if (b, n) not in self._captured:
-                self._captured[(b, n)] = self._capture(b, n)
+        for key in sorted(self.keys, key=lambda bn: -bn[0] * bn[1]):
+            self._bucket(key)
         return time.perf_counter() - t0
-
-    # --- replay -------------------------------------------------------------
-    def run(self, items: list[SequenceStep], tokens: list[int], positions: list[int], layout: StepLayout,
-            layers: tuple[int, ...]) -> StepOutput | None:
-        """The step's output (rows as the eager forward orders them, logits for every node),
-        or None when no bucket covers it. Outputs are views of static buffers, valid until
-        the next run."""
-        key = self.bucket_for(items, layers)
-        if key is None:
-            return None
-        cap = self._captured.get(key)
-        if cap is None:
-            cap = self._captured[key] = self._capture(*key)
-        rows = len(tokens)
-        staged = torch.tensor([tokens, positions], dtype=torch.long)
-        self.tokens[:rows].copy_(staged[0], non_blocking=True)
-        self.positions[:rows].copy_(staged[1], non_blocking=True)
-        host_meta = self._metadata(layout, cap.pad, torch.device("cpu"))
-        cap.meta.copy_(host_meta)
-        if cap.graph is None:
-            out = self._forward(cap.meta, key[0] * key[1])
-        else:
-            cap.graph.replay()
-            out = cap.out
-        self.replays += 1
-        features = out.features[:rows] if (layers and out.features is not None) else None
-        return StepOutput([k[:rows] for k in out.new_k], [v[:rows] for v in out.new_v], out.logits[:rows], features)

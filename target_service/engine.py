@@ -1,41 +1,70 @@
-"""The target's one operation: extend sequences by token trees, keep the accepted paths."""
+"""The target's one operation: extend sequences by token trees, keep the accepted paths.
+
+A step, in phases:
+
+    validate(batch)                      # the whole step, before anything changes
+    reserve KV blocks                    # host allocator; new block-table entries queued
+    pack inputs -> one host-to-device copy
+    forward, acceptance, KV commit       # on the device: a replayed graph, or eagerly
+    one device-to-host copy of results   # then host bookkeeping (lengths, trims)
+
+Per-request state the step needs lives on the device and changes by what each
+step adds (the block table); acceptance and the kept path are decided on the
+device and the kept nodes' KV is moved there, so a plain-decode step waits on
+the device once. BENCHMARKS.md ("Target step") has what each part cost.
+"""
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from kernels.kv_write import kv_write_triton
 from kernels.tree_attention import StepLayout
-from tandem.tree import ancestor_mask, children, depths, validate_tree
-from target_service.acceptance import accept_greedy, accept_sampling, target_probs
+from kernels.tree_metadata import TreeAttnMetadata, choose_block_m, choose_num_splits
+from tandem.tree import ancestor_mask, validate_tree
 from target_service.cuda_graphs import GraphConfig, StepGraphs
-from target_service.model import LlamaModel, StepOutput
-from target_service.types import (
-    InvalidStep,
-    KvLoad,
-    OutOfCapacity,
-    SequenceResult,
-    SequenceStep,
+from target_service.model import LlamaModel
+from target_service.step_batch import StepBatch, StepResults
+from target_service.step_inputs import (
+    InputLayout,
+    InputShape,
+    layout_for,
+    max_tree,
+    pack_step,
+    shape_for,
+    tree_depths,
+    tree_part_parents,
 )
+from target_service.step_tail import StepTail, output_width
+from target_service.types import InvalidStep, KvLoad, OutOfCapacity, SequenceResult, SequenceStep
 
 MAX_TOP_LOGPROBS = 20
+# Sequences the device block table has rows for, at most: a sequence holds at least
+# one block, so more rows than blocks are never used.
+MAX_SEQS = 4096
 
 
 class TargetEngine:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
-                 max_model_len: int | None = None, graphs: GraphConfig | None = None):
+                 max_model_len: int | None = None, graphs: GraphConfig | None = None,
+                 max_seqs: int | None = None):
         self.model = model
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self.max_model_len = min(max_model_len or model.cfg.max_position, model.cfg.max_position)
-        # Decode and verify steps replay captured CUDA graphs when configured (GPU, triton, TP=1).
-        self.graphs = StepGraphs(model, self.kv, self.max_model_len, graphs) if graphs is not None else None
+        self.table = self.kv.keep_block_table(max_seqs or min(num_blocks, MAX_SEQS), self.max_model_len)
+        self.device = model.device
+        self.triton = model.attention.name == "triton"
+        self.group = model.heads_local // model.kv_heads_local
+        self._pinned = self.device.type == "cuda"
+        self._host_buf = torch.zeros(0, dtype=torch.int32)
+        self._out_host = torch.zeros(0, dtype=torch.int32)
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
+        # Decode and verify steps replay captured CUDA graphs when configured (GPU, triton, TP=1).
+        self.graphs = StepGraphs(self, graphs) if graphs is not None else None
 
     # --- queries ----------------------------------------------------------
     def load(self) -> KvLoad:
@@ -51,6 +80,9 @@ class TargetEngine:
             raise InvalidStep(f"feature layer(s) {bad} out of range 0..{self.model.cfg.num_layers}")
         return layers
 
+    def draw_seed(self) -> int:
+        return self._seed_source.getrandbits(63)
+
     def with_seeds(self, items: list[SequenceStep]) -> list[SequenceStep]:
         """Give every sampled item without a seed one (done once, on rank 0, before a step is broadcast)."""
         out = []
@@ -58,222 +90,249 @@ class TargetEngine:
             if not it.sampling.greedy and it.sampling.seed is None:
                 sp = it.sampling
                 it = SequenceStep(it.request_id, it.tokens, it.parents, it.num_fixed, it.create,
-                                  type(sp)(sp.temperature, sp.top_k, sp.top_p,
-                                           self._seed_source.getrandbits(63)),
+                                  type(sp)(sp.temperature, sp.top_k, sp.top_p, self.draw_seed()),
                                   it.top_logprobs, it.return_features)
             out.append(it)
         return out
 
     # --- validation -------------------------------------------------------
-    def _validate(self, items: list[SequenceStep]) -> None:
-        if not items:
+    def _validate(self, batch: StepBatch) -> np.ndarray:
+        """Check the whole step; returns each item's end (its length after the step, at most)."""
+        if batch.size == 0:
             raise InvalidStep("a step needs at least one item")
-        vocab = self.model.cfg.vocab_size
-        seen: set[str] = set()
-        for it in items:
-            rid = it.request_id
+        seqs = self.kv.seqs
+        if len(set(batch.request_ids)) != batch.size:
+            seen: set[str] = set()
+            dup = next(r for r in batch.request_ids if r in seen or seen.add(r))
+            raise InvalidStep(f"request {dup!r} appears twice in one step")
+        prefix = np.zeros(batch.size, dtype=np.int64)
+        for b, rid in enumerate(batch.request_ids):
             if not rid:
                 raise InvalidStep("request_id must not be empty")
-            if rid in seen:
-                raise InvalidStep(f"request {rid!r} appears twice in one step")
-            seen.add(rid)
-            if it.create and rid in self.kv.seqs:
-                raise InvalidStep(f"request {rid!r} already exists; release it before creating it again")
-            if not it.create and rid not in self.kv.seqs:
+            seq = seqs.get(rid)
+            if batch.create[b]:
+                if seq is not None:
+                    raise InvalidStep(f"request {rid!r} already exists; release it before creating it again")
+            elif seq is None:
                 raise InvalidStep(f"unknown request {rid!r} (set create=true for a new sequence)")
-            if len(it.tokens) != len(it.parents):
-                raise InvalidStep(f"request {rid!r}: {len(it.tokens)} tokens but {len(it.parents)} parents")
-            problem = validate_tree(it.parents, it.num_fixed)
-            if problem:
-                raise InvalidStep(f"request {rid!r}: {problem}")
-            bad = [t for t in it.tokens if not 0 <= t < vocab]
-            if bad:
-                raise InvalidStep(f"request {rid!r}: token id {bad[0]} out of range [0, {vocab})")
-            problem = it.sampling.problem()
-            if problem:
-                raise InvalidStep(f"request {rid!r}: {problem}")
-            if not 0 <= it.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise InvalidStep(f"request {rid!r}: top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
-            end = self._current_length(rid) + max(depths(it.parents)) + 1
-            if end > self.max_model_len:
-                raise InvalidStep(f"request {rid!r}: sequence would reach {end} tokens, over the "
-                                  f"model's maximum length {self.max_model_len}")
-
-    def _current_length(self, rid: str) -> int:
-        return self.kv.seqs[rid].length if rid in self.kv.seqs else 0
+            else:
+                prefix[b] = seq.length
+        n, nf = batch.num_nodes.astype(np.int64), batch.num_fixed.astype(np.int64)
+        starts = batch.starts
+        bad = (n < 1) | (nf < 1) | (nf > n)
+        if len(batch.tokens) == batch.size:  # one node each (plain decode): its parent must be -1
+            bad |= batch.parents != -1
+        elif batch.tokens.size:
+            seq_of_row = np.repeat(np.arange(batch.size), n)
+            local = np.arange(len(batch.tokens)) - starts[:-1][seq_of_row]
+            nf_row = nf[seq_of_row]
+            p = batch.parents.astype(np.int64)
+            wrong = np.where(local < nf_row, p != local - 1, (p >= local) | (p < nf_row - 1))
+            bad |= np.bincount(seq_of_row[wrong], minlength=batch.size) > 0
+        for b in np.flatnonzero(bad).tolist():
+            problem = validate_tree(batch.parents[starts[b]: starts[b + 1]].tolist(), int(nf[b]))
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: {problem}")
+        vocab = self.model.cfg.vocab_size
+        out_of_range = (batch.tokens < 0) | (batch.tokens >= vocab)
+        if out_of_range.any():
+            row = int(np.flatnonzero(out_of_range)[0])
+            b = int(np.searchsorted(starts, row, side="right") - 1)
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: token id {int(batch.tokens[row])} out of range "
+                              f"[0, {vocab})")
+        t = batch.temperature
+        for b in np.flatnonzero(~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)).tolist():
+            what = (f"temperature must be >= 0, got {t[b]}" if not t[b] >= 0 else
+                    f"top_k must be >= 0, got {batch.top_k[b]}" if batch.top_k[b] < 0 else "top_p must be a number")
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: {what}")
+        for b in np.flatnonzero((batch.top_logprobs < 0) | (batch.top_logprobs > MAX_TOP_LOGPROBS)).tolist():
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        depth = nf - 1
+        for b in np.flatnonzero(n > nf).tolist():  # drafted trees: few, shapes cached
+            parents = tree_part_parents(batch.parents[starts[b]: starts[b + 1]], int(nf[b]))
+            depth[b] += int(tree_depths(parents).max())
+        end = prefix + depth + 1
+        for b in np.flatnonzero(end > self.max_model_len).tolist():
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "
+                              f"model's maximum length {self.max_model_len}")
+        return end
 
     # --- the step ---------------------------------------------------------
     def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...] = ()) -> list[SequenceResult]:
+        for it in items:
+            if len(it.tokens) != len(it.parents):
+                raise InvalidStep(f"request {it.request_id!r}: {len(it.tokens)} tokens but {len(it.parents)} parents")
+        return self.run(StepBatch.from_items(items), feature_layers).sequence_results()
+
+    def run(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()) -> StepResults:
         t0 = time.perf_counter()
-        self._validate(items)
-        layers = self.resolve_feature_layers(feature_layers) if any(i.return_features for i in items) else ()
-        node_depths = [depths(it.parents) for it in items]
-        ends = [self._current_length(it.request_id) + max(d) + 1 for it, d in zip(items, node_depths)]
-        need = sum(self.kv.extra_blocks_needed(it.request_id, e) for it, e in zip(items, ends))
-        if need > self.kv.free_blocks:
-            raise OutOfCapacity(f"step needs {need} more KV blocks, {self.kv.free_blocks} free")
-        created = [it.request_id for it in items if it.create]
+        end = self._validate(batch)
+        layers = self.resolve_feature_layers(feature_layers) if batch.return_features.any() else ()
+        kv = self.kv
+        need = sum(kv.extra_blocks_needed(rid, int(e)) for rid, e in zip(batch.request_ids, end))
+        if need > kv.free_blocks:
+            raise OutOfCapacity(f"step needs {need} more KV blocks, {kv.free_blocks} free")
+        created = [rid for rid, new in zip(batch.request_ids, batch.create) if new]
+        if len(created) > kv.free_rows:
+            raise OutOfCapacity(f"step creates {len(created)} sequences, {kv.free_rows} sequence slots free")
         try:
-            for it, end in zip(items, ends):
-                if it.create:
-                    self.kv.create(it.request_id)
-                self.kv.reserve(it.request_id, end)
-            results = self._run(items, node_depths, layers)
+            for rid, new, e in zip(batch.request_ids, batch.create, end):
+                if new:
+                    kv.create(rid)
+                kv.reserve(rid, int(e))
+            results = self._execute(batch, layers)
         except Exception:
             for rid in created:
-                self.kv.release(rid)
-            for it in items:
-                if it.request_id in self.kv.seqs:
-                    self.kv.trim(it.request_id)
+                kv.release(rid)
+            for rid in batch.request_ids:
+                if rid in kv.seqs:
+                    kv.trim(rid)
             raise
         self.last_step_seconds = time.perf_counter() - t0
         return results
 
-    def _run(self, items: list[SequenceStep], node_depths: list[list[int]],
-             layers: tuple[int, ...]) -> list[SequenceResult]:
-        # The layout is built on the host (block tables, masks, slots): the kernel's
-        # metadata is packed from it without reading anything back from the device.
-        starts, counts, prefix_slots, masks, tables, positions, logit_rows = [], [], [], [], [], [], []
-        row = 0
-        for it, d in zip(items, node_depths):
-            seq = self.kv.seqs[it.request_id]
-            starts.append(row)
-            counts.append(len(it.tokens))
-            prefix_slots.append(torch.from_numpy(self.kv.host_slots(it.request_id, 0, seq.length)))
-            tables.append(list(seq.blocks))
-            masks.append(ancestor_mask(it.parents))
-            positions.extend(seq.length + x for x in d)
-            # Logits are needed from the last fixed node on (it decides the first new token).
-            logit_rows.extend(range(row + it.num_fixed - 1, row + len(it.tokens)))
-            row += len(it.tokens)
-        tokens = [t for it in items for t in it.tokens]
-        layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix_slots), tuple(masks), tuple(tables))
-        out = self._forward(items, tokens, positions, layout, logit_rows, layers)
-        scores = _score_rows(out.logits, items)
-        results, commit_rows, commit_slots = [], [], []
-        logit_base = 0
-        for it, d, start in zip(items, node_depths, starts):
-            first = it.num_fixed - 1
-            row_of = {first + j: logit_base + j for j in range(len(it.tokens) - first)}
-            logit_base += len(it.tokens) - first
-            result, committed = self._accept(it, d, row_of, scores)
-            seq = self.kv.seqs[it.request_id]
-            commit_rows.extend(start + n for n in committed)
-            commit_slots.append(self.kv.host_slots(it.request_id, seq.length, seq.length + len(committed)))
-            seq.length += len(committed)
-            self.kv.trim(it.request_id)
-            results.append(result)
-        self._commit_kv(out, commit_rows, np.concatenate(commit_slots))
-        if layers and any(it.return_features for it in items):
-            results = self._attach_features(items, results, out, starts)
-        return results
+    def _host_buffer(self, words: int) -> np.ndarray:
+        if self._host_buf.numel() < words:
+            size = max(words, 2 * self._host_buf.numel(), 1 << 14)
+            self._host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
+        return self._host_buf.numpy()
 
-    def _forward(self, items: list[SequenceStep], tokens: list[int], positions: list[int], layout: StepLayout,
-                 logit_rows: list[int], layers: tuple[int, ...]) -> StepOutput:
-        if self.graphs is not None:
-            out = self.graphs.run(items, tokens, positions, layout, layers)
-            if out is not None:
-                return out
-        device = self.model.device
-        return self.model.forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                  layout, self.kv, torch.tensor(logit_rows, device=device), layers)
-
-    def _accept(self, it: SequenceStep, d: list[int], row_of: dict[int, int],
-                scores: _RowScores) -> tuple[SequenceResult, list[int]]:
-        """Acceptance for one item; returns its result (features not yet attached) and the
-        step nodes whose KV is committed."""
-        kids = children(it.parents)
-        root = it.num_fixed - 1
-        tokens = list(it.tokens)
-        sp = it.sampling
-        if sp.greedy:
-            acc = accept_greedy(tokens, kids, root, {n: scores.argmax[r] for n, r in row_of.items()})
+    def _execute(self, batch: StepBatch, layers: tuple[int, ...]) -> StepResults:
+        seqs = [self.kv.seqs[rid] for rid in batch.request_ids]
+        prefix = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        updates = self.table.take_pending()
+        top_k = int(batch.top_logprobs.max())
+        greedy_only = bool(batch.greedy.all()) and top_k == 0
+        graph = self.graphs.bucket_for(batch, layers, len(updates)) if self.graphs is not None else None
+        if graph is not None:
+            shape, block_m, splits = graph.shape, graph.block_m, graph.num_splits
         else:
-            probs_of = {n: target_probs(scores.logits[r], sp.temperature, sp.top_k, sp.top_p)
-                        for n, r in row_of.items()}
-            length = self.kv.seqs[it.request_id].length
-            acc = accept_sampling(tokens, kids, root, probs_of, sp.seed, length + d[root], d)
-        committed = list(range(it.num_fixed)) + acc.accepted
-        new_tokens = [tokens[n] for n in acc.accepted] + [acc.bonus]
-        parents_of_new = [root] + acc.accepted  # the node each new token was predicted from
-        logprobs, tops = [], []
-        for tok, parent in zip(new_tokens, parents_of_new):
-            r = row_of[parent]
-            if sp.greedy:  # every new token is the argmax at its parent
-                logprobs.append(scores.argmax_logprob[r])
-            else:
-                logprobs.append(float(torch.log_softmax(scores.logits[r], -1)[tok]))
-            if it.top_logprobs:
-                tops.append((scores.top_ids[r][: it.top_logprobs], scores.top_logprobs[r][: it.top_logprobs]))
-        length = self.kv.seqs[it.request_id].length + len(committed)
-        return SequenceResult(it.request_id, acc.accepted, new_tokens, logprobs, tops, None, length), committed
+            block_m = choose_block_m(int(batch.num_nodes.max()), self.group)
+            shape = shape_for(batch, max_tree(batch), len(updates), block_m // self.group)
+        layout = graph.layout if graph is not None else layout_for(shape)
+        host = self._host_buffer(layout.size)
+        packed = pack_step(batch, prefix_lens=prefix, table_rows=rows, updates=updates, shape=shape,
+                           views=layout.host_views(host), per_tile=block_m // self.group,
+                           padding_row=self.table.padding_row, padding_update=self.table.padding_row
+                           * self.table.max_blocks)
+        if graph is not None:
+            graph.load_inputs(self._host_buf[: layout.size])
+            decided_kept, out = graph.replay(greedy_only)
+            logits, features = graph.logits, graph.features
+            tail = graph.tail
+            if not greedy_only:
+                out = graph.out_buffer(top_k)
+                decided_kept = self._decide_eagerly(tail, logits, batch, out, top_k)
+                self._commit(tail, decided_kept, graph.k_scratch, graph.v_scratch)
+        else:
+            splits = choose_num_splits(shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
+            dev = self._host_buf[: layout.size].to(self.device, non_blocking=self._pinned)
+            views = layout.device_views(dev)
+            tail = self.new_tail(views, shape)
+            tail.apply_table_updates()
+            k_scratch, v_scratch = self.model.new_scratch(shape.rows)
+            torch_layout = None if self.triton else self._torch_layout(batch, prefix, packed)
+            logits, features = self.forward(dev, layout, block_m, splits, layers, k_scratch, v_scratch,
+                                            torch_layout)
+            out = torch.empty(shape.seqs, output_width(shape.tree, top_k), dtype=torch.int32, device=self.device)
+            decided_kept = self._decide_eagerly(tail, logits, batch, out, top_k)
+            self._commit(tail, decided_kept, k_scratch, v_scratch)
+        return self._read_results(batch, packed, out, top_k, tail, decided_kept, features, layers)
 
-    def _commit_kv(self, out: StepOutput, rows: list[int], slots: np.ndarray) -> None:
-        """Write the accepted nodes' K/V of every request, one call per layer."""
-        if not rows:
-            return
-        device = self.model.device
-        rows_t = torch.tensor(rows, device=device)
-        slots_t = torch.from_numpy(slots).to(device)
-        fast = device.type == "cuda" and self.model.attention.name == "triton"
-        for layer in range(len(out.new_k)):
-            if fast:
-                kv_write_triton(self.kv.k[layer], self.kv.v[layer], out.new_k[layer], out.new_v[layer],
-                                rows_t, slots_t)
-            else:
-                self.kv.write(layer, slots_t, out.new_k[layer][rows_t], out.new_v[layer][rows_t])
+    # --- device work ----------------------------------------------------------
+    def new_tail(self, views: dict[str, torch.Tensor], shape: InputShape) -> StepTail:
+        kv = self.kv
+        flat = (kv.k_all.shape[0], -1, *kv.k_all.shape[3:])
+        return StepTail(views=views, seqs=shape.seqs, tree=shape.tree, block_size=kv.block_size,
+                        trash_slot=kv.trash_slot, block_table=self.table.table, k_cache=kv.k_all.view(flat),
+                        v_cache=kv.v_all.view(flat), use_triton=self.triton)
 
-    def _attach_features(self, items: list[SequenceStep], results: list[SequenceResult], out: StepOutput,
-                         starts: list[int]) -> list[SequenceResult]:
-        """Features of each committed node, for the items that asked: one device-to-host copy."""
-        wanted: list[int] = []
-        spans = []
-        for it, res, start in zip(items, results, starts):
-            if not it.return_features:
-                spans.append(None)
-                continue
-            committed = list(range(it.num_fixed)) + res.accepted_nodes
-            spans.append((len(wanted), len(committed)))
-            wanted.extend(start + n for n in committed)
-        host = out.features[torch.tensor(wanted, device=out.features.device)].float().cpu()
-        return [res if span is None else replace(res, features=host[span[0]: span[0] + span[1]])
-                for res, span in zip(results, spans)]
+    def forward(self, buffer: torch.Tensor, layout: InputLayout, block_m: int, splits: int,
+                layers: tuple[int, ...], k_scratch: torch.Tensor, v_scratch: torch.Tensor,
+                torch_layout: StepLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over the step's rows (inputs in `buffer`, laid out by `layout`);
+        logits [B * M, V] for the tree rows, and features [R, F] when layers are asked."""
+        views = layout.device_views(buffer)
+        shape = layout.shape
+        if self.triton:
+            plan = TreeAttnMetadata(ints=buffer, info_off=layout.spans["seq_info"][0],
+                                    tile_off=layout.spans["tiles"][0], block_table=self.table.table,
+                                    mask_words=views["mask"], batch=shape.seqs, num_tiles=shape.tiles,
+                                    block_size=self.kv.block_size, group=self.group, block_m=block_m,
+                                    num_splits=splits)
+        else:
+            plan = torch_layout
+        out = self.model.forward(views["tokens"], views["positions"], plan, self.kv, views["tree_row"].long(),
+                                 layers, scratch=(k_scratch, v_scratch))
+        return out.logits, out.features
+
+    def _torch_layout(self, batch: StepBatch, prefix: np.ndarray, packed) -> StepLayout:
+        """The reference attention's per-sequence description (CPU path)."""
+        starts = packed.starts
+        slots, masks = [], []
+        for b, rid in enumerate(batch.request_ids):
+            slots.append(torch.from_numpy(self.kv.host_slots(rid, 0, int(prefix[b]))))
+            masks.append(ancestor_mask(batch.parents[starts[b]: starts[b + 1]].tolist()))
+        counts = tuple(int(n) for n in batch.num_nodes)
+        return StepLayout(tuple(int(s) for s in starts[:-1]), counts, tuple(slots), tuple(masks))
+
+    def _decide_eagerly(self, tail: StepTail, logits: torch.Tensor, batch: StepBatch, out: torch.Tensor,
+                        top_k: int) -> torch.Tensor:
+        decided = tail.greedy(logits)
+        if not batch.greedy.all():
+            decided = tail.sampled(logits, decided)
+        return tail.pack(decided, out, top_k, logits)
+
+    def _commit(self, tail: StepTail, kept: torch.Tensor, k_scratch: torch.Tensor, v_scratch: torch.Tensor) -> None:
+        tail.commit(tail.committed_rows(kept), k_scratch, v_scratch)
+
+    # --- results --------------------------------------------------------------
+    def _out_buffer(self, words: int) -> torch.Tensor:
+        if self._out_host.numel() < words:
+            self._out_host = torch.zeros(max(words, 2 * self._out_host.numel(), 1 << 12), dtype=torch.int32,
+                                         pin_memory=self._pinned)
+        return self._out_host[:words]
+
+    def _read_results(self, batch: StepBatch, packed, out: torch.Tensor, top_k: int, tail: StepTail,
+                      kept: torch.Tensor, features: torch.Tensor | None, layers: tuple[int, ...]) -> StepResults:
+        B, M = batch.size, packed.shape.tree
+        host = self._out_buffer(out.numel()).view(out.shape)
+        host.copy_(out, non_blocking=self._pinned)
+        feature_rows = None
+        if layers:
+            # Committed rows of the sequences that asked, in row order, gathered on the device.
+            want = tail.committed_rows(kept) & tail.v["row_seq"].ge(0)
+            asked = torch.from_numpy(batch.return_features).to(self.device, non_blocking=False)
+            want &= asked[tail.v["row_seq"].long().clamp(min=0)]
+            feature_rows = features[want]
+        if self._pinned:
+            torch.cuda.current_stream().synchronize()
+        raw = host.numpy()[:B]
+        count = raw[:, 0].copy()
+        new_tokens = raw[:, 2: 2 + M].copy()
+        logprobs = raw[:, 2 + M: 2 + 2 * M].copy().view(np.float32)
+        accepted = raw[:, 2 + 2 * M: 2 + 3 * M] + (batch.num_fixed[:, None] - 1)  # tree index -> node index
+        committed_now = batch.num_fixed.astype(np.int64) + count
+        num_committed = np.empty(B, dtype=np.int64)
+        kv = self.kv
+        for b, rid in enumerate(batch.request_ids):
+            seq = kv.seqs[rid]
+            seq.length += int(committed_now[b])
+            kv.trim(rid)
+            num_committed[b] = seq.length
+        results = StepResults(request_ids=batch.request_ids, num_accepted=count, accepted_nodes=accepted,
+                              new_tokens=new_tokens, logprobs=logprobs, num_committed=num_committed)
+        if top_k:
+            at = 2 + 3 * M
+            results.top_ids = raw[:, at: at + M * top_k].reshape(B, M, top_k).copy()
+            results.top_logprobs = raw[:, at + M * top_k: at + 2 * M * top_k].copy().view(np.float32).reshape(
+                B, M, top_k)
+            results.top_k = batch.top_logprobs
+        if feature_rows is not None:
+            results.features = feature_rows.float().cpu()
+            results.feature_counts = np.where(batch.return_features, committed_now, 0)
+        return results
 
     def release(self, request_ids: list[str]) -> int:
         return sum(self.kv.release(r) for r in request_ids)
 
-
-@dataclass
-class _RowScores:
-    """What acceptance reads of a step's logits, moved to the host in a few small copies:
-    per logit row its argmax and that token's log-prob, the top log-probs when asked,
-    and full logits only for rows of sampled requests."""
-
-    argmax: list[int]
-    argmax_logprob: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-    logits: dict[int, torch.Tensor]
-
-
-def _score_rows(logits: torch.Tensor, items: list[SequenceStep]) -> _RowScores:
-    lse = torch.logsumexp(logits, -1)
-    best_v, best_i = logits.max(-1)
-    k = max(it.top_logprobs for it in items)
-    top_ids: list[list[int]] = []
-    top_lp: list[list[float]] = []
-    if k:
-        v, ix = logits.topk(k, -1)
-        top_ids, top_lp = ix.cpu().tolist(), (v - lse[:, None]).cpu().tolist()
-    sampled_rows = []
-    row = 0
-    for it in items:
-        n = len(it.tokens) - it.num_fixed + 1
-        if not it.sampling.greedy:
-            sampled_rows.extend(range(row, row + n))
-        row += n
-    host_logits: dict[int, torch.Tensor] = {}
-    if sampled_rows:
-        block = logits[torch.tensor(sampled_rows, device=logits.device)].cpu()
-        host_logits = dict(zip(sampled_rows, block))
-    return _RowScores(best_i.cpu().tolist(), (best_v - lse).cpu().tolist(), top_ids, top_lp, host_logits)

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.activation import silu_mul_reference, silu_mul_triton
 from kernels.backend import get_attention_backend
-from kernels.rmsnorm import rms_norm_triton
-from kernels.rope import rope_triton
+from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
+from kernels.rope import rope_qkv_reference, rope_qkv_triton
 from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.layers import Rotary, SafetensorsDir, rms_norm
@@ -133,18 +134,15 @@ class LlamaModel:
 
     @property
     def fused_elementwise(self) -> bool:
-        """RMSNorm and RoPE as single Triton kernels (on GPU) instead of ~8 torch ops each."""
-        return self.device.type == "cuda" and self.attention.name == "triton"
+        """RMSNorm (fused with the residual add), RoPE (fused with the K/V scratch write) and
+        the MLP's activation as single Triton kernels on GPU, instead of several torch ops each."""
+        # With the triton backend on CPU (TRITON_INTERPRET=1, tests) the same kernels run interpreted.
+        return self.attention.name == "triton"
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused_elementwise:
             return rms_norm_triton(x, weight, self.cfg.rms_norm_eps)
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.fused_elementwise:
-            return rope_triton(x, positions, self.rotary.cos, self.rotary.sin)
-        return self.rotary.apply(x, positions)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size > 1:
@@ -152,12 +150,46 @@ class LlamaModel:
         return x
 
     # --- forward ----------------------------------------------------------
+    def _qkv_heads(self, qkv: torch.Tensor, positions: torch.Tensor, layer: int,
+                   scratch: tuple[torch.Tensor, torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q, k and v of one layer; k and v land in the step's K/V scratch when given."""
+        hq, hkv, T = self.heads_local, self.kv_heads_local, qkv.shape[0]
+        k_out = scratch[0][layer, :T] if scratch is not None else None
+        v_out = scratch[1][layer, :T] if scratch is not None else None
+        if self.fused_elementwise:
+            return rope_qkv_triton(qkv, positions, self.rotary.cos, self.rotary.sin, hq, hkv, k_out, v_out)
+        q, k, v = rope_qkv_reference(qkv, positions, self.rotary.cos, self.rotary.sin, hq, hkv)
+        if scratch is None:
+            return q, k, v
+        k_out.copy_(k)
+        v_out.copy_(v)
+        return q, k_out, v_out
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_elementwise:
+            return add_rms_norm_triton(x, residual, weight, self.cfg.rms_norm_eps)
+        x = x + residual
+        return x, rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul_triton(gate_up) if self.fused_elementwise else silu_mul_reference(gate_up)
+
+    def new_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V scratch for a step of up to `rows` nodes: [layers, rows, kv_heads, head_dim] each."""
+        shape = (self.cfg.num_layers, rows, self.kv_heads_local, self.cfg.head_dim)
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device))
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
                 kv: PagedKVCache, logit_rows: torch.Tensor,
-                feature_layers: tuple[int, ...] = ()) -> StepOutput:
+                feature_layers: tuple[int, ...] = (),
+                scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
         """Run every node of the step. KV of the step's nodes is returned, not written:
-        the caller commits only the accepted ones."""
+        the caller commits only the accepted ones. With `scratch` (new_scratch) the
+        nodes' K/V are written there, rows 0..T-1, and new_k/new_v are views of it."""
         cfg = self.cfg
         D, hq, hkv = cfg.head_dim, self.heads_local, self.kv_heads_local
         T = tokens.shape[0]
@@ -167,28 +199,29 @@ class LlamaModel:
         # Packed once per step, read by every layer.
         attn_plan = self.attention.plan(layout, block_size=kv.block_size, num_q_heads=hq,
                                         num_kv_heads=hkv, device=self.device)
+        residual = None  # what the last sublayer adds to x; folded into the next norm
+        h = self._norm(x, self.layers[0]["input_norm"]) if self.layers else x
         for i, layer in enumerate(self.layers):
+            if residual is not None:
+                x, h = self._add_norm(x, residual, layer["input_norm"])
             if i in feature_layers:
                 captured[i] = x
-            h = self._norm(x, layer["input_norm"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
-            q = self._rope(q.view(T, hq, D), positions)
-            k = self._rope(k.view(T, hkv, D), positions)
-            v = v.view(T, hkv, D)
+            q, k, v = self._qkv_heads(qkv, positions, i, scratch)
             new_k.append(k)
             new_v.append(v)
             attn = self.attention(q, k, v, kv.k[i], kv.v[i], attn_plan, self.scale)
             o = self._all_reduce(F.linear(attn.reshape(T, hq * D), layer["o"]))
             if layer["o_bias"] is not None:
                 o = o + layer["o_bias"]
-            x = x + o
-            h = self._norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
-            m = self._all_reduce(F.linear(F.silu(gate) * up, layer["down"]))
+            x, h = self._add_norm(x, o, layer["post_norm"])
+            m = self._all_reduce(F.linear(self._act(F.linear(h, layer["gate_up"], layer["gate_up_bias"])),
+                                          layer["down"]))
             if layer["down_bias"] is not None:
                 m = m + layer["down_bias"]
-            x = x + m
+            residual = m
+        if residual is not None:
+            x = x + residual
         if cfg.num_layers in feature_layers:
             captured[cfg.num_layers] = x
         h = self._norm(x[logit_rows], self.norm)

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernels.activation import silu_mul_reference, silu_mul_triton
 from kernels.backend import BackendUnavailable, TorchAttention, TritonAttention, get_attention_backend
-from kernels.kv_write import kv_write_reference, kv_write_triton
-from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
-from kernels.rope import rope_reference, rope_triton
+from kernels.kv_write import kv_commit_reference, kv_commit_triton, kv_write_reference, kv_write_triton
+from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
+from kernels.rope import rope_qkv_reference, rope_qkv_triton, rope_reference, rope_triton
 from kernels.tree_attention import StepLayout, tree_attention_reference, tree_attention_triton
 from kernels.tree_metadata import build_tree_metadata, metadata_from_layout
 from tandem.layers import Rotary, rms_norm
@@ -304,6 +305,83 @@ def test_rope(device, dtype):
     expect = rotary.apply(q, positions)
     torch.testing.assert_close(rope_reference(q, positions, rotary.cos, rotary.sin), expect, atol=0, rtol=0)
     assert_matches_rounding(out, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_qkv_rotates_q_and_k_and_lands_k_v_in_scratch(device, dtype):
+    d = SHAPES[device].head_dim if ON_GPU else 24
+    heads, kv_heads = (32, 8) if ON_GPU else (4, 2)
+    rope = RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, original_max_position=64)
+    rotary = Rotary(d, rope, 4096 if ON_GPU else 200, torch.device(device))
+    g = torch.Generator().manual_seed(17)
+    T = 33 if ON_GPU else 5
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g).to(device, dtype)
+    positions = torch.randint(0, rotary.cos.shape[0], (T,), generator=g).to(device, torch.int32)
+    scratch = torch.full((2, T + 3, kv_heads, d), float("nan"), dtype=dtype, device=device)
+    q, k, v = rope_qkv_triton(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, scratch[0, :T], scratch[1, :T])
+    eq, ek, ev = rope_qkv_reference(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads)
+    assert_matches_rounding(q, eq)
+    assert_matches_rounding(k, ek)
+    assert torch.equal(v, ev)  # a copy, bit for bit
+    assert k.data_ptr() == scratch[0].data_ptr() and torch.equal(scratch[1, :T], ev)
+    assert scratch[:, T:].isnan().all(), "rows past the step were written"
+    expect_q = rotary.apply(qkv[:, : heads * d].view(T, heads, d), positions.long())
+    torch.testing.assert_close(eq, expect_q, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_equals_an_add_then_the_norm(device, dtype):
+    hidden = 4096 if ON_GPU else 48
+    g = torch.Generator().manual_seed(18)
+    x = (3 * torch.randn(7, hidden, generator=g)).to(device, dtype)
+    r = torch.randn(7, hidden, generator=g).to(device, dtype)
+    w = (1 + torch.randn(hidden, generator=g) / 4).to(device, dtype)
+    total, normed = add_rms_norm_triton(x, r, w, 1e-5)
+    expect_total, expect_normed = add_rms_norm_reference(x, r, w, 1e-5)
+    assert torch.equal(expect_total, x + r)
+    assert_matches_rounding(total, expect_total)
+    # The norm of the sum the kernel stored (the interpreter rounds that sum toward zero).
+    assert_matches_rounding(normed, rms_norm_reference(total, w, 1e-5))
+    if ON_GPU:
+        assert_matches_rounding(normed, expect_normed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_the_torch_ops(device, dtype):
+    inter = 14336 if ON_GPU else 40
+    g = torch.Generator().manual_seed(19)
+    gate_up = (2 * torch.randn(6, 2 * inter, generator=g)).to(device, dtype)
+    out = silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    expect = torch.nn.functional.silu(gate) * up
+    assert torch.equal(silu_mul_reference(gate_up), expect)
+    assert_matches_rounding(out, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_commit_writes_every_layer_in_one_launch(device, dtype):
+    layers, hkv, d = (4, 8, 128) if ON_GPU else (3, 2, 16)
+    slots_total, T = (4096, 40) if ON_GPU else (24, 6)
+    g = torch.Generator().manual_seed(20)
+    cache_k = torch.randn(layers, slots_total, hkv, d, generator=g).to(device, dtype)
+    cache_v = torch.randn(layers, slots_total, hkv, d, generator=g).to(device, dtype)
+    scratch_k = torch.randn(layers, T + 2, hkv, d, generator=g).to(device, dtype)[:, :T]  # strided, as bucketed
+    scratch_v = torch.randn(layers, T + 2, hkv, d, generator=g).to(device, dtype)[:, :T]
+    trash = slots_total - 1
+    slots = torch.full((T,), trash, dtype=torch.long)
+    slots[:4] = torch.tensor([5, 2, 9, 3])  # kept rows, out of order; the rest go to trash
+    slots = slots.to(device)
+    expect_k, expect_v = cache_k.clone(), cache_v.clone()
+    kv_commit_reference(expect_k, expect_v, scratch_k, scratch_v, slots)
+    kv_commit_triton(cache_k, cache_v, scratch_k, scratch_v, slots)
+    keep = torch.ones(slots_total, dtype=torch.bool, device=device)
+    keep[trash] = False
+    assert torch.equal(cache_k[:, keep], expect_k[:, keep]) and torch.equal(cache_v[:, keep], expect_v[:, keep])
+    assert torch.equal(cache_k[:, slots[:4]], scratch_k[:, :4])
 
 
 # --- the backend switch ----------------------------------------------------

@@ -1,0 +1,150 @@
+"""A target step's input and output in columns (numpy arrays, one row per sequence).
+
+The engine's hot path works on these rather than on one object per sequence: a
+step of 64 requests is a handful of array operations on the host, and the wire
+format (target_service.wire) carries the same columns as packed bytes.
+SequenceStep / SequenceResult stay as the per-sequence view for callers that
+want it (tests, tools).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from target_service.types import SamplingParams, SequenceResult, SequenceStep
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepBatch:
+    """Every sequence's tree for one step. Item b's nodes are tokens[starts[b]:starts[b+1]]."""
+
+    request_ids: tuple[str, ...]
+    create: np.ndarray  # bool [B]
+    num_nodes: np.ndarray  # int32 [B]
+    num_fixed: np.ndarray  # int32 [B]
+    tokens: np.ndarray  # int32 [R]
+    parents: np.ndarray  # int32 [R]: parent within the item, -1 for its node 0
+    temperature: np.ndarray  # float32 [B]; 0 = greedy
+    top_k: np.ndarray  # int32 [B]; 0 = off
+    top_p: np.ndarray  # float32 [B]; outside (0, 1) = off
+    seed: np.ndarray  # uint64 [B]
+    has_seed: np.ndarray  # bool [B]
+    top_logprobs: np.ndarray  # int32 [B]
+    return_features: np.ndarray  # bool [B]
+
+    def __post_init__(self) -> None:
+        B = len(self.request_ids)
+        for name in ("create", "num_nodes", "num_fixed", "temperature", "top_k", "top_p", "seed", "has_seed",
+                     "top_logprobs", "return_features"):
+            if len(getattr(self, name)) != B:
+                raise ValueError(f"StepBatch.{name} has {len(getattr(self, name))} entries for {B} sequences")
+        if len(self.tokens) != len(self.parents) or len(self.tokens) != int(self.num_nodes.sum()):
+            raise ValueError(f"{len(self.tokens)} tokens and {len(self.parents)} parents for "
+                             f"{int(self.num_nodes.sum())} nodes")
+
+    @property
+    def size(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """int64 [B + 1]: where each item's nodes begin, then the total."""
+        out = np.zeros(self.size + 1, dtype=np.int64)
+        np.cumsum(self.num_nodes, out=out[1:])
+        return out
+
+    @property
+    def greedy(self) -> np.ndarray:
+        return ~(self.temperature > 0)
+
+    @classmethod
+    def from_items(cls, items: list[SequenceStep]) -> StepBatch:
+        tokens: list[int] = []
+        parents: list[int] = []
+        for it in items:
+            tokens.extend(it.tokens)
+            parents.extend(it.parents)
+        seeds = [it.sampling.seed for it in items]
+        return cls(
+            request_ids=tuple(it.request_id for it in items),
+            create=np.array([it.create for it in items], dtype=bool),
+            num_nodes=np.array([len(it.tokens) for it in items], dtype=np.int32),
+            num_fixed=np.array([it.num_fixed for it in items], dtype=np.int32),
+            tokens=np.array(tokens, dtype=np.int64).astype(np.int32) if tokens else np.zeros(0, np.int32),
+            parents=np.array(parents, dtype=np.int32),
+            temperature=np.array([it.sampling.temperature for it in items], dtype=np.float32),
+            top_k=np.array([it.sampling.top_k for it in items], dtype=np.int32),
+            top_p=np.array([it.sampling.top_p for it in items], dtype=np.float32),
+            seed=np.array([s or 0 for s in seeds], dtype=np.uint64),
+            has_seed=np.array([s is not None for s in seeds], dtype=bool),
+            top_logprobs=np.array([it.top_logprobs for it in items], dtype=np.int32),
+            return_features=np.array([it.return_features for it in items], dtype=bool))
+
+    def items(self) -> list[SequenceStep]:
+        starts = self.starts
+        out = []
+        for b, rid in enumerate(self.request_ids):
+            nodes = slice(starts[b], starts[b + 1])
+            out.append(SequenceStep(
+                request_id=rid, tokens=tuple(int(t) for t in self.tokens[nodes]),
+                parents=tuple(int(p) for p in self.parents[nodes]), num_fixed=int(self.num_fixed[b]),
+                create=bool(self.create[b]),
+                sampling=SamplingParams(float(self.temperature[b]), int(self.top_k[b]), float(self.top_p[b]),
+                                        int(self.seed[b]) if self.has_seed[b] else None),
+                top_logprobs=int(self.top_logprobs[b]), return_features=bool(self.return_features[b])))
+        return out
+
+    def with_seeds(self, draw: callable) -> StepBatch:
+        """Give every sampled sequence without a seed one (draw() -> int < 2**63)."""
+        missing = ~self.has_seed & (self.temperature > 0)
+        if not missing.any():
+            return self
+        seed = self.seed.copy()
+        seed[missing] = [draw() for _ in range(int(missing.sum()))]
+        return _replace(self, seed=seed, has_seed=self.has_seed | missing)
+
+
+def _replace(batch: StepBatch, **changes) -> StepBatch:
+    fields = {name: getattr(batch, name) for name in batch.__dataclass_fields__}
+    return StepBatch(**{**fields, **changes})
+
+
+@dataclass(kw_only=True, eq=False)
+class StepResults:
+    """What a step gives back, per sequence b: new_tokens[b, :num_accepted[b] + 1] are the
+    accepted drafted tokens, then the bonus token; accepted_nodes[b, :num_accepted[b]] are
+    their indices in the item's tree. Features (when asked) are the committed tokens'
+    rows, sequence after sequence, feature_counts[b] each (0 for those that did not ask)."""
+
+    request_ids: tuple[str, ...]
+    num_accepted: np.ndarray  # int32 [B]
+    accepted_nodes: np.ndarray  # int32 [B, M]
+    new_tokens: np.ndarray  # int32 [B, M]
+    logprobs: np.ndarray  # float32 [B, M]
+    num_committed: np.ndarray  # int64 [B]: tokens whose KV the target now holds
+    top_ids: np.ndarray | None = None  # int32 [B, M, K]
+    top_logprobs: np.ndarray | None = None  # float32 [B, M, K]
+    top_k: np.ndarray | None = None  # int32 [B]: how many of K each sequence asked for
+    features: torch.Tensor | None = None  # [sum(feature_counts), F]
+    feature_counts: np.ndarray | None = None  # int64 [B]
+
+    def sequence_results(self) -> list[SequenceResult]:
+        out = []
+        feature_at = 0
+        for b, rid in enumerate(self.request_ids):
+            n = int(self.num_accepted[b]) + 1
+            tops: list[tuple[list[int], list[float]]] = []
+            if self.top_ids is not None and self.top_k[b]:
+                k = int(self.top_k[b])
+                tops = [(self.top_ids[b, j, :k].tolist(), self.top_logprobs[b, j, :k].tolist()) for j in range(n)]
+            features = None
+            if self.feature_counts is not None and self.feature_counts[b]:
+                count = int(self.feature_counts[b])
+                features = self.features[feature_at: feature_at + count]
+                feature_at += count
+            out.append(SequenceResult(rid, self.accepted_nodes[b, : n - 1].tolist(), self.new_tokens[b, :n].tolist(),
+                                      self.logprobs[b, :n].tolist(), tops, features, int(self.num_committed[b])))
+        return out

@@ -1,0 +1,270 @@
+"""One step's inputs as one int32 buffer: packed on the host, copied to the device once.
+
+A step's rows are its sequences' tree nodes, sequence after sequence. Each
+sequence's *tree part* is its last fixed node (the root) and the drafted nodes
+below it; acceptance works on the tree parts as a [B, M] grid. Everything the
+forward, acceptance and the KV commit read sits in one buffer, region after
+region (InputLayout says where), so a step costs one host-to-device copy. With
+a bucket's padded shape the layout is fixed, and a CUDA graph captured over its
+device views replays for any later step of that bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.tree_metadata import SEQ_INFO_FIELDS, packed_mask
+from target_service.step_batch import StepBatch
+
+# Row markers in row_tree: >= 0 is a drafted node's flat tree index (b * M + m).
+FIXED_ROW = -1  # committed unconditionally
+PADDING_ROW = -2  # not a node: never committed
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class InputShape:
+    """The (padded) sizes of one step's inputs."""
+
+    rows: int  # R: tree nodes of every sequence
+    seqs: int  # B
+    tree: int  # M: root + drafted nodes per sequence
+    tiles: int  # attention programs along the node axis
+    updates: int  # block-table entries this step sets
+    words: int  # 64-bit ancestor-mask words per row
+
+
+# Regions of the buffer, in order, and their lengths in int32 words.
+_REGIONS = (
+    ("tokens", lambda s: s.rows), ("positions", lambda s: s.rows),
+    ("row_seq", lambda s: s.rows),  # the row's sequence, -1 for padding
+    ("row_tree", lambda s: s.rows),  # FIXED_ROW, PADDING_ROW, or the drafted node's b * M + m
+    ("seq_info", lambda s: SEQ_INFO_FIELDS * s.seqs),  # prefix_len, first row, node count, table row
+    ("tiles", lambda s: 3 * s.tiles),  # sequence, first node, node count
+    ("tree_row", lambda s: s.seqs * s.tree),  # [B, M]: the step row of tree node m
+    ("tree_parent", lambda s: s.seqs * s.tree),  # [B, M]: parent's m (the root's own: 0)
+    ("tree_size", lambda s: s.seqs),  # nodes in each tree part (0 for padding)
+    ("update_index", lambda s: s.updates), ("update_block", lambda s: s.updates),
+    ("temperature", lambda s: s.seqs), ("top_k", lambda s: s.seqs), ("top_p", lambda s: s.seqs),
+    ("seed_lo", lambda s: s.seqs), ("seed_hi", lambda s: s.seqs), ("greedy", lambda s: s.seqs),
+    ("mask", lambda s: 2 * s.rows * s.words),  # int64 [R, W]; kept last and 8-byte aligned
+)
+_FLOATS = {"temperature", "top_p"}
+
+
+class InputLayout:
+    """Offsets of every region for one InputShape (layout_for caches them)."""
+
+    def __init__(self, shape: InputShape):
+        self.shape = shape
+        self.spans: dict[str, tuple[int, int]] = {}
+        at = 0
+        for name, length in _REGIONS:
+            if name == "mask" and at % 2:
+                at += 1  # int64 view
+            n = length(shape)
+            self.spans[name] = (at, n)
+            at += n
+        self.size = at
+
+        self._views: tuple[int, dict] | None = None  # (data_ptr, views) of the last buffer viewed
+
+    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        views = {}
+        for name, (at, n) in self.spans.items():
+            part = buf[at: at + n]
+            if name in _FLOATS:
+                part = part.view(np.float32)
+            elif name == "mask":
+                part = part.view(np.int64).reshape(self.shape.rows, self.shape.words)
+            views[name] = part
+        return views
+
+    def device_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = (buf.data_ptr(), buf.device)
+        if self._views is not None and self._views[0] == key:
+            return self._views[1]
+        views = {}
+        for name, (at, n) in self.spans.items():
+            part = buf[at: at + n]
+            if name in _FLOATS:
+                part = part.view(torch.float32)
+            elif name == "mask":
+                part = part.view(torch.int64).view(self.shape.rows, self.shape.words)
+            views[name] = part
+        self._views = (key, views)
+        return views
+
+
+@functools.lru_cache(maxsize=256)
+def layout_for(shape: InputShape) -> InputLayout:
+    return InputLayout(shape)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PackedStep:
+    """Host facts about a packed step that reading its results needs."""
+
+    shape: InputShape
+    starts: np.ndarray  # int64 [B + 1]: first row of each sequence
+    tree_size: np.ndarray  # int32 [B]
+    max_tree: int  # largest tree part in the step (M may be padded beyond it)
+
+
+def tree_part_parents(parents: np.ndarray, num_fixed: int) -> tuple[int, ...]:
+    """Parents within the tree part (root = 0, its parent 0) of one item's parents."""
+    root = num_fixed - 1
+    drafted = parents[num_fixed:]
+    return (0, *(int(p) - root for p in drafted))
+
+
+@functools.lru_cache(maxsize=4096)
+def tree_depths(tree_parents: tuple[int, ...]) -> np.ndarray:
+    depth = np.zeros(len(tree_parents), dtype=np.int32)
+    for m in range(1, len(tree_parents)):
+        depth[m] = depth[tree_parents[m]] + 1
+    return depth
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_mask_rows(num_fixed: int, tree_parents: tuple[int, ...], words: int) -> np.ndarray:
+    """Packed ancestor-or-self rows [num_fixed - 1 + M, words] of a chain then a tree."""
+    n = num_fixed - 1 + len(tree_parents)
+    mask = np.zeros((n, n), dtype=bool)
+    for i in range(num_fixed):
+        mask[i, : i + 1] = True
+    root = num_fixed - 1
+    for m in range(1, len(tree_parents)):
+        i = root + m
+        mask[i] = mask[root + tree_parents[m]]
+        mask[i, i] = True
+    return packed_mask(mask, words)
+
+
+def _chain_mask_words(local: np.ndarray, words: int) -> np.ndarray:
+    """[len(local), words] int64: row with local index l sees nodes 0..l."""
+    first = np.arange(words, dtype=np.int64) * 64  # node index of bit 0 of each word
+    seen = np.clip(local[:, None].astype(np.int64) + 1 - first[None, :], 0, 64)  # bits set per word
+    full = seen == 64
+    bits = np.where(full, 0, (np.left_shift(np.uint64(1), seen.astype(np.uint64) % np.uint64(64))
+                              - np.uint64(1)).astype(np.uint64))
+    return np.where(full, np.int64(-1), bits.view(np.int64))
+
+
+def shape_for(batch: StepBatch, tree: int, updates: int, per_tile: int) -> InputShape:
+    """The exact (unpadded) shape of a step."""
+    n = batch.num_nodes.astype(np.int64)
+    tiles = int(((n + per_tile - 1) // per_tile).sum())
+    return InputShape(rows=int(n.sum()), seqs=batch.size, tree=tree, tiles=max(tiles, 1), updates=max(updates, 1),
+                      words=max(1, _cdiv(int(n.max(initial=1)), 64)))
+
+
+def max_tree(batch: StepBatch) -> int:
+    return int((batch.num_nodes - batch.num_fixed).max(initial=0)) + 1
+
+
+def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarray, updates: dict[int, int],
+              shape: InputShape, views: dict[str, np.ndarray], per_tile: int, padding_row: int,
+              padding_update: int) -> PackedStep:
+    """Write `batch` into host views of a buffer laid out for `shape` (>= the batch's own
+    shape). prefix_lens / table_rows: per sequence, its committed length and its row of
+    the device block table; updates: block-table entries to set before the forward."""
+    B, M = batch.size, shape.tree
+    n = batch.num_nodes.astype(np.int64)
+    nf = batch.num_fixed.astype(np.int64)
+    starts = batch.starts
+    R = int(starts[-1])
+    if R > shape.rows or B > shape.seqs or max_tree(batch) > M or len(updates) > shape.updates:
+        raise ValueError(f"a step of {R} rows, {B} sequences, trees of {max_tree(batch)} and {len(updates)} "
+                         f"block-table updates does not fit {shape}")
+    tree_size = (n - nf + 1).astype(np.int32)
+    tree_parent = views["tree_parent"].reshape(shape.seqs, M)
+    tree_parent[:] = 0
+    tree_row = views["tree_row"].reshape(shape.seqs, M)
+    tree_row[:] = 0
+    tiles = views["tiles"].reshape(shape.tiles, 3)
+    mask = views["mask"]
+    mask[:] = 0
+    row_tree = views["row_tree"]
+    if R == B:  # every sequence one node (plain decode): one row, one tile, a root, no tree
+        seq_of_row = np.arange(B)
+        views["positions"][:R] = prefix_lens
+        row_tree[:R] = FIXED_ROW
+        mask[:R, 0] = 1
+        tiles[:B, 0] = seq_of_row
+        tiles[:B, 1] = 0
+        tiles[:B, 2] = 1
+        tiles[B:] = 0
+        tree_row[:B, 0] = seq_of_row
+    else:
+        seq_of_row = np.repeat(np.arange(B), n)
+        local = np.arange(R) - starts[:-1][seq_of_row]
+        nf_row = nf[seq_of_row]
+        tree_idx = local - (nf_row - 1)  # >= 0 for the root and drafted rows
+        depth = np.minimum(local, nf_row - 1)  # the chain part; drafted rows get their tree depth added below
+        chains = np.ones(R, dtype=bool)
+        for b in np.flatnonzero(n > nf).tolist():  # sequences with drafted nodes: few, and their shapes repeat
+            lo, hi = int(starts[b]), int(starts[b + 1])
+            parents = tree_part_parents(batch.parents[lo:hi], int(nf[b]))
+            tree_parent[b, : len(parents)] = parents
+            depth[lo + int(nf[b]) - 1: hi] += tree_depths(parents)
+            mask[lo:hi] = _tree_mask_rows(int(nf[b]), parents, shape.words)
+            chains[lo:hi] = False
+        if chains.any():
+            mask[:R][chains] = _chain_mask_words(local[chains], shape.words)
+        views["positions"][:R] = prefix_lens[seq_of_row] + depth
+        row_tree[:R] = np.where(local >= nf_row, seq_of_row * M + tree_idx, FIXED_ROW)
+        per_seq = (n + per_tile - 1) // per_tile
+        tile_seq = np.repeat(np.arange(B), per_seq)
+        first = (np.arange(len(tile_seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * per_tile
+        tiles[: len(tile_seq), 0] = tile_seq
+        tiles[: len(tile_seq), 1] = first
+        tiles[: len(tile_seq), 2] = np.minimum(per_tile, n[tile_seq] - first)
+        tiles[len(tile_seq):] = 0
+        in_tree = local >= nf_row - 1
+        tree_row.reshape(-1)[(seq_of_row * M + tree_idx)[in_tree]] = np.flatnonzero(in_tree)
+    views["tokens"][:R] = batch.tokens
+    views["tokens"][R:] = 0
+    views["positions"][R:] = 0
+    views["row_seq"][:R] = seq_of_row
+    views["row_seq"][R:] = -1
+    row_tree[R:] = PADDING_ROW
+
+    info = views["seq_info"].reshape(shape.seqs, SEQ_INFO_FIELDS)
+    info[:B, 0] = prefix_lens
+    info[:B, 1] = starts[:-1]
+    info[:B, 2] = n
+    info[:B, 3] = table_rows
+    info[B:] = (0, 0, 0, padding_row)
+    views["tree_size"][:B] = tree_size
+    views["tree_size"][B:] = 0
+
+    index, block = views["update_index"], views["update_block"]
+    index[:] = padding_update
+    block[:] = 0
+    if updates:
+        index[: len(updates)] = list(updates.keys())
+        block[: len(updates)] = list(updates.values())
+
+    views["temperature"][:B] = batch.temperature
+    views["temperature"][B:] = 0
+    views["top_k"][:B] = batch.top_k
+    views["top_k"][B:] = 0
+    views["top_p"][:B] = batch.top_p
+    views["top_p"][:B][~((batch.top_p > 0) & (batch.top_p < 1))] = 1.0
+    views["top_p"][B:] = 1.0
+    seed = batch.seed.view(np.uint32).reshape(B, 2)  # little-endian: low word first
+    views["seed_lo"][:B] = seed[:, 0]
+    views["seed_hi"][:B] = seed[:, 1]
+    views["seed_lo"][B:] = 0
+    views["seed_hi"][B:] = 0
+    views["greedy"][:B] = batch.temperature <= 0
+    views["greedy"][B:] = 1
+    return PackedStep(shape=shape, starts=starts, tree_size=tree_size, max_tree=int(tree_size.max(initial=1)))
