@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args, target)
     except Exception as exc:
         raise SystemExit(f"error: cannot reach the target at {args.target}: {exc}") from None
+    if source.dynamic:
+        log.info("looking for draft replicas at %s (up to %.0f s for a first one)", source.describe(), args.draft_wait)
     addresses = wait_for_replicas(source, args.draft_wait)
     if source.dynamic:
         log.info("draft replicas from %s: %s", source.describe(), ", ".join(addresses) or "none yet")
