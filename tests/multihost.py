@@ -204,6 +204,10 @@ class NetnsNetwork(Network):
             for ns in reversed(self.namespaces):
                 _ip("netns", "del", ns)
                 shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+            try:
+                NETNS_ETC.rmdir()  # only when empty: we may have made it, others may use it
+            except OSError:
+                pass
 
 
 class LoopbackNetwork(Network):
