@@ -13,6 +13,7 @@ import torch
 
 from draft_service.engine import DraftEngine
 from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
+from draft_service.metrics_http import serve_load_metrics
 from draft_service.model import Eagle3Draft
 from draft_service.types import (
     MAX_DRAFT_TOKENS,
@@ -177,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--force-acceptance", type=float, default=0.8, metavar="P",
                        help="per-token probability that a forced main-path token is right (default 0.8)")
     bench.add_argument("--force-seed", type=int, default=0, help="seed of the forced draws (default 0)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this replica's load "
+                   "(tandem_draft_sequences, ...) as Prometheus metrics over HTTP on --host:P (default: off)")
     add_pacing_argument(p, "Draft call", "its tree nodes expanded (steps x topk per request)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
@@ -216,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
+    if args.metrics_port is not None:
+        port = serve_load_metrics(args.host, args.metrics_port, lambda: servicer.engine and servicer.engine.load())
+        log.info("load metrics on http://%s:%d/metrics", args.host, port)
     try:
         servicer.engine = build_engine(args)
     except Exception as exc:

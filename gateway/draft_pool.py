@@ -1,10 +1,18 @@
-"""Draft replicas as the gateway sees them: a FIFO worker per replica, health, failover.
+"""Draft replicas as the gateway sees them: a FIFO worker per replica, health, failover, discovery.
 
 Every call to one replica goes through its single worker thread, so an ingest
 queued without waiting (feature traffic off the critical path) is always
 applied before a later draft call to the same replica. Any failure marks the
 replica unhealthy; its requests then decode plainly until they move to a
 healthy replica, catching up there from their tokens.
+
+Replicas may come and go at run time (`follow`, fed by gateway/discovery.py).
+The step loop keeps a request's replica as an index into `replicas`, so entries
+are only ever appended, never removed or reordered: a replica whose address
+disappears is *retired* (marked lost, so its requests move; its worker stops and
+its channel closes; it is never probed back), and an address that appears, or
+comes back after retirement, gets a new entry that joins once its health check
+passes and, where an admission check is set, once that check accepts it.
 """
 
 from __future__ import annotations
@@ -12,12 +20,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from gateway.clients import DraftClient
+from tandem.errors import Unavailable
 
 log = logging.getLogger("tandem.gateway")
+
+# Says why a replica must not join (e.g. it serves other feature layers), or None to admit it.
+AdmissionCheck = Callable[[DraftClient], "str | None"]
 
 
 class DraftReplica:
@@ -25,8 +37,12 @@ class DraftReplica:
         self.index = index
         self.client = client
         self.healthy = False
+        self.retired = False  # its address left the source: never used again
         self.requests: set[str] = set()
+        self.refused: str | None = None  # the admission check's last objection (logged once)
         self._jobs: queue.Queue[tuple[Callable, Future] | None] = queue.Queue()
+        self._closed = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=f"draft-{index}", daemon=True)
         self._thread.start()
 
@@ -39,23 +55,51 @@ class DraftReplica:
                 fut.set_result(fn())
             except Exception as exc:
                 fut.set_exception(exc)
+        self.client.close()  # after every job queued before close() has run
 
     def submit(self, fn: Callable) -> Future:
         fut: Future = Future()
-        self._jobs.put((fn, fut))
+        with self._lock:
+            if self._closed:
+                # A caller that raced the retirement gets an ordinary replica failure.
+                fut.set_exception(Unavailable(f"draft {self.client.address} was retired"))
+                return fut
+            self._jobs.put((fn, fut))
         return fut
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self.client.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
+
+
+def feature_layers_match(expected: Callable[[], tuple[int, ...]]) -> AdmissionCheck:
+    """Admit a replica only if it asks the target for the feature layers the gateway requests.
+
+    The gateway asks the target for one set of layers per step (core.start takes
+    them from the replicas present at start); a replica with another checkpoint
+    would draft from the wrong features.
+    """
+    def check(client: DraftClient) -> str | None:
+        layers = client.info().feature_layers
+        want = expected()
+        return None if layers == want else f"it uses target feature layers {list(layers)}, the gateway {list(want)}"
+
+    return check
 
 
 class DraftPool:
-    def __init__(self, clients: list[DraftClient], on_lost: Callable[[DraftReplica], None]):
+    def __init__(self, clients: list[DraftClient], on_lost: Callable[[DraftReplica], None],
+                 make_client: Callable[[str], DraftClient] = DraftClient):
         self.replicas = [DraftReplica(i, c) for i, c in enumerate(clients)]
         self.on_lost = on_lost
+        self.admission: AdmissionCheck | None = None
+        self._make_client = make_client
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._follower: threading.Thread | None = None
 
     def healthy(self) -> list[DraftReplica]:
         return [r for r in self.replicas if r.healthy]
@@ -74,16 +118,80 @@ class DraftPool:
         self.on_lost(replica)
 
     def probe_forever(self, interval: float = 1.0) -> None:
-        """Background: bring replicas back when their health check passes."""
+        """Background: bring replicas back (or in, when new) when their health check passes."""
         while not self._stop.wait(interval):
-            for r in self.replicas:
+            for r in list(self.replicas):
                 # The step loop detaches a lost replica's requests first; only then can it
                 # come back (it may have restarted and forgotten them).
-                if not r.healthy and not r.requests and r.client.healthy():
-                    r.healthy = True
-                    log.info("draft replica %s is healthy", r.client.address)
+                if not r.healthy and not r.retired and not r.requests:
+                    self._probe(r)
+
+    def _probe(self, r: DraftReplica) -> None:
+        try:
+            ready = r.client.healthy() and self._admits(r)
+        except Exception as exc:  # e.g. its channel closed by a retirement that raced us
+            log.debug("probing draft replica %s failed: %s", r.client.address, exc)
+            return
+        if not ready:
+            return
+        with self._lock:
+            if r.retired:  # retired while we probed it
+                return
+            r.healthy = True
+        log.info("draft replica %s is healthy", r.client.address)
+
+    def _admits(self, r: DraftReplica) -> bool:
+        if self.admission is None:
+            return True
+        try:
+            why = self.admission(r.client)
+        except Exception as exc:  # a replica that cannot answer is not ready yet
+            why = f"its admission check failed: {exc}"
+        if why is not None and why != r.refused:
+            log.warning("draft replica %s not admitted: %s", r.client.address, why)
+        r.refused = why
+        return why is None
+
+    # --- discovery -------------------------------------------------------------------------
+    def reconcile(self, addresses: Iterable[str]) -> None:
+        """Make the pool's live replicas those at `addresses`: append new ones, retire missing ones."""
+        wanted = set(addresses)
+        leaving = []
+        with self._lock:
+            live = {r.client.address for r in self.replicas if not r.retired}
+            for address in sorted(wanted - live):
+                self.replicas.append(DraftReplica(len(self.replicas), self._make_client(address)))
+                log.info("draft replica %s found: it joins once its health check passes", address)
+            for r in self.replicas:
+                if not r.retired and r.client.address not in wanted:
+                    r.retired = True
+                    leaving.append(r)
+        for r in leaving:
+            log.info("draft replica %s is gone from the source: retiring it", r.client.address)
+            self.mark_lost(r, "gone from the draft source")  # its requests move to a live replica
+            r.close()
+
+    def follow(self, resolve: Callable[[], Iterable[str] | None], interval_s: float) -> None:
+        """Background: every interval_s, reconcile with what `resolve` answers (None: no change)."""
+        if self._follower is not None:
+            raise RuntimeError("the pool already follows a source")
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    found = resolve()
+                except Exception:  # a resolver bug must not end discovery
+                    log.exception("resolving the draft replicas failed")
+                    continue
+                if found is not None:
+                    self.reconcile(found)
+
+        self._follower = threading.Thread(target=loop, name="draft-discovery", daemon=True)
+        self._follower.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=5)
         for r in self.replicas:
             r.close()

@@ -13,6 +13,8 @@ import uvicorn
 
 from gateway.clients import DraftClient, TargetClient, wait_healthy
 from gateway.core import CoreConfig, GatewayCore
+from gateway.discovery import parse_draft_source, wait_for_replicas
+from gateway.draft_pool import feature_layers_match
 from gateway.policy import PolicyConfig
 from gateway.scheduler import SchedulerConfig
 from tandem.v1 import target_pb2
@@ -26,8 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the OpenAI-compatible REST API and gRPC tandem.v1.Generation over a target "
                     "service and draft replicas; decide every step how much each request speculates.")
     p.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
-    p.add_argument("--draft", default="", metavar="HOST:PORT[,HOST:PORT...]",
-                   help="draft replicas (a request sticks to one); empty or 'none' for no speculation")
+    p.add_argument("--draft", default="", metavar="HOST:PORT[,HOST:PORT...]|dns:///NAME:PORT|file:///PATH",
+                   help="draft replicas (a request sticks to one): a fixed list; or every address a DNS name "
+                        "resolves to (a Kubernetes headless Service), resolved again periodically; or a file "
+                        "with one HOST:PORT per line, read again periodically. Empty or 'none' for no "
+                        "speculation")
+    p.add_argument("--draft-resolve-interval", type=float, default=5.0, metavar="S",
+                   help="with dns:/// or file://, seconds between resolutions: new replicas join, gone ones "
+                        "are retired and their requests move (default 5)")
+    p.add_argument("--draft-wait", type=float, default=300.0, metavar="S",
+                   help="with dns:/// or file://, how long start-up waits for a first replica before serving "
+                        "without speculation until one appears (default 300)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="directory with the tokenizer (default: fetched from the target)")
     p.add_argument("--served-model-name", default=None, help="name clients use in `model` "
@@ -96,19 +107,29 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.grpc_host import ServiceHost
 
     setup_tracing(args.otlp_endpoint)
+    try:
+        source = parse_draft_source(args.draft, args.draft_resolve_interval)
+    except ValueError as exc:
+        raise SystemExit(f"error: --draft: {exc}") from None
     target = TargetClient(args.target)
-    drafts = [DraftClient(a.strip()) for a in args.draft.split(",") if a.strip() and a.strip() != "none"]
     try:
         wait_healthy(target.channel, timeout=600)
         info = target.info()
         tokenizer = load_tokenizer(args, target)
     except Exception as exc:
         raise SystemExit(f"error: cannot reach the target at {args.target}: {exc}") from None
+    if source.dynamic:
+        log.info("looking for draft replicas at %s (up to %.0f s for a first one)", source.describe(), args.draft_wait)
+    addresses = wait_for_replicas(source, args.draft_wait)
+    if source.dynamic:
+        log.info("draft replicas from %s: %s", source.describe(), ", ".join(addresses) or "none yet")
+    drafts = [DraftClient(a) for a in addresses]
     cfg = CoreConfig(
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
+    core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     grpc_host = ServiceHost(args.host, args.grpc_port, ["tandem.v1.Generation"])
     add_generation_service(grpc_host, core)
     grpc_host.start()
@@ -116,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     def start_core() -> None:
         try:
             core.start()
+            if source.dynamic:
+                core.pool.follow(source.resolve, source.interval_s)
             grpc_host.set_serving(True)
-            log.info("ready: REST http://%s:%d, gRPC %s:%d, %d draft replica(s), speculation %s",
-                     args.host, args.port, args.host, grpc_host.port, len(drafts), args.speculation)
+            log.info("ready: REST http://%s:%d, gRPC %s:%d, %d draft replica(s) from %s, speculation %s",
+                     args.host, args.port, args.host, grpc_host.port, len(drafts), source.describe(),
+                     args.speculation)
         except Exception:
             log.exception("the gateway could not start")
             server.should_exit = True

@@ -1,0 +1,47 @@
+"""The draft replica's load as Prometheus metrics over HTTP: what its autoscaler scales on.
+
+Served on `tandem draft --metrics-port P` at `/metrics` (any path answers), read
+from the engine at each scrape, so a value is never staler than the scrape:
+- `tandem_draft_sequences`: requests whose draft state this replica holds. The
+  gateway sticks each new request to the least loaded replica, so the mean of
+  this over the replicas falls when one is added: the HorizontalPodAutoscaler in
+  deploy/kubernetes targets it.
+- `tandem_draft_kv_cache_usage_ratio`: share of this replica's KV blocks in use.
+While the model loads, neither is reported (a scrape still succeeds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from draft_service.types import DraftLoad
+
+SEQUENCES = "tandem_draft_sequences"
+KV_USAGE = "tandem_draft_kv_cache_usage_ratio"
+
+
+class DraftLoadCollector:
+    """A Prometheus collector that asks `load` at every scrape; None means still loading."""
+
+    def __init__(self, load: Callable[[], DraftLoad | None]):
+        self.load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self.load()
+        if load is None:
+            return
+        yield GaugeMetricFamily(SEQUENCES, "Requests whose draft state this replica holds",
+                                value=load.num_sequences)
+        yield GaugeMetricFamily(KV_USAGE, "Share of this draft replica's KV blocks in use",
+                                value=load.used_blocks / max(load.total_blocks, 1))
+
+
+def serve_load_metrics(host: str, port: int, load: Callable[[], DraftLoad | None]) -> int:
+    """Serve the collector in a daemon thread; returns the bound port (port 0 picks one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DraftLoadCollector(load))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server.server_port
