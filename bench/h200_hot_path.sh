@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every H200 measurement of the plain-decoding hot path (issue 11), before and after, back to back.
+#
+#   bash bench/h200_hot_path.sh STAGE...      # on the GPU machine, from the repo root; results in $OUT
+#
+# "before" is the code of .before/ (a `git archive` of the commit before the change, without demo/),
+# "after" the working tree. Stages:
+#   tests    the kernel, graph and engine tests on the GPU (compiled Triton, real CUDA graphs)
+#   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
+#   engine   bench/engine_step.py: a whole TargetEngine.step, batch 1/8/64, decode and verify 8
+#   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
+# Carried wheels (.whl: grpcio 1.85, FastAPI, ...) are installed into /tmp/site first.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/h200_out}
+mkdir -p "$OUT"
+root=$(pwd)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+fi
+site=/tmp/site
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+
+run() {  # run NAME TREE TIMEOUT CMD...: in TREE (before|after), log to $OUT/NAME.log
+  local name=$1 tree=$2 limit=$3; shift 3
+  local dir=$root; [[ $tree == before ]] && dir=$root/.before
+  local t0=$SECONDS
+  (cd "$dir" && PYTHONPATH="$dir:$site" timeout "$limit" "$@") >"$OUT/$name.log" 2>&1
+  echo "== $name: rc=$? in $((SECONDS - t0)) s"
+  tail -n 12 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests)
+      run tests after 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_target_graphs.py \
+        tests/test_target_verify.py ;;
+    forward)
+      for tree in before after; do
+        run "forward_$tree" $tree 200 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 20 \
+          --out "$OUT/forward_$tree.json"
+      done ;;
+    engine)
+      for tree in before after; do
+        run "engine_$tree" $tree 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+          --out "$OUT/engine_$tree.json"
+      done ;;
+    stack)
+      for tree in before after; do
+        run "stack_$tree" $tree 280 env SCALE_DIR=/tmp/tandem-scale SCALE_PORT=$((8100 + ${#tree})) \
+          bash bench/scale_stack.sh "$OUT/stack_$tree" 1,8,64 0.8 64 -- --modes never
+      done ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
