@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass
 
@@ -11,9 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_host import GRPC_OPTIONS
-from tandem.tensors import tensor_from_proto, tensor_to_proto
+from tandem.tensors import tensor_to_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from target_service.step_batch import StepBatch
 from target_service.types import KvLoad, SequenceResult, SequenceStep
+from target_service.wire import GrantStops, batch_to_proto, results_from_proto
 
 
 def _load(m: common_pb2.KvLoad) -> KvLoad:
@@ -55,11 +58,103 @@ class TargetInfo:
     load: KvLoad
 
 
+_END_OF_CALLS = object()
+
+
+class _StepStream:
+    """The gateway's end of TargetService/StepStream: calls go out in order, replies come
+    back in order. Used by one thread (the step loop) only."""
+
+    def __init__(self, stub: target_pb2_grpc.TargetServiceStub):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies = stub.StepStream(iter(self._calls.get, _END_OF_CALLS))
+
+    def send(self, call: target_pb2.StepCall) -> None:
+        self._calls.put(call)
+
+    def reply(self) -> target_pb2.StepReply:
+        return next(self._replies)
+
+    def close(self) -> None:
+        self._calls.put(_END_OF_CALLS)
+        self._replies.cancel()
+
+
+_STEP_ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "RESOURCE_EXHAUSTED": ResourceExhausted}
+
+
+def _step_outcome(reply: target_pb2.StepReply, request_ids: tuple[str, ...]
+                  ) -> tuple[list[SequenceResult], KvLoad, float]:
+    if reply.WhichOneof("outcome") == "error":
+        raise _STEP_ERRORS.get(reply.error.code, Unavailable)(f"target: {reply.error.message}")
+    results = results_from_proto(reply.results, request_ids) if reply.HasField("results") else []
+    return results, _load(reply.load), reply.step_seconds
+
+
+class TargetGrant:
+    """A grant of plain-decode steps in flight: iterate for each step's (results, load,
+    step seconds); interrupt() ends it after the step the target is running."""
+
+    def __init__(self, stream: _StepStream, request_ids: tuple[str, ...], on_broken):
+        self._stream = stream
+        self._ids = request_ids
+        self._on_broken = on_broken
+        self._done = False
+        self._interrupted = False
+
+    def __iter__(self):
+        while not self._done:
+            try:
+                reply = self._stream.reply()
+            except (grpc.RpcError, StopIteration) as e:
+                self._done = True
+                self._on_broken()
+                if isinstance(e, grpc.RpcError):
+                    _raise_mapped(e, "target")
+                raise Unavailable("target: the step stream ended") from None
+            self._done = reply.done
+            yield _step_outcome(reply, self._ids)
+
+    def interrupt(self) -> None:
+        if not self._done and not self._interrupted:
+            self._interrupted = True
+            self._stream.send(target_pb2.StepCall(interrupt=target_pb2.Interrupt()))
+
+    def close(self) -> None:
+        """Abandon what is left: the stream is dropped (the target ends the grant) and reopened
+        by the next call, so no reply of this call can be read as another's."""
+        if not self._done:
+            self._done = True
+            self._on_broken()
+
+
 class TargetClient:
     def __init__(self, address: str):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self._stream: _StepStream | None = None
+
+    def _open_stream(self) -> _StepStream:
+        if self._stream is None:
+            self._stream = _StepStream(self.stub)
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
+              stops: GrantStops | None = None) -> TargetGrant:
+        batch = StepBatch.from_items(items)
+        call = target_pb2.PackedStep(items=batch_to_proto(batch), feature_layers=list(feature_layers),
+                                     grant_steps=grant_steps)
+        if stops is not None:
+            call.stops.CopyFrom(stops.to_proto())
+        stream = self._open_stream()
+        stream.send(target_pb2.StepCall(step=call))
+        return TargetGrant(stream, batch.request_ids, self._drop_stream)
 
     def info(self) -> TargetInfo:
         try:
@@ -71,27 +166,13 @@ class TargetClient:
 
     def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...]
              ) -> tuple[list[SequenceResult], KvLoad, float]:
-        req = target_pb2.StepRequest(feature_layers=list(feature_layers))
-        for it in items:
-            sp = it.sampling
-            m = req.items.add(request_id=it.request_id, create=it.create, tokens=it.tokens,
-                              parents=it.parents, num_fixed=it.num_fixed, top_logprobs=it.top_logprobs,
-                              return_features=it.return_features)
-            m.sampling.temperature = sp.temperature
-            m.sampling.top_k = sp.top_k
-            m.sampling.top_p = sp.top_p
-            if sp.seed is not None:
-                m.sampling.seed = sp.seed
-        try:
-            resp = self.stub.Step(req)
-        except grpc.RpcError as e:
-            _raise_mapped(e, "target")
-        results = [SequenceResult(
-            r.request_id, list(r.accepted_nodes), list(r.tokens), list(r.logprobs),
-            [(list(t.token_ids), list(t.logprobs)) for t in r.top_logprobs],
-            tensor_from_proto(r.features) if r.HasField("features") else None, r.num_committed)
-            for r in resp.results]
-        return results, _load(resp.load), resp.step_seconds
+        """One step over the stream (packed columns both ways)."""
+        return next(iter(self._call(items, feature_layers)))
+
+    def grant(self, items: list[SequenceStep], feature_layers: tuple[int, ...], steps: int,
+              stops: GrantStops) -> TargetGrant:
+        """Up to `steps` plain-decode steps that the target feeds forward itself."""
+        return self._call(items, feature_layers, steps, stops)
 
     def release(self, request_ids: list[str]) -> KvLoad:
         try:
@@ -100,6 +181,7 @@ class TargetClient:
             _raise_mapped(e, "target")
 
     def close(self) -> None:
+        self._drop_stream()
         self.channel.close()
 
 

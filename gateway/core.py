@@ -2,21 +2,27 @@
 
     while running:
         take new requests and aborts
-        plan = plan_step(...)                 # who runs, which tokens (fresh object)
-        budgets = choose_budgets(...)         # how much each decoding request speculates
-        trees = draft(budgets)                # one call per replica; failures -> plain decode
-        results = target.step(plan + trees)  # one call
-        commit results to requests, emit deltas, feed the draft, release the finished
+        plan = schedule()                      # who runs, which tokens, how much each speculates
+        trees = draft(plan)                    # one call per replica; failures -> plain decode
+        for outcome in execute(plan, trees):   # one target step, or a grant of k plain steps
+            update(outcome)                    # commit, emit, feed the draft, release the finished
+            record(outcome)                    # metrics, cost model, load gate
+
+One thread (the loop) owns request state, draft links included; draft replica
+workers report back through a queue the loop drains at the top of each step.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from opentelemetry import trace
 
@@ -34,35 +40,57 @@ from gateway.policy import (
     choose_budgets,
     predicts_trees,
 )
-from gateway.request import Phase, Request
-from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, plan_step
-from gateway.types import DeltaSink, GenerationParams, SpecStats
+from gateway.request import DraftLink, Phase, Request
+from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, blocks_for, plan_step
+from gateway.types import DeltaSink, FinishReason, GenerationParams, SpecMode, SpecStats
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+from target_service.wire import GrantStops
 
 log = logging.getLogger("tandem.gateway")
 # A no-op tracer unless gateway.tracing installed a provider (--otlp-endpoint).
 tracer = trace.get_tracer("tandem.gateway")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CoreConfig:
     policy: PolicyConfig = PolicyConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     max_queue: int = 1024
     max_model_len: int | None = None
     profile: bool = True  # measure the cost model at start-up
+    # Plain-decode steps granted to the target at once when a batch decodes plainly
+    # and feeds nothing to the draft; 1 = one call per step.
+    grant_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.grant_steps < 1:
+            raise ValueError(f"grant steps must be >= 1, got {self.grant_steps}")
+        if self.max_queue < 1:
+            raise ValueError(f"max queue must be >= 1, got {self.max_queue}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepOutcome:
+    """One target step as the gateway saw it."""
+
+    items: list[PlannedItem]  # the planned items these results are for, in order
+    results: list[SequenceResult]
+    load: KvLoad
+    seconds: float  # wall time at the gateway, from sending (or the previous reply) to this reply
+    trees: dict[str, DraftTree]
+    granted: int  # 0: a plain call; k >= 1: the k-th step of a grant
 
 
 class GatewayCore:
     def __init__(self, target: TargetClient, drafts: list[DraftClient], tokenizer, cfg: CoreConfig,
-                 model_name: str, metrics: GatewayMetrics | None = None):
+                 model_name: str, metrics: GatewayMetrics | None = None, pool: DraftPool | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.model_name = model_name
         self.metrics = metrics or GatewayMetrics()
-        self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set())
+        self.pool = pool if pool is not None else DraftPool(drafts, on_lost=lambda _r: self._wake.set())
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate()
@@ -74,9 +102,11 @@ class GatewayCore:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._ids: set[str] = set()
+        self._reports: queue.SimpleQueue = queue.SimpleQueue()  # draft workers -> loop: caught-up links
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_blocks = 0
+        self._block_size = 16
         self._vocab = 0
         self._ready = False
         self._draining = False
@@ -85,12 +115,35 @@ class GatewayCore:
         self.step_count = 0
         self._quiet = 0  # consecutive steps in which auto chose no tree
         self._ingest_queue: dict[int, list[tuple[Request, IngestItem]]] = {}  # replica -> this step's ingests
+        self._release_after_grant: list[Request] = []
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
         from gateway.clients import wait_healthy
 
         wait_healthy(self.target.channel, timeout)
+        answering = []
+        for replica in self.pool.replicas:
+            try:
+                wait_healthy(replica.client.channel, timeout)
+                answering.append(replica)
+            except Unavailable as exc:
+                log.warning("draft replica %s unavailable at start (%s): will retry", replica.client.address, exc)
+        self.configure(answering)
+        if self.cfg.profile:
+            from gateway.profiling import profile_costs
+            self.costs = profile_costs(self.target, self.pool.healthy()[:1], self.cfg.policy)
+            log.info("cost model: %s", self.costs)
+        for fn, name in ((self._loop, "step-loop"), (self.pool.probe_forever, "draft-probe")):
+            thread = threading.Thread(target=fn, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._ready = True
+
+    def configure(self, replicas: list[DraftReplica] | None = None) -> None:
+        """Learn the model's facts from the target and the feature layers from `replicas`
+        (default: all), marking those that answer healthy. start() does this; tests that
+        drive the loop by hand call it."""
         info = self.target.info()
         self.max_model_len = min(self.cfg.max_model_len or info.max_model_len, info.max_model_len)
         self._free_blocks = info.load.free_blocks
@@ -101,25 +154,15 @@ class GatewayCore:
         self.eos_ids = frozenset(eos)
         self._vocab = info.vocab_size
         layers = set()
-        for r in self.pool.replicas:
+        for replica in self.pool.replicas if replicas is None else replicas:
             try:
-                wait_healthy(r.client.channel, timeout)
-                layers.add(r.client.info().feature_layers)
-                r.healthy = True
+                layers.add(replica.client.info().feature_layers)
+                replica.healthy = True
             except Unavailable as exc:
-                log.warning("draft replica %s unavailable at start (%s): will retry", r.client.address, exc)
+                log.warning("draft replica %s unavailable at start (%s): will retry", replica.client.address, exc)
         if len(layers) > 1:
             raise InvalidArgument(f"draft replicas disagree on feature layers: {sorted(layers)}")
         self.feature_layers = layers.pop() if layers else info.default_feature_layers
-        if self.cfg.profile:
-            from gateway.profiling import profile_costs
-            self.costs = profile_costs(self.target, self.pool.healthy()[:1], self.cfg.policy)
-            log.info("cost model: %s", self.costs)
-        for fn, name in ((self._loop, "step-loop"), (self.pool.probe_forever, "draft-probe")):
-            t = threading.Thread(target=fn, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-        self._ready = True
 
     def ready(self) -> bool:
         return self._ready and not self._draining
@@ -134,16 +177,16 @@ class GatewayCore:
         deadline = time.monotonic() + timeout
         while (self.running or self.waiting or self._inbox) and time.monotonic() < deadline:
             time.sleep(0.05)
-        for r in list(self.running) + list(self.waiting):
-            self.abort(r.request_id)
+        for req in list(self.running) + list(self.waiting):
+            self.abort(req.request_id)
         time.sleep(0.2)
 
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
         self.pool.stop()
-        for t in self._threads:
-            t.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
         self.target.close()
 
     # --- API ------------------------------------------------------------------
@@ -167,12 +210,12 @@ class GatewayCore:
             if len(self.waiting) + len(self._inbox) >= self.cfg.max_queue:
                 raise ResourceExhausted(f"the queue is full ({self.cfg.max_queue} requests waiting)")
             self._ids.add(request_id)
-            r = Request(request_id, list(prompt_token_ids), params, sink, self.eos_ids, self.tokenizer,
-                        self.max_model_len)
-            r.span = tracer.start_span("tandem.generate", attributes={
+            req = Request(request_id=request_id, prompt=list(prompt_token_ids), params=params, sink=sink,
+                          eos_ids=self.eos_ids, tokenizer=self.tokenizer, max_model_len=self.max_model_len)
+            req.span = tracer.start_span("tandem.generate", attributes={
                 "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_token_ids),
-                "tandem.max_tokens": params.max_tokens, "tandem.speculation": self._mode(r)})
-            self._inbox.append(r)
+                "tandem.max_tokens": params.max_tokens, "tandem.speculation": str(self._mode(req))})
+            self._inbox.append(req)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -192,8 +235,8 @@ class GatewayCore:
                 self._step()
             except Exception:
                 log.exception("step failed; aborting the running requests")
-                for r in list(self.running):
-                    self._finish(r, "abort")
+                for req in list(self.running):
+                    self._finish(req, FinishReason.ABORT)
                 time.sleep(0.5)
 
     def _take_inbox(self) -> None:
@@ -201,27 +244,42 @@ class GatewayCore:
             new, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = set(self._aborts), deque()
         self.waiting.extend(new)
-        for r in list(self.running) + list(self.waiting):
-            if r.request_id in aborts:
-                self._finish(r, "abort")
+        if aborts:
+            for req in list(self.running) + list(self.waiting):
+                if req.request_id in aborts:
+                    self._finish(req, FinishReason.ABORT)
         self.metrics.requests_waiting.set(len(self.waiting))
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
+        """One round of the loop: schedule, draft, then execute/update/record per target step."""
+        self._apply_reports()
+        plan = self._schedule()
+        if plan is None:
+            return
+        trees = self._draft(plan)
+        for outcome in self._execute(plan, trees):
+            self._update(plan, outcome)
+            self._record(plan, outcome)
+
+    # --- schedule ------------------------------------------------------------------
+    def _schedule(self) -> StepPlan | None:
+        """Who runs this step and how much each speculates; None when the round only preempted."""
         self._detach_lost_drafts()
         # A verified tree commits at most its depth: that bounds the KV a decode may need.
         max_depth = max(b.steps for b in [*self.cfg.policy.auto_options(), self.cfg.policy.fixed_budget])
         plan = plan_step(self.cfg.scheduler, self.running, self.waiting, self._free_blocks, max_depth)
-        for r in plan.preempted:
-            self._preempt(r)
-        for r in plan.admitted:
-            self.waiting.remove(r)
-            r.phase = Phase.RUNNING
-            self.running.append(r)
-            self._attach_draft(r)
+        for req in plan.preempted:
+            self._preempt(req)
+        if plan.admitted:
+            admitted = {id(req) for req in plan.admitted}
+            self.waiting = [req for req in self.waiting if id(req) not in admitted]
+            for req in plan.admitted:
+                req.phase = Phase.RUNNING
+                self.running.append(req)
+                self._attach_draft(req)
         if not plan.items:
             if plan.preempted:
-                return
+                return None
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
                                f"{self._free_blocks} KV blocks free")
         plan.budgets = self._budgets(plan)
@@ -230,67 +288,37 @@ class GatewayCore:
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
             log.debug("step %d: %d items, %d tokens, trees %s, gate %s", self.step_count,
                       len(plan.items), plan.num_tokens, spec, self.gate.arms)
-        trees = self._draft(plan)
-        steps = [self._sequence_step(it, trees.get(it.request.request_id)) for it in plan.items]
-        try:
-            results, load, _ = self.target.step(steps, self.feature_layers)
-        except ResourceExhausted:
-            # Our block estimate was off (another client, or fragmentation): free room and retry.
-            self._preempt(max(self.running, key=lambda r: r.arrival))
-            return
-        self._free_blocks = load.free_blocks
-        self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
-        for it, res in zip(plan.items, results, strict=True):
-            rid = it.request.request_id
-            self._apply(it, res, trees.get(rid), plan.budgets.get(rid, NO_SPEC))
-        self._release_finished()
-        self._flush_ingests()
-        self.step_count += 1
-        self.metrics.requests_running.set(len(self.running))
-        self.metrics.requests_waiting.set(len(self.waiting))
-        seconds = time.perf_counter() - t0
-        self.metrics.step_seconds.observe(seconds)
-        # Only decode steps measure what the policy chooses between: prefill work in a step
-        # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
-        decode = all(it.is_decode for it in plan.items)
-        if decode and len(steps) < self.gate.min_batch:  # from min_batch on, the gate measures
-            self.costs.observe(plan.num_tokens, len(steps), [plan.budgets[rid] for rid in trees], seconds)
-        if decode and any(self._mode(it.request) == "auto" for it in plan.items):
-            committed = sum(len(res.tokens) for it, res in zip(plan.items, results, strict=True) if it.is_decode)
-            verdict = self.gate.record(len(steps), bool(trees), committed, seconds)
-            if verdict is not None:
-                log.info("load gate, %s: %s", self.gate.describe(len(steps)),
-                         "speculating" if verdict else "decoding plainly")
+        return plan
 
+    def _mode(self, req: Request) -> SpecMode:
+        return req.params.speculation or SpecMode(self.cfg.policy.mode)
 
-    # --- speculation -------------------------------------------------------------
-    def _mode(self, r: Request) -> str:
-        return r.params.speculation or self.cfg.policy.mode
+    def _draft_ready(self, req: Request) -> bool:
+        link = req.draft
+        return (link is not None and self._replica(req) is not None and link.sent == req.num_tokens
+                and link.caught_up)
 
-    def _draft_ready(self, r: Request) -> bool:
-        rep = self._replica(r)
-        return rep is not None and r.draft_len == len(r.tokens) and r.draft_caught_up
-
-    def _replica(self, r: Request) -> DraftReplica | None:
-        if r.draft_replica is None:
+    def _replica(self, req: Request) -> DraftReplica | None:
+        if req.draft is None:
             return None
-        rep = self.pool.replicas[r.draft_replica]
-        return rep if rep.healthy else None
+        replica = self.pool.replicas[req.draft.replica]
+        return replica if replica.healthy else None
 
-    def _draft_room(self, r: Request) -> int:
+    def _draft_room(self, req: Request) -> int:
         """Deepest tree worth drafting: the bonus token takes one of the tokens still allowed."""
-        return min(self.max_model_len - len(r.tokens), r.params.max_tokens - len(r.output)) - 1
+        return min(self.max_model_len - req.num_tokens, req.params.max_tokens - len(req.output)) - 1
 
     def _budgets(self, plan: StepPlan) -> dict[str, DraftBudget]:
         cands = []
         for it in plan.items:
-            r = it.request
-            if not it.is_decode or self._mode(r) == "never" or not self._draft_ready(r):
+            req = it.request
+            if not it.is_decode or self._mode(req) == SpecMode.NEVER or not self._draft_ready(req):
                 continue
-            if self._draft_room(r) < 1:
+            if self._draft_room(req) < 1:
                 continue
-            cands.append(Candidate(r.request_id, {o: r.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
-                                   self._mode(r)))
+            cands.append(Candidate(req.request_id,
+                                   {o: req.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
+                                   self._mode(req)))
 
         def other_work(cands: list[Candidate]) -> tuple[int, int]:
             keys = {c.key for c in cands}
@@ -301,16 +329,15 @@ class GatewayCore:
             return predicts_trees(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
 
         if cands and not self.gate.allow_spec(len(plan.items), model_prefers_spec):
-            cands = [c for c in cands if c.mode != "auto"]  # measured: plain decode pays at this load
+            cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
         probe = bool(cands) and self.gate.probing_spec(len(plan.items))
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
-        for rid, b in list(budgets.items()):
-            r = by_id[rid]
-            room = self._draft_room(r)
-            if not b.empty and b.steps > room:
-                budgets[rid] = DraftBudget(room, b.topk, b.num_draft_tokens) if room >= 1 else NO_SPEC
+        for rid, budget in list(budgets.items()):
+            room = self._draft_room(by_id[rid])
+            if not budget.empty and budget.steps > room:
+                budgets[rid] = DraftBudget(room, budget.topk, budget.num_draft_tokens) if room >= 1 else NO_SPEC
         return budgets
 
     # Under load `auto` stops speculating; feeding every request's features to the
@@ -325,82 +352,164 @@ class GatewayCore:
         if any(not b.empty for b in plan.budgets.values()) or len(plan.items) < self.gate.min_batch:
             self._quiet = 0  # speculating, or too light a load for feature traffic to matter
         elif self._quiet >= self.QUIET_STEPS or any(
-                it.is_decode and self._mode(it.request) == "auto" and self._draft_ready(it.request)
+                it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
                 for it in plan.items):
             # A step counts once auto could have drafted and chose not to: drafts still taking in
             # the prompts of a filling batch are no verdict, and going dormant then (seen on the
             # CI machine) kept 48 requests from ever being offered a tree.
             self._quiet += 1
 
-    def _dormant(self, r: Request) -> bool:
+    def _dormant(self, req: Request) -> bool:
         q = self._quiet
-        return self._mode(r) == "auto" and q >= self.QUIET_STEPS and q % self.WAKE_EVERY >= self.QUIET_STEPS
+        return self._mode(req) == SpecMode.AUTO and q >= self.QUIET_STEPS and q % self.WAKE_EVERY >= self.QUIET_STEPS
 
+    # --- draft -----------------------------------------------------------------------
     def _draft(self, plan: StepPlan) -> dict[str, DraftTree]:
         by_replica: dict[int, list[tuple[Request, DraftBudget]]] = {}
         for it in plan.items:
-            b = plan.budgets.get(it.request.request_id, NO_SPEC)
-            if not b.empty:
-                by_replica.setdefault(it.request.draft_replica, []).append((it.request, b))
-        drafting = {r.request_id for items in by_replica.values() for r, _ in items}
-        for r in self.running:  # deferred ingests of requests that do not draft now: send them off
-            if r.pending_ingest is not None and r.request_id not in drafting:
-                self._send_ingest(r)
+            budget = plan.budgets.get(it.request.request_id, NO_SPEC)
+            if not budget.empty:
+                by_replica.setdefault(it.request.draft.replica, []).append((it.request, budget))
+        drafting = {req.request_id for items in by_replica.values() for req, _ in items}
+        for req in self.running:  # deferred ingests of requests that do not draft now: send them off
+            if req.draft is not None and req.draft.pending is not None and req.request_id not in drafting:
+                self._send_ingest(req)
         self._flush_ingests()  # before the draft calls: a replica applies its queue in order
         if not by_replica:
             return {}
         futures = {}
         for idx, items in by_replica.items():
-            rep = self.pool.replicas[idx]
+            replica = self.pool.replicas[idx]
             # The drafting requests' new tokens and features ride in the same call.
-            ingest = [r.pending_ingest for r, _ in items if r.pending_ingest is not None]
-            for r, _ in items:
-                r.pending_ingest = None
-            calls = [(r.request_id, b, len(r.tokens)) for r, b in items]
-
-            futures[idx] = rep.submit(lambda rep=rep, ingest=ingest, calls=calls: rep.client.draft(ingest, calls))
+            ingest = [req.draft.pending for req, _ in items if req.draft.pending is not None]
+            for req, _ in items:
+                req.draft.pending = None
+            calls = [(req.request_id, budget, req.num_tokens) for req, budget in items]
+            futures[idx] = replica.submit(
+                lambda replica=replica, ingest=ingest, calls=calls: replica.client.draft(ingest, calls))
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:
                 got, load = fut.result()
                 self._draft_usage(load)
-                for t in got:
-                    if t.tokens:
-                        trees[t.request_id] = t
+                for tree in got:
+                    if tree.tokens:
+                        trees[tree.request_id] = tree
             except (InvalidArgument, ResourceExhausted) as exc:
                 log.warning("draft refused a call (%s); those requests decode plainly", exc)
-                for r, _ in by_replica[idx]:
-                    self._detach_draft(r, release=True)
+                for req, _ in by_replica[idx]:
+                    self._detach_draft(req, release=True)
             except Exception as exc:
                 self.pool.mark_lost(self.pool.replicas[idx], str(exc))
         return trees
 
-    # --- target step items and results ---------------------------------------------
+    # --- execute -------------------------------------------------------------------------
     def _sequence_step(self, it: PlannedItem, tree: DraftTree | None) -> SequenceStep:
-        r = it.request
-        p = r.params
+        req = it.request
+        p = req.params
         sampling = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
-        want_features = self._replica(r) is not None and self._mode(r) != "never" and not self._dormant(r)
+        want_features = self._wants_features(req)
         top = p.logprobs or 0
         if tree is not None:
             tokens, parents, num_fixed = tree.verify_tree()
-            return SequenceStep(r.request_id, tuple(tokens), tuple(parents), num_fixed, False, sampling, top,
+            return SequenceStep(req.request_id, tuple(tokens), tuple(parents), num_fixed, False, sampling, top,
                                 want_features)
-        step = SequenceStep.chain(r.request_id, it.tokens, create=not r.target_created, sampling=sampling,
+        return SequenceStep.chain(req.request_id, it.tokens, create=not req.target_created, sampling=sampling,
                                   top_logprobs=top, return_features=want_features)
-        return step
+
+    def _wants_features(self, req: Request) -> bool:
+        return self._replica(req) is not None and self._mode(req) != SpecMode.NEVER and not self._dormant(req)
+
+    def _execute(self, plan: StepPlan, trees: dict[str, DraftTree]) -> Iterator[StepOutcome]:
+        """The target's step(s) for the plan: one call, or a grant of plain steps."""
+        steps = [self._sequence_step(it, trees.get(it.request.request_id)) for it in plan.items]
+        grant = self._grant_steps(plan, trees, steps)
+        t0 = time.perf_counter()
+        try:
+            if grant <= 1:
+                results, load, _ = self.target.step(steps, self.feature_layers)
+                yield StepOutcome(items=plan.items, results=results, load=load,
+                                  seconds=time.perf_counter() - t0, trees=trees, granted=0)
+                return
+            yield from self._run_grant(plan, steps, grant, t0)
+        except ResourceExhausted:
+            # Our block estimate was off (another client, or fragmentation): free room and retry.
+            if self.running:
+                self._preempt(max(self.running, key=lambda req: req.arrival))
+        finally:
+            self._release_finished()
+
+    def _grant_steps(self, plan: StepPlan, trees: dict[str, DraftTree], steps: list[SequenceStep]) -> int:
+        """How many plain steps the target may run on its own for this plan (1: just this one).
+
+        Only a batch that decodes plainly and feeds nothing to the draft is granted, and
+        only as many steps as the free KV covers for every request."""
+        k = self.cfg.grant_steps
+        if k <= 1 or trees or any(step.return_features for step in steps):
+            return 1
+        if not all(it.is_decode for it in plan.items) or self._ingest_queue:
+            return 1
+        bs = self._block_size
+        while k > 1:
+            need = sum(blocks_for(it.request.target_len + k, bs) - blocks_for(it.request.target_len, bs)
+                       for it in plan.items)
+            if need <= self._free_blocks:
+                break
+            k //= 2
+        return k
+
+    def _run_grant(self, plan: StepPlan, steps: list[SequenceStep], k: int, t0: float) -> Iterator[StepOutcome]:
+        reqs = [it.request for it in plan.items]
+        stops = GrantStops(
+            max_new_tokens=np.array([min(req.params.max_tokens - len(req.output), self.max_model_len - req.num_tokens)
+                                     for req in reqs], dtype=np.int32),
+            stop_token_ids=tuple(req.target_stop_ids for req in reqs))
+        grant = self.target.grant(steps, self.feature_layers, k, stops)
+        by_id = {it.request.request_id: it for it in plan.items}
+        index = 0
+        try:
+            for results, load, _ in grant:
+                now = time.perf_counter()
+                index += 1
+                if results:
+                    yield StepOutcome(items=[by_id[res.request_id] for res in results], results=results, load=load,
+                                      seconds=now - t0, trees={}, granted=index)
+                t0 = now
+                if self._should_interrupt(reqs):
+                    grant.interrupt()
+        finally:
+            grant.close()
+
+    def _should_interrupt(self, granted: list[Request]) -> bool:
+        """A new plan is due: an arrival, an abort, or a request the target cannot know has ended."""
+        return (bool(self._inbox) or bool(self._aborts) or self._stop.is_set()
+                or any(req.stopped_by_string for req in granted))
+
+    # --- update ------------------------------------------------------------------------
+    def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        self._free_blocks = outcome.load.free_blocks
+        self.metrics.kv_usage.labels(service="target").set(
+            1 - outcome.load.free_blocks / max(outcome.load.total_blocks, 1))
+        for it, res in zip(outcome.items, outcome.results, strict=True):
+            self._apply(it, res, outcome.trees.get(res.request_id), plan.budgets.get(res.request_id, NO_SPEC))
+        if outcome.granted:  # the target still feeds the grant's requests: release them after it
+            self._retire_finished()
+        else:
+            self._release_finished()
+        # The ingests queued here go out with the next step's (one call per replica per step),
+        # while the target runs that step.
 
     def _apply(self, it: PlannedItem, res: SequenceResult, tree: DraftTree | None, budget: DraftBudget) -> None:
-        r = it.request
-        if r.phase == Phase.FINISHED:
+        req = it.request
+        if req.phase == Phase.FINISHED:
             return
-        old_len = r.target_len
-        r.target_created = True
-        r.target_len = res.num_committed
+        old_len = req.target_len
+        req.target_created = True
+        req.target_len = res.num_committed
         if not it.reaches_end:  # a prefill chunk that is not the last: its sample is not output
-            self._feed_draft(r, old_len, res, defer=False)
+            self._feed_draft(req, old_len, res, defer=False)
             return
-        stats = r.stats
+        stats = req.stats
         if tree is not None:
             accepted = len(res.accepted_nodes)
             stats = SpecStats(stats.draft_tokens + len(tree.tokens), stats.accepted_tokens + accepted,
@@ -408,81 +517,109 @@ class GatewayCore:
             self.metrics.num_drafts.inc()
             self.metrics.num_draft_tokens.inc(len(tree.tokens))
             self.metrics.num_accepted_tokens.inc(accepted)
-            r.acceptance.record(budget, accepted)
+            req.acceptance.record(budget, accepted)
             self.book.record(budget, accepted)
         elif it.is_decode:
             stats = SpecStats(stats.draft_tokens, stats.accepted_tokens, stats.verify_steps,
                               stats.plain_steps + 1)
             self.metrics.plain_decode_steps.inc()
-            r.acceptance.fade(0.85)
-        first = r.first_token_at is None
-        prev_last = r.last_token_at
-        delta = r.commit(res.tokens, res.logprobs, res.top_logprobs, res.num_committed, stats)
+            req.acceptance.fade(0.85)
+        first = req.first_token_at is None
+        prev_last = req.last_token_at
+        delta = req.commit(res.tokens, res.logprobs, res.top_logprobs, res.num_committed, stats)
         now = time.monotonic()
         if first:
-            self.metrics.ttft.observe(now - r.arrival)
+            self.metrics.ttft.observe(now - req.arrival)
         elif prev_last is not None and delta.token_ids:
             gap = (now - prev_last) / len(delta.token_ids)
             for _ in delta.token_ids:
                 self.metrics.itl.observe(gap)
-        self._emit(r, delta)
-        if r.phase != Phase.FINISHED:
-            self._feed_draft(r, old_len, res, defer=tree is not None)
+        self._emit(req, delta)
+        if req.phase != Phase.FINISHED:
+            self._feed_draft(req, old_len, res, defer=tree is not None)
 
-    def _emit(self, r: Request, delta) -> None:
+    def _emit(self, req: Request, delta) -> None:
         try:
-            r.sink(delta)
+            req.sink(delta)
         except Exception:
-            log.exception("delivering output of %s failed; aborting it", r.request_id)
-            r.phase = Phase.FINISHED
-            r.finish_reason = "abort"
+            log.exception("delivering output of %s failed; aborting it", req.request_id)
+            req.phase = Phase.FINISHED
+            req.finish_reason = FinishReason.ABORT
         if delta.finish_reason:
-            if r.span is not None:
-                r.span.set_attributes({"tandem.finish_reason": delta.finish_reason,
-                                       "tandem.completion_tokens": len(r.output),
-                                       **{f"tandem.spec.{k}": v for k, v in r.stats.as_dict().items()}})
-                r.span.end()
-                r.span = None
-            self.metrics.e2e.observe(time.monotonic() - r.arrival)
-            self.metrics.requests_total.labels(finish_reason=delta.finish_reason).inc()
+            if req.span is not None:
+                req.span.set_attributes({"tandem.finish_reason": str(delta.finish_reason),
+                                         "tandem.completion_tokens": len(req.output),
+                                         **{f"tandem.spec.{k}": v for k, v in req.stats.as_dict().items()}})
+                req.span.end()
+                req.span = None
+            self.metrics.e2e.observe(time.monotonic() - req.arrival)
+            self.metrics.requests_total.labels(finish_reason=str(delta.finish_reason)).inc()
+
+    # --- record --------------------------------------------------------------------------
+    def _record(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        self.step_count += 1
+        if outcome.granted:
+            self.metrics.granted_steps.inc()
+        if outcome.granted > 1:
+            self._track_quiet(plan)  # every granted step counts towards dormancy, as a planned one would
+        self.metrics.requests_running.set(len(self.running))
+        self.metrics.requests_waiting.set(len(self.waiting))
+        seconds = outcome.seconds
+        self.metrics.step_seconds.observe(seconds)
+        # Only decode steps measure what the policy chooses between: prefill work in a step
+        # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
+        decode = all(it.is_decode for it in outcome.items)
+        seqs = len(outcome.items)
+        if decode and seqs < self.gate.min_batch:  # from min_batch on, the gate measures
+            budgets = [plan.budgets[rid] for rid in outcome.trees]
+            self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
+        if decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
+            committed = sum(len(res.tokens) for res in outcome.results)
+            verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds)
+            if verdict is not None:
+                log.info("load gate, %s: %s", self.gate.describe(seqs),
+                         "speculating" if verdict else "decoding plainly")
 
     # --- draft state ---------------------------------------------------------------
-    def _attach_draft(self, r: Request) -> None:
-        if self._mode(r) == "never" or r.draft_replica is not None:
-            return
-        rep = self.pool.least_loaded()
-        if rep is None:
-            return
-        r.draft_replica = rep.index
-        r.draft_len = 0
-        r.draft_feature_len = 0
-        r.draft_caught_up = False
-        rep.requests.add(r.request_id)
+    def _apply_reports(self) -> None:
+        """What draft workers reported since the last step (the loop owns the links)."""
+        while True:
+            try:
+                link = self._reports.get_nowait()
+            except queue.Empty:
+                return
+            link.caught_up = True
 
-    def _detach_draft(self, r: Request, release: bool) -> None:
-        if r.draft_replica is None:
+    def _attach_draft(self, req: Request) -> None:
+        if self._mode(req) == SpecMode.NEVER or req.draft is not None:
             return
-        rep = self.pool.replicas[r.draft_replica]
-        rep.requests.discard(r.request_id)
-        if release and rep.healthy:
-            rep.submit(lambda: rep.client.release([r.request_id]))
-        r.draft_replica = None
-        r.draft_len = 0
-        r.draft_feature_len = 0
-        r.draft_caught_up = False
-        r.pending_ingest = None
-        queued = self._ingest_queue.get(rep.index)
+        replica = self.pool.least_loaded()
+        if replica is None:
+            return
+        req.draft = DraftLink(replica=replica.index)
+        replica.requests.add(req.request_id)
+
+    def _detach_draft(self, req: Request, release: bool) -> None:
+        link = req.draft
+        if link is None:
+            return
+        replica = self.pool.replicas[link.replica]
+        replica.requests.discard(req.request_id)
+        if release and replica.healthy:
+            replica.submit(lambda: replica.client.release([req.request_id]))
+        req.draft = None
+        queued = self._ingest_queue.get(replica.index)
         if queued:
-            self._ingest_queue[rep.index] = [(x, item) for x, item in queued if x is not r]
+            self._ingest_queue[replica.index] = [(x, item) for x, item in queued if x is not req]
 
     def _detach_lost_drafts(self) -> None:
-        for r in self.running:
-            if r.draft_replica is not None and not self.pool.replicas[r.draft_replica].healthy:
-                self._detach_draft(r, release=False)
-            if r.draft_replica is None and r.phase == Phase.RUNNING and self._mode(r) != "never":
-                self._attach_draft(r)
+        for req in self.running:
+            if req.draft is not None and not self.pool.replicas[req.draft.replica].healthy:
+                self._detach_draft(req, release=False)
+            if req.draft is None and req.phase == Phase.RUNNING and self._mode(req) != SpecMode.NEVER:
+                self._attach_draft(req)
 
-    def _feed_draft(self, r: Request, old_len: int, res: SequenceResult, defer: bool) -> None:
+    def _feed_draft(self, req: Request, old_len: int, res: SequenceResult, defer: bool) -> None:
         """Pass the request's new tokens (and features) to its replica.
 
         defer: the request just drafted and will likely draft again, so the
@@ -491,38 +628,41 @@ class GatewayCore:
         before any later draft call, and the replica computes the KV while the
         target runs the next step.
         """
-        rep = self._replica(r)
-        if rep is None or self._dormant(r):
+        link = req.draft
+        if link is None or self._replica(req) is None or self._dormant(req):
             return
         # The draft learns committed tokens and the one after them, never more: a
         # position it computes without the target's features is only approximate.
-        known = r.tokens[:r.target_len + 1]
+        known_len = min(req.target_len + 1, req.num_tokens)
         feats = res.features
-        pending = r.pending_ingest
-        if feats is not None and r.draft_feature_len == old_len and r.draft_len >= old_len:
+        pending = link.pending
+        if feats is not None and link.feature_len == old_len and link.sent >= old_len:
             start = old_len  # contiguous: these features belong to positions old_len..
-            r.draft_feature_len = old_len + feats.shape[0]
+            link.feature_len = old_len + feats.shape[0]
             if pending is not None and pending.features is not None and \
                     pending.start_position + pending.features.shape[0] == old_len:
                 start, feats = pending.start_position, torch.cat((pending.features, feats))
             elif pending is not None:
-                self._send_ingest(r)
+                self._send_ingest(req)
         else:
             if pending is not None:
-                self._send_ingest(r)
-            start, feats = r.draft_len, None  # tokens only: the draft catches up from its own states
-        r.pending_ingest = IngestItem(r.request_id, start, tuple(known[start:]), feats)
-        r.draft_len = len(known)
-        if not defer or not r.draft_caught_up:
-            self._send_ingest(r)
+                self._send_ingest(req)
+            start, feats = link.sent, None  # tokens only: the draft catches up from its own states
+        link.pending = IngestItem(req.request_id, start, tuple(req.token_slice(start, known_len)), feats)
+        link.sent = known_len
+        if not defer or not link.caught_up:
+            self._send_ingest(req)
 
-    def _send_ingest(self, r: Request) -> None:
-        """Queue r's pending ingest; _flush_ingests sends a step's ingests to each replica together."""
-        rep = self._replica(r)
-        item, r.pending_ingest = r.pending_ingest, None
-        if rep is None or item is None:
+    def _send_ingest(self, req: Request) -> None:
+        """Queue req's pending ingest; _flush_ingests sends a step's ingests to each replica together."""
+        link = req.draft
+        replica = self._replica(req)
+        if link is None:
             return
-        self._ingest_queue.setdefault(rep.index, []).append((r, item))
+        item, link.pending = link.pending, None
+        if replica is None or item is None:
+            return
+        self._ingest_queue.setdefault(replica.index, []).append((req, item))
 
     def _flush_ingests(self) -> None:
         """One Ingest call per replica (more only where a request has two items). With one RPC per
@@ -530,63 +670,74 @@ class GatewayCore:
         read 202-207 tok/s to the load gate on CPU, and 257-269 with one call per replica."""
         queued, self._ingest_queue = self._ingest_queue, {}
         for idx, pairs in queued.items():
-            rep = self.pool.replicas[idx]
+            replica = self.pool.replicas[idx]
             rounds: list[list[tuple[Request, IngestItem]]] = []
             seen: dict[str, int] = {}
-            for r, item in pairs:  # the draft takes one item per request per call, in order
-                n = seen[r.request_id] = seen.get(r.request_id, -1) + 1
+            for req, item in pairs:  # the draft takes one item per request per call, in order
+                n = seen[req.request_id] = seen.get(req.request_id, -1) + 1
                 if n == len(rounds):
                     rounds.append([])
-                rounds[n].append((r, item))
+                rounds[n].append((req, item))
             for batch in rounds:
-                def send(rep=rep, batch=batch):
-                    # catch_up: compute the draft KV now, while the target runs the next step.
-                    self._draft_usage(rep.client.ingest([item for _, item in batch], catch_up=True))
-                    for r, _ in batch:
-                        r.draft_caught_up = True  # a plain flag write; the loop reads it next step
+                links = [req.draft for req, _ in batch]
 
-                fut = rep.submit(send)
-                fut.add_done_callback(lambda f, rep=rep: f.exception() and self._ingest_failed(rep, f.exception()))
+                def send(replica=replica, batch=batch, links=links):
+                    # catch_up: compute the draft KV now, while the target runs the next step.
+                    self._draft_usage(replica.client.ingest([item for _, item in batch], catch_up=True))
+                    for link in links:
+                        self._reports.put(link)  # the loop marks them caught up
+
+                fut = replica.submit(send)
+                fut.add_done_callback(
+                    lambda f, replica=replica: f.exception() and self._ingest_failed(replica, f.exception()))
 
     def _draft_usage(self, load: KvLoad) -> None:
         self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
 
-    def _ingest_failed(self, rep: DraftReplica, exc: BaseException) -> None:
+    def _ingest_failed(self, replica: DraftReplica, exc: BaseException) -> None:
         if isinstance(exc, (InvalidArgument, ResourceExhausted)):
-            log.warning("draft %s refused an ingest: %s", rep.client.address, exc)
-        self.pool.mark_lost(rep, str(exc))
+            log.warning("draft %s refused an ingest: %s", replica.client.address, exc)
+        self.pool.mark_lost(replica, str(exc))
 
     # --- finishing ----------------------------------------------------------------
-    def _finish(self, r: Request, reason: str) -> None:
-        if r.phase != Phase.FINISHED:
-            self._emit(r, r.finish(reason))
-        r.phase = Phase.FINISHED
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.phase != Phase.FINISHED:
+            self._emit(req, req.finish(reason))
+        req.phase = Phase.FINISHED
         self._release_finished()
 
+    def _retire_finished(self) -> None:
+        """Take finished requests out of the batch; their target KV is released later."""
+        done = [req for req in self.running if req.phase == Phase.FINISHED]
+        if done:
+            self.running = [req for req in self.running if req.phase != Phase.FINISHED]
+            self._release_after_grant.extend(done)
+
     def _release_finished(self) -> None:
-        done = [r for r in self.running + self.waiting if r.phase == Phase.FINISHED]
+        done = [req for req in self.running + self.waiting if req.phase == Phase.FINISHED]
+        done += self._release_after_grant
+        self._release_after_grant = []
         if not done:
             return
-        self.running = [r for r in self.running if r.phase != Phase.FINISHED]
-        self.waiting = [r for r in self.waiting if r.phase != Phase.FINISHED]
-        ids = [r.request_id for r in done if r.target_created]
+        self.running = [req for req in self.running if req.phase != Phase.FINISHED]
+        self.waiting = [req for req in self.waiting if req.phase != Phase.FINISHED]
+        ids = [req.request_id for req in done if req.target_created]
         if ids:
             try:
                 self._free_blocks = self.target.release(ids).free_blocks
             except Unavailable:
                 log.exception("target release failed")
-        for r in done:
-            self._detach_draft(r, release=True)
+        for req in done:
+            self._detach_draft(req, release=True)
             with self._lock:
-                self._ids.discard(r.request_id)
+                self._ids.discard(req.request_id)
 
-    def _preempt(self, r: Request) -> None:
-        """Out of KV: forget r everywhere; it resumes later from its tokens (recompute)."""
-        log.info("preempting %s (%d tokens) to free KV", r.request_id, len(r.tokens))
-        if r.target_created:
-            self._free_blocks = self.target.release([r.request_id]).free_blocks
-        self._detach_draft(r, release=True)
-        r.reset_for_recompute()
-        if r in self.running:
-            self.running.remove(r)
-        self.waiting.insert(0, r)
+    def _preempt(self, req: Request) -> None:
+        """Out of KV: forget req everywhere; it resumes later from its tokens (recompute)."""
+        log.info("preempting %s (%d tokens) to free KV", req.request_id, req.num_tokens)
+        if req.target_created:
+            self._free_blocks = self.target.release([req.request_id]).free_blocks
+        self._detach_draft(req, release=True)
+        req.reset_for_recompute()
+        self.running = [other for other in self.running if other is not req]
+        self.waiting.insert(0, req)

@@ -22,6 +22,9 @@ from tandem.v1 import target_pb2
 log = logging.getLogger("tandem.gateway")
 
 
+DEFAULT_GRANT_STEPS = 8
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tandem gateway",
@@ -58,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-step-tokens", type=int, default=2048,
                    help="tokens per target step: prefill chunks plus decode nodes (default 2048)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together (default 256)")
+    p.add_argument("--grant-steps", type=int, default=DEFAULT_GRANT_STEPS, metavar="K",
+                   help="when a batch decodes plainly and feeds nothing to the draft, let the target run up "
+                        "to K steps on its own, feeding its tokens forward (stops at max_tokens, EOS and stop "
+                        "token ids; a new arrival, an abort or a stop string ends the grant after the step "
+                        f"in flight). 1 = one call per step (default {DEFAULT_GRANT_STEPS})")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
     p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                    help="OpenTelemetry collector for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
@@ -127,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CoreConfig(
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
-        max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile)
+        max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
+        grant_steps=args.grant_steps)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     grpc_host = ServiceHost(args.host, args.grpc_port, ["tandem.v1.Generation"])

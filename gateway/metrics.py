@@ -31,3 +31,5 @@ class GatewayMetrics:
         self.step_seconds = Histogram("tandem_step_seconds", "Gateway step wall time",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.granted_steps = Counter("tandem_granted_steps", "Target steps run inside plain-decode grants "
+                                     "(the target fed its own tokens forward)", registry=r)

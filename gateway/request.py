@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from draft_service.types import DraftBudget, IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from gateway.types import Delta, DeltaSink, GenerationParams, SpecStats, TokenLogprob
+from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecMode, SpecStats, TokenLogprob
 
 
 class Phase(enum.Enum):
@@ -46,8 +46,22 @@ class AcceptanceStats:
         return None if not s or s[1] == 0 else (s[0] / s[1], s[1])
 
 
-@dataclass
+@dataclass(eq=False)
+class DraftLink:
+    """A request's state on its draft replica, as the gateway knows it. Owned by the
+    step loop's thread; replica workers report back through the core's queue."""
+
+    replica: int  # index into the draft pool
+    sent: int = 0  # tokens the replica has been sent (committed + pending)
+    feature_len: int = 0  # leading tokens whose target features the replica has
+    caught_up: bool = False  # the replica has applied at least one ingest
+    pending: IngestItem | None = None  # new tokens/features held for the next draft call
+
+
+@dataclass(eq=False, kw_only=True)
 class Request:
+    """Compares by identity: requests live in lists that the loop removes them from."""
+
     request_id: str
     prompt: list[int]
     params: GenerationParams
@@ -61,17 +75,13 @@ class Request:
     output: list[int] = field(default_factory=list)  # emitted tokens; the last is pending on the target
     target_len: int = 0  # tokens whose KV the target holds
     target_created: bool = False
-    # Draft state as the gateway knows it.
-    draft_replica: int | None = None
-    draft_len: int = 0  # tokens the draft replica has been sent (committed + pending)
-    draft_feature_len: int = 0  # leading tokens whose target features the draft has
-    draft_caught_up: bool = False  # the replica has applied at least one ingest
-    pending_ingest: IngestItem | None = None  # new tokens/features held for the next draft call
+    draft: DraftLink | None = None  # None: no replica (speculation off, or none healthy)
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
+    stopped_by_string: bool = False  # finished on a stop string (which the target does not know)
     num_preemptions: int = 0
     span: object | None = None  # OpenTelemetry span, ended when the request finishes
 
@@ -81,9 +91,21 @@ class Request:
 
     # --- derived ----------------------------------------------------------
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
     def tokens(self) -> list[int]:
-        """Prompt then output: every token known for this request."""
+        """Prompt then output: every token known for this request (a new list: use sparingly)."""
         return self.prompt + self.output
+
+    def token_slice(self, start: int, stop: int | None = None) -> list[int]:
+        """tokens[start:stop] without building the whole list."""
+        n = len(self.prompt)
+        stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
+        if start >= n:
+            return self.output[start - n: stop - n]
+        return self.prompt[start: stop] + self.output[: max(0, stop - n)]
 
     @property
     def prefilling(self) -> bool:
@@ -92,11 +114,17 @@ class Request:
     @property
     def unsent(self) -> list[int]:
         """Tokens the target has not written KV for (prefill remainder, or the pending token)."""
-        return self.tokens[self.target_len:]
+        return self.token_slice(self.target_len)
 
     @property
-    def spec_mode(self) -> str | None:
+    def spec_mode(self) -> SpecMode | None:
         return self.params.speculation
+
+    @property
+    def target_stop_ids(self) -> frozenset[int]:
+        """Token ids after which the request stops: what a grant's target must know."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_ids
+        return eos | frozenset(self.params.stop_token_ids)
 
     # --- the one place results land ---------------------------------------
     def commit(self, new_tokens: list[int], logprobs: list[float],
@@ -124,16 +152,17 @@ class Request:
             is_eos = tok in self.eos_ids and not self.params.ignore_eos
             if is_eos or tok in self.params.stop_token_ids:
                 text += self._stops.flush()
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
                 break
             emitted, hit = self._stops.feed(piece)
             text += emitted
             if hit:
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
+                self.stopped_by_string = True
                 break
-            if len(self.output) >= self.params.max_tokens or len(self.tokens) >= self.max_model_len:
+            if len(self.output) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
                 text += self._stops.flush()
-                self.finish_reason = "length"
+                self.finish_reason = FinishReason.LENGTH
                 break
         self.last_token_at = now
         if self.finish_reason:
@@ -147,10 +176,10 @@ class Request:
         tops = tuple((t, text(t), v) for t, v in zip(*top, strict=True)) if top else ()
         return TokenLogprob(tok, text(tok), lp, tops[: self.params.logprobs])
 
-    def finish(self, reason: str) -> Delta:
+    def finish(self, reason: FinishReason) -> Delta:
         self.finish_reason = reason
         self.phase = Phase.FINISHED
-        return Delta((), self._stops.flush() if reason != "abort" else "", None, reason,
+        return Delta((), self._stops.flush() if reason != FinishReason.ABORT else "", None, reason,
                      len(self.prompt), len(self.output), self.stats)
 
     def reset_for_recompute(self) -> None:
@@ -158,9 +187,5 @@ class Request:
         self.phase = Phase.WAITING
         self.target_len = 0
         self.target_created = False
-        self.draft_len = 0
-        self.draft_feature_len = 0
-        self.draft_caught_up = False
-        self.pending_ingest = None
-        self.draft_replica = None
+        self.draft = None
         self.num_preemptions += 1

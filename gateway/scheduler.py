@@ -26,7 +26,7 @@ class SchedulerConfig:
             raise ValueError("max_step_tokens and max_running must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlannedItem:
     request: Request
     tokens: tuple[int, ...]  # fixed chain (prefill chunk or the pending token)
@@ -37,7 +37,7 @@ class PlannedItem:
         return self.reaches_end and len(self.tokens) == 1 and bool(self.request.output)
 
 
-@dataclass
+@dataclass(eq=False)
 class StepPlan:
     items: list[PlannedItem] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
@@ -59,49 +59,53 @@ def plan_step(cfg: SchedulerConfig, running: list[Request], waiting: list[Reques
 
     tree_nodes: the most drafted nodes a decoding request may add this step (its
     tree's depth bounds what can be committed, so it bounds the KV it may need).
+    Linear in the number of requests: membership is by identity in sets, never by
+    scanning lists.
     """
     plan = StepPlan()
     budget = cfg.max_step_tokens
-    decode = [r for r in running if len(r.unsent) == 1 and r.output]
-    prefill = [r for r in running if r not in decode]
+    decode_ids = {id(r) for r in running if r.output and r.num_tokens - r.target_len == 1}
 
     def need(r: Request, new_tokens: int) -> int:
         return blocks_for(r.target_len + new_tokens, cfg.block_size) - blocks_for(r.target_len, cfg.block_size)
 
     # Decodes must fit; if they do not, preempt the newest running requests (recompute later).
-    decode_need = sum(need(r, 1 + tree_nodes) for r in decode)
-    victims = sorted(running, key=lambda r: r.arrival, reverse=True)
-    while decode_need > free_blocks and victims:
-        v = victims.pop(0)
-        if v in decode:
-            decode.remove(v)
-            decode_need -= need(v, 1 + tree_nodes)
-        else:
-            prefill.remove(v)
-        free_blocks += blocks_for(v.target_len, cfg.block_size)
-        plan.preempted.append(v)
+    decode_need = sum(need(r, 1 + tree_nodes) for r in running if id(r) in decode_ids)
+    preempted: set[int] = set()
+    if decode_need > free_blocks:
+        for victim in sorted(running, key=lambda r: r.arrival, reverse=True):
+            if decode_need <= free_blocks:
+                break
+            if id(victim) in decode_ids:
+                decode_need -= need(victim, 1 + tree_nodes)
+            free_blocks += blocks_for(victim.target_len, cfg.block_size)
+            preempted.add(id(victim))
+            plan.preempted.append(victim)
     free_blocks -= decode_need
-    for r in decode:
-        plan.items.append(PlannedItem(r, (r.unsent[0],), True))
-        budget -= 1
+    for r in running:
+        if id(r) in decode_ids and id(r) not in preempted:
+            plan.items.append(PlannedItem(r, (r.output[-1],), True))
+            budget -= 1
     # Prefill: requests part-way through first, then admissions.
+    prefill = [r for r in running if id(r) not in decode_ids and id(r) not in preempted]
+    admitting = 0
     for r in prefill + [w for w in waiting if w.phase == Phase.WAITING]:
         if budget <= 0:
             break
-        if r in waiting and len(running) + len(plan.admitted) >= cfg.max_running:
+        queued = r.phase == Phase.WAITING
+        if queued and len(running) + admitting >= cfg.max_running:
             break
         unsent = r.unsent
         chunk = min(len(unsent), budget)
-        cost = need(r, chunk)
-        if r in waiting:
-            cost += cfg.reserve_blocks
+        cost = need(r, chunk) + (cfg.reserve_blocks if queued else 0)
         if cost > free_blocks:
-            if r in waiting:
+            if queued:
                 break  # keep arrival order: no overtaking by smaller prompts
             continue
         free_blocks -= need(r, chunk)
         budget -= chunk
         plan.items.append(PlannedItem(r, tuple(unsent[:chunk]), chunk == len(unsent)))
-        if r in waiting:
+        if queued:
             plan.admitted.append(r)
+            admitting += 1
     return plan

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. \"--no-cuda-graphs --num-blocks 4096\"; see tandem target --help)")
     p.add_argument("--draft-args", metavar="ARGS", default="",
                    help="more arguments for each `tandem draft` child, as one quoted string")
+    p.add_argument("--gateway-args", metavar="ARGS", default="",
+                   help="more arguments for the `tandem gateway` child, as one quoted string "
+                        "(e.g. \"--grant-steps 1\"; see tandem gateway --help)")
     p.add_argument("--log-dir", metavar="DIR", default=None,
                    help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
@@ -153,7 +156,8 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise ServeError(f"{flag} must be a port number (1-65535), got {value}")
     if args.port == args.grpc_port:
         raise ServeError("--port and --grpc-port must differ")
-    for flag, value in (("--target-args", args.target_args), ("--draft-args", args.draft_args)):
+    for flag, value in (("--target-args", args.target_args), ("--draft-args", args.draft_args),
+                        ("--gateway-args", args.gateway_args)):
         try:
             shlex.split(value)
         except ValueError as exc:
@@ -218,7 +222,7 @@ def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: l
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.otlp_endpoint:
         cmd += ["--otlp-endpoint", args.otlp_endpoint]
-    return cmd
+    return cmd + shlex.split(args.gateway_args)
 
 
 # ---------------------------------------------------------------------------- children

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,7 +10,22 @@ from typing import Protocol
 
 from tandem.errors import InvalidArgument
 
-SPEC_MODES = ("never", "always", "auto")
+
+class SpecMode(enum.StrEnum):
+    """How much a request speculates (compares equal to its string, as the API spells it)."""
+
+    NEVER = "never"
+    ALWAYS = "always"
+    AUTO = "auto"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's length
+    ABORT = "abort"  # the client went away, or the gateway could not go on
+
+
+SPEC_MODES = tuple(m.value for m in SpecMode)
 MAX_LOGPROBS = 20
 
 
@@ -24,7 +40,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
-    speculation: str | None = None  # None: the gateway's default mode
+    speculation: SpecMode | None = None  # None: the gateway's default mode (a string is converted)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,9 +53,11 @@ class GenerationParams:
             raise InvalidArgument(f"top_k must be >= 0, got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
-        if self.speculation is not None and self.speculation not in SPEC_MODES:
-            raise InvalidArgument(f"speculation must be one of {', '.join(SPEC_MODES)}, "
-                                  f"got {self.speculation!r}")
+        if self.speculation is not None:
+            if self.speculation not in SPEC_MODES:
+                raise InvalidArgument(f"speculation must be one of {', '.join(SPEC_MODES)}, "
+                                      f"got {self.speculation!r}")
+            object.__setattr__(self, "speculation", SpecMode(self.speculation))
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must not be empty")
 
@@ -75,7 +93,7 @@ class Delta:
     token_ids: tuple[int, ...]
     text: str  # new text; text that might start a stop string is held back until resolved
     logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: FinishReason | None  # None while running
     prompt_tokens: int
     completion_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)

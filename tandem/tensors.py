@@ -10,7 +10,7 @@ from tandem.v1 import common_pb2
 
 _DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
+    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -37,3 +37,29 @@ def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
         return torch.from_numpy(arr).view(torch.bfloat16).reshape(shape)
     np_dtype = {torch.bool: np.bool_}.get(dtype) or torch.empty(0, dtype=dtype).numpy().dtype
     return torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).copy()).reshape(shape)
+
+
+_NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
+             np.dtype(np.int32): "int32", np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool"}
+_NP_DTYPES = {name: dtype for dtype, name in _NP_NAMES.items()}
+
+
+def array_to_proto(a: np.ndarray) -> common_pb2.Tensor:
+    """A numpy array as a packed Tensor (no torch on the way: the hot path's columns)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype not in _NP_NAMES:
+        raise TypeError(f"cannot pack dtype {a.dtype}")
+    return common_pb2.Tensor(dtype=_NP_NAMES[a.dtype], shape=list(a.shape), data=a.tobytes())
+
+
+def array_from_proto(msg: common_pb2.Tensor, dtype: str, what: str) -> np.ndarray:
+    """The Tensor's values as a read-only numpy array of the dtype the caller expects;
+    InvalidArgument names `what` when the message does not hold that."""
+    if msg.dtype != dtype:
+        raise InvalidArgument(f"{what}: expected {dtype} values, got {msg.dtype or 'none'!r}")
+    np_dtype = _NP_DTYPES[dtype]
+    count = int(np.prod(msg.shape)) if len(msg.shape) else 0
+    if len(msg.data) != count * np_dtype.itemsize:
+        raise InvalidArgument(f"{what}: shape {list(msg.shape)} needs {count * np_dtype.itemsize} bytes, "
+                              f"got {len(msg.data)}")
+    return np.frombuffer(msg.data, dtype=np_dtype).reshape(tuple(msg.shape))

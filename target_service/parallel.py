@@ -30,6 +30,7 @@ from target_service.cuda_graphs import GraphConfig
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel, ParallelSpec, check_tp
 from target_service.random_model import RandomInit, random_llama_model
+from target_service.step_batch import StepBatch, StepResults
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,15 @@ class ParallelEngine:
             self._check_workers()
             _send({"op": "step", "items": _items_to_json(items), "layers": list(feature_layers)}, self._group)
         return self.engine.step(items, feature_layers)
+
+    def run(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()) -> StepResults:
+        """The step in columns (the stream's path); seeds are filled in here, once."""
+        batch = batch.with_seeds(self.engine.draw_seed)
+        if self._group is not None:
+            self._check_workers()
+            _send({"op": "step", "items": _items_to_json(batch.items()), "layers": list(feature_layers)},
+                  self._group)
+        return self.engine.run(batch, feature_layers)
 
     def release(self, request_ids: list[str]) -> int:
         if self._group is not None:

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import queue
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import numpy as np
+
 from tandem.errors import Unavailable
-from tandem.grpc_host import ServiceHost, map_errors
+from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.tensors import tensor_to_proto
 from tandem.v1 import target_pb2, target_pb2_grpc
+from target_service.grant import check_grant, run_grant
 from target_service.parallel import EngineSpec, ParallelEngine
-from target_service.types import SamplingParams, SequenceResult, SequenceStep
+from target_service.step_batch import StepBatch, StepResults
+from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+from target_service.wire import GrantStops, batch_from_proto, results_to_proto
 
 log = logging.getLogger("tandem.target")
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -39,6 +47,12 @@ def result_to_proto(r: SequenceResult) -> target_pb2.SequenceResult:
     if r.features is not None:
         out.features.CopyFrom(tensor_to_proto(r.features))
     return out
+
+
+def _reply(results: StepResults, item_index: np.ndarray, load: KvLoad, seconds: float, index: int,
+           done: bool) -> target_pb2.StepReply:
+    return target_pb2.StepReply(results=results_to_proto(results, item_index), load=load_to_proto(load),
+                                step_seconds=seconds, step_index=index, done=done)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -84,6 +98,69 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
         return target_pb2.StepResponse(results=[result_to_proto(r) for r in results],
                                        load=load_to_proto(load), step_seconds=seconds)
+
+    def _run(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...]
+             ) -> tuple[StepResults, KvLoad, float]:
+        with self._lock:
+            t0 = time.perf_counter()
+            results = engine.run(batch, layers)
+            if self.pacing is not None:
+                self.pacing.hold(t0, int(batch.num_nodes.sum()))
+            load = engine.load()
+            seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
+        return results, load, seconds
+
+    def StepStream(self, request_iterator, context):
+        # A reader thread queues what the gateway sends, so that a grant can see an
+        # Interrupt (or any new call) while it runs, and end after the step in flight.
+        inbox: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            try:
+                for call in request_iterator:
+                    inbox.put(call)
+            except Exception:  # the stream broke or was cancelled: nothing more will come
+                pass
+            finally:
+                inbox.put(None)
+
+        threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
+        while (call := inbox.get()) is not None:
+            if call.WhichOneof("call") == "step":  # an Interrupt with nothing running is moot
+                yield from self._answer(call.step, lambda: not inbox.empty())
+
+    def _answer(self, call: target_pb2.PackedStep, interrupted) -> Iterator[target_pb2.StepReply]:
+        index = 0
+        try:
+            engine = self._ready()
+            batch = batch_from_proto(call.items)
+            layers = tuple(call.feature_layers)
+            if call.grant_steps <= 1:
+                results, load, seconds = self._run(engine, batch, layers)
+                yield _reply(results, np.arange(batch.size), load, seconds, 1, True)
+                return
+            stops = GrantStops.from_proto(call.stops, batch.size)
+            check_grant(batch, stops)
+            batch = batch.with_seeds(engine.engine.draw_seed)  # one seed for the whole grant
+            timing: dict[str, float] = {}
+
+            def step(part: StepBatch) -> StepResults:
+                results, timing["load"], timing["seconds"] = self._run(engine, part, layers)
+                return results
+
+            for granted in run_grant(step, batch, stops, call.grant_steps, interrupted):
+                index += 1
+                if granted.results is None:
+                    yield target_pb2.StepReply(load=load_to_proto(engine.load()), step_index=index, done=True)
+                else:
+                    yield _reply(granted.results, granted.item_index, timing["load"], timing["seconds"], index,
+                                 granted.last)
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("StepStream step failed")
+            yield target_pb2.StepReply(error=target_pb2.StepError(code=code.name, message=message),
+                                       step_index=index + 1, done=True)
 
     @map_errors
     def Release(self, request, context):

@@ -107,6 +107,17 @@ class StepBatch:
         return _replace(self, seed=seed, has_seed=self.has_seed | missing)
 
 
+    def take(self, rows: np.ndarray, tokens: np.ndarray) -> StepBatch:
+        """Items `rows` of a batch of one-node items, each now with the given token and no
+        create flag: the next step of a plain-decode grant."""
+        pick = {name: getattr(self, name)[rows] for name in ("num_nodes", "num_fixed", "temperature", "top_k",
+                                                             "top_p", "seed", "has_seed", "top_logprobs",
+                                                             "return_features")}
+        return StepBatch(request_ids=tuple(self.request_ids[r] for r in rows.tolist()),
+                         create=np.zeros(len(rows), dtype=bool), tokens=tokens.astype(np.int32),
+                         parents=np.full(len(rows), -1, dtype=np.int32), **pick)
+
+
 def _replace(batch: StepBatch, **changes) -> StepBatch:
     fields = {name: getattr(batch, name) for name in batch.__dataclass_fields__}
     return StepBatch(**{**fields, **changes})

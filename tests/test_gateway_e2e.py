@@ -29,9 +29,23 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(pair, tmp_path_factory):
-    st = Stack(tmp_path_factory.mktemp("stack"), *pair[:1], [pair[1]], "--no-profile", "--max-model-len", "256")
+    """Plain-decode grants of 8 steps (the default)."""
+    st = Stack(tmp_path_factory.mktemp("stack"), *pair[:1], [pair[1]], "--no-profile", "--max-model-len", "256",
+               "--grant-steps", "8")
     yield st
     st.stop()
+
+
+@pytest.fixture(scope="module")
+def stack_k1(pair, tmp_path_factory):
+    """One target call per step, as before grants."""
+    st = Stack(tmp_path_factory.mktemp("stack_k1"), *pair[:1], [pair[1]], "--no-profile", "--max-model-len", "256",
+               "--grant-steps", "1")
+    yield st
+    st.stop()
+
+
+BOTH_GRANTS = pytest.mark.parametrize("which", ["stack", "stack_k1"], ids=["grant8", "grant1"])
 
 
 def target_load(st: Stack) -> common_pb2.KvLoad:
@@ -57,7 +71,9 @@ def greedy(st: Stack, prompt: str, mode: str, n: int = 24) -> tuple[str, dict]:
     return r["choices"][0]["text"], r["spec_stats"]
 
 
-def test_greedy_output_is_the_same_with_and_without_speculation(stack):
+@BOTH_GRANTS
+def test_greedy_output_is_the_same_with_and_without_speculation(which, request):
+    stack = request.getfixturevalue(which)
     for prompt in PROMPTS:
         plain, stats = greedy(stack, prompt, "never")
         assert stats["verify_steps"] == 0
@@ -66,6 +82,8 @@ def test_greedy_output_is_the_same_with_and_without_speculation(stack):
         assert spec == plain
         assert greedy(stack, prompt, "auto")[0] == plain
     wait_idle(stack)
+    granted = stack.metrics().get("tandem_granted_steps_total", 0)
+    assert granted > 0 if which == "stack" else granted == 0
 
 
 def test_openai_client_against_the_real_stack(stack):
@@ -95,8 +113,10 @@ def test_openai_client_against_the_real_stack(stack):
     wait_idle(stack)
 
 
-def stream_text(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> None:
+def stream_text(url: str, prompt: str, max_tokens: int, out: dict, key: str, speculation: str | None = None) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if speculation:
+        body["speculation"] = speculation
     text = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
@@ -106,10 +126,11 @@ def stream_text(url: str, prompt: str, max_tokens: int, out: dict, key: str) -> 
     out[key] = "".join(text)
 
 
-def concurrent_streams(url: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
+def concurrent_streams(url: str, prompts: list[str], max_tokens: int, speculation: str | None = None
+                       ) -> dict[str, str]:
     """Stream every prompt at once (greedy); texts keyed p0, p1, ..."""
     got: dict[str, str] = {}
-    threads = [threading.Thread(target=stream_text, args=(url, p, max_tokens, got, f"p{i}"))
+    threads = [threading.Thread(target=stream_text, args=(url, p, max_tokens, got, f"p{i}", speculation))
                for i, p in enumerate(prompts)]
     for t in threads:
         t.start()
@@ -118,10 +139,40 @@ def concurrent_streams(url: str, prompts: list[str], max_tokens: int) -> dict[st
     return got
 
 
-def test_32_concurrent_streams_equal_their_solo_runs(stack):
+@BOTH_GRANTS
+def test_32_concurrent_streams_equal_their_solo_runs(which, request):
+    stack = request.getfixturevalue(which)
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
     solo = {f"p{i}": greedy(stack, p, "auto", 20)[0] for i, p in enumerate(prompts)}
     assert concurrent_streams(stack.url, prompts, 20) == solo
+    assert concurrent_streams(stack.url, prompts, 20, speculation="never") == solo
+    wait_idle(stack)
+
+
+def test_a_stop_string_inside_a_grant_gives_the_text_and_usage_of_single_steps(stack, stack_k1):
+    full = greedy(stack_k1, "def g(y):", "never", 40)[0]
+    stop = full[17:19]
+    granted_before = stack.metrics().get("tandem_granted_steps_total", 0)
+    cut = {name: st.complete("def g(y):", max_tokens=40, temperature=0, stop=[stop], speculation="never")
+           for name, st in (("k8", stack), ("k1", stack_k1))}
+    assert stack.metrics()["tandem_granted_steps_total"] > granted_before
+    for reply in cut.values():
+        assert reply["choices"][0]["text"] == full[:full.index(stop)]
+        assert reply["choices"][0]["finish_reason"] == "stop"
+    assert cut["k8"]["usage"] == cut["k1"]["usage"]
+    wait_idle(stack)
+
+
+def test_a_client_that_disconnects_during_a_grant_frees_its_kv(stack):
+    body = {"prompt": "def long(x):", "max_tokens": 200, "temperature": 0, "stream": True, "speculation": "never",
+            "ignore_eos": True}
+    granted_before = stack.metrics().get("tandem_granted_steps_total", 0)
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 20:
+                assert target_load(stack).num_sequences == 1
+                break  # leaving the block closes the connection mid-grant
+    assert stack.metrics()["tandem_granted_steps_total"] > granted_before
     wait_idle(stack)
 
 

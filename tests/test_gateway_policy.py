@@ -67,8 +67,8 @@ def test_load_gate_switches_speculation_off_on_evidence_and_probes_again():
 
 
 def make_request(rid: str, prompt_len: int, tokenizer) -> Request:
-    return Request(rid, list(range(3, 3 + prompt_len)), GenerationParams(max_tokens=8), lambda d: None,
-                   frozenset(), tokenizer, 512)
+    return Request(request_id=rid, prompt=list(range(3, 3 + prompt_len)), params=GenerationParams(max_tokens=8),
+                   sink=lambda d: None, eos_ids=frozenset(), tokenizer=tokenizer, max_model_len=512)
 
 
 def test_plan_chunks_prefill_within_the_token_budget_and_preempts_when_kv_runs_out(tmp_path):

@@ -147,3 +147,113 @@ class TokenizerFiles(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     files: _containers.ScalarMap[str, bytes]
     def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class PackedItems(_message.Message):
+    __slots__ = ("request_ids", "num_nodes", "num_fixed", "flags", "tokens", "parents", "temperature", "top_k", "top_p", "seed", "top_logprobs")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FIXED_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_nodes: _common_pb2.Tensor
+    num_fixed: _common_pb2.Tensor
+    flags: _common_pb2.Tensor
+    tokens: _common_pb2.Tensor
+    parents: _common_pb2.Tensor
+    temperature: _common_pb2.Tensor
+    top_k: _common_pb2.Tensor
+    top_p: _common_pb2.Tensor
+    seed: _common_pb2.Tensor
+    top_logprobs: _common_pb2.Tensor
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_fixed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., flags: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class GrantStops(_message.Message):
+    __slots__ = ("max_new_tokens", "stop_token_counts", "stop_token_ids")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: _common_pb2.Tensor
+    stop_token_counts: _common_pb2.Tensor
+    stop_token_ids: _common_pb2.Tensor
+    def __init__(self, max_new_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class PackedStep(_message.Message):
+    __slots__ = ("items", "feature_layers", "grant_steps", "stops")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOPS_FIELD_NUMBER: _ClassVar[int]
+    items: PackedItems
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    grant_steps: int
+    stops: GrantStops
+    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ...) -> None: ...
+
+class Interrupt(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepCall(_message.Message):
+    __slots__ = ("step", "interrupt")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPT_FIELD_NUMBER: _ClassVar[int]
+    step: PackedStep
+    interrupt: Interrupt
+    def __init__(self, step: _Optional[_Union[PackedStep, _Mapping]] = ..., interrupt: _Optional[_Union[Interrupt, _Mapping]] = ...) -> None: ...
+
+class PackedResults(_message.Message):
+    __slots__ = ("item_index", "num_accepted", "accepted_nodes", "tokens", "logprobs", "num_committed", "top_k", "top_ids", "top_logprobs", "features", "feature_counts")
+    ITEM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    item_index: _common_pb2.Tensor
+    num_accepted: _common_pb2.Tensor
+    accepted_nodes: _common_pb2.Tensor
+    tokens: _common_pb2.Tensor
+    logprobs: _common_pb2.Tensor
+    num_committed: _common_pb2.Tensor
+    top_k: _common_pb2.Tensor
+    top_ids: _common_pb2.Tensor
+    top_logprobs: _common_pb2.Tensor
+    features: _common_pb2.Tensor
+    feature_counts: _common_pb2.Tensor
+    def __init__(self, item_index: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_accepted: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_nodes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_committed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., feature_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("results", "error", "load", "step_seconds", "step_index", "done")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    results: PackedResults
+    error: StepError
+    load: _common_pb2.KvLoad
+    step_seconds: float
+    step_index: int
+    done: bool
+    def __init__(self, results: _Optional[_Union[PackedResults, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., step_seconds: _Optional[float] = ..., step_index: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -45,6 +45,11 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/tandem.v1.TargetService/StepStream',
+                request_serializer=tandem_dot_v1_dot_target__pb2.StepCall.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.TargetService/Release',
                 request_serializer=tandem_dot_v1_dot_target__pb2.ReleaseRequest.SerializeToString,
@@ -77,6 +82,18 @@ class TargetServiceServicer:
         as a whole before anything changes: a bad item fails the call with
         INVALID_ARGUMENT and no sequence is touched; a step that does not fit in
         the KV cache fails with RESOURCE_EXHAUSTED, likewise with no change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """Steps over one long-lived stream, the gateway's hot path. Each StepCall
+        is answered by one StepReply per step it runs: one for a plain call, up
+        to grant_steps for a grant (plain decoding that the target feeds forward
+        itself). Items and results travel as packed columns, not one message per
+        token. A failed step is answered with StepReply.error and the stream
+        stays open; it changed nothing, as for Step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +134,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.StepRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.StepCall.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.StepReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -188,6 +210,33 @@ class TargetService:
             '/tandem.v1.TargetService/Step',
             tandem_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.TargetService/StepStream',
+            tandem_dot_v1_dot_target__pb2.StepCall.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,356 @@
+"""The gateway's step loop in process, driven one `_step` at a time against fake clients.
+
+The fake target is a deterministic "model" (after token t comes (7t + 3) mod V)
+that verifies trees by the greedy rule and counts what it is asked; the fake
+drafts propose that same continuation (so every tree is accepted) and record
+every call. No processes, no sockets: each test says what one phase of the
+loop must do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.types import DraftTree, IngestItem
+from gateway.clients import DraftInfo, TargetInfo
+from gateway.core import CoreConfig, GatewayCore
+from gateway.policy import CostModel, PolicyConfig
+from gateway.request import Phase
+from gateway.scheduler import SchedulerConfig
+from gateway.types import Delta, GenerationParams
+from tandem.errors import ResourceExhausted, Unavailable
+from target_service.types import KvLoad, SequenceResult, SequenceStep
+from target_service.wire import GrantStops
+from tests.fake_engine import make_char_tokenizer
+
+VOCAB = 97
+FEATURE_WIDTH = 6
+
+
+def next_token(t: int) -> int:
+    return (7 * t + 3) % VOCAB
+
+
+class FakeTarget:
+    def __init__(self, blocks: int = 512, block_size: int = 4):
+        self.lengths: dict[str, int] = {}
+        self.blocks, self.block_size = blocks, block_size
+        self.steps: list[list[SequenceStep]] = []
+        self.exhaust_next = 0  # the next n steps fail with ResourceExhausted
+        self.grants = 0
+
+    def info(self) -> TargetInfo:
+        return TargetInfo("fake", VOCAB, 8, 4096, (), (1, 2, 3), self.load())
+
+    def load(self) -> KvLoad:
+        used = sum(-(-n // self.block_size) for n in self.lengths.values())
+        return KvLoad(len(self.lengths), self.block_size, self.blocks, self.blocks - used)
+
+    def step(self, items, feature_layers):
+        if self.exhaust_next:
+            self.exhaust_next -= 1
+            raise ResourceExhausted("target: step needs more KV blocks")
+        self.steps.append(list(items))
+        results = []
+        for it in items:
+            length = 0 if it.create else self.lengths[it.request_id]
+            kids: dict[int, list[int]] = {}
+            for node, parent in enumerate(it.parents):
+                kids.setdefault(parent, []).append(node)
+            node, accepted = it.num_fixed - 1, []
+            while True:
+                want = next_token(it.tokens[node])
+                hit = next((c for c in kids.get(node, []) if c >= it.num_fixed and it.tokens[c] == want), None)
+                if hit is None:
+                    break
+                accepted.append(hit)
+                node = hit
+            committed = it.num_fixed + len(accepted)
+            self.lengths[it.request_id] = length + committed
+            feats = torch.zeros(committed, FEATURE_WIDTH) if it.return_features else None
+            results.append(SequenceResult(it.request_id, accepted, [it.tokens[n] for n in accepted] + [want],
+                                          [-0.5] * (len(accepted) + 1), [], feats, length + committed))
+        return results, self.load(), 0.001
+
+    def grant(self, items, feature_layers, steps: int, stops: GrantStops):
+        self.grants += 1
+        return FakeGrant(self, items, steps, stops)
+
+    def release(self, ids):
+        for rid in ids:
+            self.lengths.pop(rid, None)
+        return self.load()
+
+    def close(self):
+        pass
+
+
+class FakeGrant:
+    def __init__(self, target: FakeTarget, items, steps: int, stops: GrantStops):
+        self.target, self.items, self.steps, self.stops = target, list(items), steps, stops
+        self.interrupted = False
+
+    def __iter__(self):
+        active = list(range(len(self.items)))
+        emitted = [0] * len(self.items)
+        tokens = [it.tokens[0] for it in self.items]
+        for _ in range(self.steps):
+            step = [SequenceStep.chain(self.items[i].request_id, [tokens[i]]) for i in active]
+            results, load, seconds = self.target.step(step, ())
+            yield results, load, seconds
+            follow = []
+            for i, res in zip(active, results):
+                emitted[i] += 1
+                tokens[i] = res.tokens[-1]
+                if emitted[i] < self.stops.max_new_tokens[i] and tokens[i] not in self.stops.stop_token_ids[i]:
+                    follow.append(i)
+            active = follow
+            if not active or self.interrupted:
+                return
+
+    def interrupt(self):
+        self.interrupted = True
+
+    def close(self):
+        pass
+
+
+class FakeDraft:
+    def __init__(self, name: str):
+        self.address = name
+        self.channel = None
+        self.known: dict[str, list[int]] = {}
+        self.ingest_calls: list[list[str]] = []
+        self.draft_calls = 0
+        self.fail = False
+        self.lock = threading.Lock()
+
+    def healthy(self) -> bool:
+        return not self.fail
+
+    def info(self) -> DraftInfo:
+        return DraftInfo((1, 2, 3), 1024, 8, 8, 64, self.load())
+
+    def load(self) -> KvLoad:
+        return KvLoad(len(self.known), 4, 256, 256)
+
+    def _apply(self, items: list[IngestItem]) -> None:
+        for item in items:
+            known = self.known.setdefault(item.request_id, [])
+            del known[item.start_position:]
+            known.extend(item.tokens)
+
+    def ingest(self, items, catch_up=False):
+        if self.fail:
+            raise Unavailable(f"draft {self.address} is gone")
+        with self.lock:
+            self.ingest_calls.append([item.request_id for item in items])
+            self._apply(items)
+        return self.load()
+
+    def draft(self, ingest, calls):
+        if self.fail:
+            raise Unavailable(f"draft {self.address} is gone")
+        with self.lock:
+            self.draft_calls += 1
+            self._apply(ingest)
+            trees = []
+            for rid, budget, n in calls:
+                root = self.known[rid][-1]
+                chain, t = [], root
+                for _ in range(budget.steps):
+                    t = next_token(t)
+                    chain.append(t)
+                trees.append(DraftTree(rid, root, n - 1, chain, list(range(-1, len(chain) - 1)),
+                                       list(range(1, len(chain) + 1)), [0.0] * len(chain), [0.0] * len(chain)))
+        return trees, self.load()
+
+    def release(self, ids):
+        with self.lock:
+            for rid in ids:
+                self.known.pop(rid, None)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_char_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def new_core(tokenizer, mode: str = "always", drafts: int = 1, grant_steps: int = 1, **target_kw):
+    target = FakeTarget(**target_kw)
+    clients = [FakeDraft(f"draft{i}") for i in range(drafts)]
+    cfg = CoreConfig(policy=PolicyConfig(mode), scheduler=SchedulerConfig(block_size=target.block_size),
+                     profile=False, grant_steps=grant_steps)
+    core = GatewayCore(target, clients, tokenizer, cfg, "fake")
+    core.configure()
+    core._ready = True
+    return core, target, clients
+
+
+def submit(core, rid: str, prompt: list[int], **params) -> list[Delta]:
+    out: list[Delta] = []
+    core.submit(rid, prompt, GenerationParams(**{"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, **params}),
+                out.append)
+    return out
+
+
+def run_until_idle(core, limit: int = 500) -> int:
+    steps = 0
+    core._take_inbox()
+    while core.running or core.waiting:
+        core._step()
+        core._take_inbox()
+        steps += 1
+        time.sleep(0.002)  # let replica workers report their ingests, as they would between real steps
+        assert steps < limit, "the loop did not finish"
+    return steps
+
+
+def tokens_of(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    out, t = [], prompt[-1]
+    for _ in range(n):
+        t = next_token(t)
+        out.append(t)
+    return out
+
+
+def test_each_step_sends_at_most_one_ingest_call_per_replica(tokenizer):
+    core, _, drafts = new_core(tokenizer, mode="always", drafts=2)
+    outs = [submit(core, f"r{i}", [5 + i, 11, 13]) for i in range(6)]
+    core._take_inbox()
+    ingest_calls_per_step = []
+    while core.running or core.waiting:
+        before = [len(d.ingest_calls) for d in drafts]
+        core._step()
+        for d in drafts:  # the replica workers drain their queues
+            d.lock.acquire()
+            d.lock.release()
+        time.sleep(0.005)
+        ingest_calls_per_step.append([len(d.ingest_calls) - b for d, b in zip(drafts, before)])
+        core._take_inbox()
+    assert max(max(calls) for calls in ingest_calls_per_step) == 1
+    assert sum(d.draft_calls for d in drafts) > 0
+    assert all(len(d.known) == 0 for d in drafts), "finished requests were released on the drafts"
+    for i, out in enumerate(outs):
+        assert tokens_of(out) == expected([5 + i, 11, 13], 12)
+        assert out[-1].finish_reason == "length" and out[-1].spec.accepted_tokens > 0
+
+
+def test_a_lost_draft_falls_back_to_plain_decode_with_the_same_output(tokenizer):
+    core, target, drafts = new_core(tokenizer, mode="always")
+    out = submit(core, "a", [3, 4, 5], max_tokens=30)
+    core._take_inbox()
+    for _ in range(4):
+        core._step()
+        core._take_inbox()
+        time.sleep(0.005)
+    verify_steps = out[-1].spec.verify_steps
+    drafts[0].fail = True
+    run_until_idle(core)
+    assert tokens_of(out) == expected([3, 4, 5], 30)
+    assert out[-1].spec.plain_steps > 0 and out[-1].spec.verify_steps >= verify_steps
+    assert not core.pool.replicas[0].healthy and target.lengths == {}
+
+
+def test_resource_exhausted_from_the_target_preempts_and_output_is_unchanged(tokenizer):
+    core, target, _ = new_core(tokenizer, mode="never")
+    outs = [submit(core, f"p{i}", [9 + i, 2], max_tokens=10) for i in range(3)]
+    core._take_inbox()
+    core._step()  # prefill
+    target.exhaust_next = 1
+    core._step()  # the target refuses: the newest request is preempted, to recompute later
+    assert [req.request_id for req in core.waiting] == ["p2"] and core.waiting[0].num_preemptions == 1
+    run_until_idle(core)
+    for i, out in enumerate(outs):
+        assert tokens_of(out) == expected([9 + i, 2], 10)
+    assert target.lengths == {}
+
+
+def test_auto_requests_go_dormant_under_load_and_wake_to_be_offered_trees_again(tokenizer):
+    core, target, _ = new_core(tokenizer, mode="auto")
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
+    n = core.gate.min_batch + 2
+    for i in range(n):
+        submit(core, f"d{i}", [1 + i, 2, 3], max_tokens=400)
+    core._take_inbox()
+    features_asked = ""
+    for _ in range(2 * core.WAKE_EVERY + core.QUIET_STEPS):
+        core._step()
+        core._take_inbox()
+        time.sleep(0.001)
+        features_asked += "F" if any(it.return_features for it in target.steps[-1]) else "."
+    # Fed at first, then dormant for most of each WAKE_EVERY steps, then awake again to catch up.
+    runs = [(kind, len(run)) for kind, run in _runs(features_asked)]
+    assert runs[0][0] == "F" and runs[1][0] == "." and runs[2][0] == "F", features_asked
+    assert runs[1][1] >= core.WAKE_EVERY - 2 * core.QUIET_STEPS, "dormancy did not last"
+    assert core.QUIET_STEPS <= runs[2][1] <= 2 * core.QUIET_STEPS, "the wake-up did not end"
+
+
+def _runs(text: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for ch in text:
+        if out and out[-1][0] == ch:
+            out[-1] = (ch, out[-1][1] + ch)
+        else:
+            out.append((ch, ch))
+    return out
+
+
+def test_a_plain_batch_is_granted_several_steps_and_ends_as_single_steps_do(tokenizer):
+    core, target, _ = new_core(tokenizer, mode="never", grant_steps=8)
+    outs = [submit(core, f"g{i}", [20 + i, 1], max_tokens=9 + i) for i in range(4)]
+    run_until_idle(core)
+    assert target.grants > 0
+    for i, out in enumerate(outs):
+        assert tokens_of(out) == expected([20 + i, 1], 9 + i)
+        assert out[-1].finish_reason == "length" and out[-1].completion_tokens == 9 + i
+    assert target.lengths == {}
+    assert core.metrics.granted_steps._value.get() > 0
+
+
+def test_a_stop_string_inside_a_grant_ends_it_and_the_text_is_cut_as_without_grants(tokenizer):
+    texts = {}
+    for k in (1, 8):
+        core, target, _ = new_core(tokenizer, mode="never", grant_steps=k)
+        full = submit(core, "full", [30, 1], max_tokens=20)
+        run_until_idle(core)
+        text = "".join(d.text for d in full)
+        stop = text[7:9]
+        cut = submit(core, "cut", [30, 1], max_tokens=20, stop=(stop,))
+        run_until_idle(core)
+        texts[k] = ("".join(d.text for d in cut), cut[-1].finish_reason, cut[-1].completion_tokens)
+        assert texts[k][0] == text[: text.index(stop)] and texts[k][1] == "stop"
+        assert target.lengths == {}
+    assert texts[1] == texts[8]
+
+
+def test_an_abort_during_a_grant_interrupts_it_and_frees_the_kv(tokenizer):
+    core, target, _ = new_core(tokenizer, mode="never", grant_steps=8)
+    out = submit(core, "x", [40, 2], max_tokens=300)
+    core._take_inbox()
+    core._step()  # prefill
+    real_grant = target.grant
+
+    def grant_then_abort(*args):
+        grant = real_grant(*args)
+        core.abort("x")  # the client goes away while the grant runs
+        return grant
+
+    target.grant = grant_then_abort
+    core._step()
+    assert target.grants == 1 and len(target.steps) < 2 + 8, "the abort did not end the grant early"
+    core._take_inbox()
+    assert out[-1].finish_reason == "abort" and target.lengths == {}
+    assert np.all([req.phase == Phase.FINISHED for req in core.running]) and not core.running
