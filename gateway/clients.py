@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_host import GRPC_OPTIONS
+from tandem.grpc_tracing import instrument_channel
 from tandem.tensors import tensor_from_proto, tensor_to_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.types import KvLoad, SequenceResult, SequenceStep
@@ -59,7 +60,7 @@ class TargetClient:
     def __init__(self, address: str):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.stub = target_pb2_grpc.TargetServiceStub(instrument_channel(self.channel))  # trace context out
 
     def info(self) -> TargetInfo:
         try:
@@ -121,7 +122,7 @@ class DraftClient:
         self.address = address
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
 
     def healthy(self) -> bool:
         try:

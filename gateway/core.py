@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from opentelemetry import trace
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
+from gateway import tracing
 from gateway.clients import DraftClient, TargetClient
 from gateway.draft_pool import DraftPool, DraftReplica
 from gateway.metrics import GatewayMetrics
@@ -41,8 +41,6 @@ from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 
 log = logging.getLogger("tandem.gateway")
-# A no-op tracer unless gateway.tracing installed a provider (--otlp-endpoint).
-tracer = trace.get_tracer("tandem.gateway")
 
 
 @dataclass(frozen=True)
@@ -169,9 +167,7 @@ class GatewayCore:
             self._ids.add(request_id)
             r = Request(request_id, list(prompt_token_ids), params, sink, self.eos_ids, self.tokenizer,
                         self.max_model_len)
-            r.span = tracer.start_span("tandem.generate", attributes={
-                "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_token_ids),
-                "tandem.max_tokens": params.max_tokens, "tandem.speculation": self._mode(r)})
+            r.span = tracing.start_request_span(r, self.model_name, self._mode(r))  # None with tracing off
             self._inbox.append(r)
         self._wake.set()
 
@@ -189,7 +185,8 @@ class GatewayCore:
                 self._wake.clear()
                 continue
             try:
-                self._step()
+                with tracing.step_scope():  # ends the step's span, if step_serves opened one
+                    self._step()
             except Exception:
                 log.exception("step failed; aborting the running requests")
                 for r in list(self.running):
@@ -230,6 +227,7 @@ class GatewayCore:
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
             log.debug("step %d: %d items, %d tokens, trees %s, gate %s", self.step_count,
                       len(plan.items), plan.num_tokens, spec, self.gate.arms)
+        tracing.step_serves(plan.items)  # the step's span, linked to its requests' (tracing on only)
         trees = self._draft(plan)
         steps = [self._sequence_step(it, trees.get(it.request.request_id)) for it in plan.items]
         try:
@@ -437,14 +435,10 @@ class GatewayCore:
             r.phase = Phase.FINISHED
             r.finish_reason = "abort"
         if delta.finish_reason:
-            if r.span is not None:
-                r.span.set_attributes({"tandem.finish_reason": delta.finish_reason,
-                                       "tandem.completion_tokens": len(r.output),
-                                       **{f"tandem.spec.{k}": v for k, v in r.stats.as_dict().items()}})
-                r.span.end()
-                r.span = None
+            tracing.end_request_span(r, delta)
             self.metrics.e2e.observe(time.monotonic() - r.arrival)
             self.metrics.requests_total.labels(finish_reason=delta.finish_reason).inc()
+            self.metrics.generation_tokens.labels(speculation=self._mode(r)).inc(delta.completion_tokens)
 
     # --- draft state ---------------------------------------------------------------
     def _attach_draft(self, r: Request) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from gateway.clients import DraftClient
+from tandem.telemetry import bind_context
 
 log = logging.getLogger("tandem.gateway")
 
@@ -42,7 +43,7 @@ class DraftReplica:
 
     def submit(self, fn: Callable) -> Future:
         fut: Future = Future()
-        self._jobs.put((fn, fut))
+        self._jobs.put((bind_context(fn), fut))  # the worker runs fn in the caller's trace context
         return fut
 
     def close(self) -> None:

@@ -31,3 +31,6 @@ class GatewayMetrics:
         self.step_seconds = Histogram("tandem_step_seconds", "Gateway step wall time",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=r)
+        # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).
+        self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens of finished requests, by "
+                                         "the request's speculation mode", ["speculation"], registry=r)
