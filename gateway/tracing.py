@@ -38,7 +38,8 @@ _tracer = trace.get_tracer("tandem.gateway")
 # Which GenAI operation the API layer is serving: the REST edge sets "chat" for chat completions.
 _OPERATION: ContextVar[str] = ContextVar("tandem_gen_ai_operation", default="text_completion")
 _NO_STEP = contextlib.nullcontext()
-_step = threading.local()  # the step loop's open step span, between step_scope and its end
+_OUTSIDE = object()  # no step_scope is open in this thread
+_step = threading.local()  # .opened: _OUTSIDE, None (in a step, no span yet), or (span, context token)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -89,7 +90,7 @@ class _StepScope:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        opened, _step.opened = getattr(_step, "opened", None), None
+        opened, _step.opened = _step.opened, _OUTSIDE
         if opened is None:
             return
         span, token = opened
@@ -103,7 +104,7 @@ class _StepScope:
 def step_serves(items) -> None:
     """Open the step span, current until the step ends, linked to the requests of `items`
     (the step plan's items: anything with `.request.span`)."""
-    if not telemetry.ENABLED or getattr(_step, "opened", 1) is not None:
+    if not telemetry.ENABLED or getattr(_step, "opened", _OUTSIDE) is not None:
         return  # off, outside a step_scope, or already opened in this step
     spans = [it.request.span for it in items if it.request.span is not None]
     parent = trace.set_span_in_context(spans[0]) if len(spans) == 1 else otel_context.Context()
