@@ -16,6 +16,7 @@ exporter batches spans (`OTEL_BSP_SCHEDULE_DELAY` and the other standard
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import os
@@ -33,6 +34,8 @@ SERVICE_PREFIX = "tandem-"  # service.name is tandem-gateway, tandem-target, tan
 # Set once by setup_tracing, read by every hook; never flipped back while a service runs.
 ENABLED = False
 _provider = None  # the SDK TracerProvider this process installed, for shutdown
+_tracer = trace.get_tracer("tandem")
+_NO_SPAN = contextlib.nullcontext()
 
 T = TypeVar("T")
 
@@ -106,8 +109,8 @@ def bind_context(fn: Callable[[], T]) -> Callable[[], T]:
 
 
 def current_traceparent() -> str:
-    """The W3C traceparent of the current span ('' when none): for a message on a long-lived stream,
-    where gRPC metadata travels only once."""
+    """The W3C traceparent of the current span ('' when none or tracing is off): for a message on a
+    long-lived stream, where gRPC metadata travels only once; the receiver opens `continued_span`."""
     if not ENABLED:
         return ""
     carrier: dict[str, str] = {}
@@ -122,3 +125,12 @@ def context_from_traceparent(traceparent: str):
     from opentelemetry import propagate
 
     return propagate.extract({"traceparent": traceparent} if traceparent else {})
+
+
+def continued_span(name: str, traceparent: str):
+    """Context manager: a SERVER span continuing `traceparent` (from a stream message), current inside the
+    block. Nothing at all when tracing is off or the message carried no traceparent."""
+    if not ENABLED or not traceparent:
+        return _NO_SPAN
+    return _tracer.start_as_current_span(name, context=context_from_traceparent(traceparent),
+                                         kind=trace.SpanKind.SERVER)

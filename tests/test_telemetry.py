@@ -33,6 +33,7 @@ def spans(monkeypatch) -> InMemorySpanExporter:
     monkeypatch.setattr(telemetry, "ENABLED", True)
     monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
     monkeypatch.setattr(grpc_tracing, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("test"))
     return exporter
 
 
@@ -55,6 +56,8 @@ def test_with_tracing_off_nothing_is_installed_and_the_hooks_return_at_once():
     with tracing.step_scope():
         tracing.step_serves([SimpleNamespace(request=fake_request("r"))])
     assert telemetry.current_traceparent() == ""
+    with telemetry.continued_span("m", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01") as span:
+        assert span is None  # the shared null context
     assert telemetry.setup_tracing("gateway", None) is False and telemetry.ENABLED is False
     channel.close()
 
@@ -137,6 +140,18 @@ def test_grpc_calls_carry_the_trace_and_a_failed_call_is_marked_on_both_sides(sp
         assert s.status.status_code == StatusCode.ERROR
         assert s.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAVAILABLE.value[0]
     assert telemetry.context_from_traceparent(traceparent) is not None
+
+
+def test_a_stream_message_carries_its_step_into_the_receivers_span(spans):
+    with tracing._tracer.start_as_current_span("step") as step:
+        traceparent = telemetry.current_traceparent()  # what the sender puts in the message
+    with telemetry.continued_span("tandem.v1.TargetService/Stream message", traceparent):
+        pass
+    with telemetry.continued_span("no context", ""):
+        assert not trace.get_current_span().get_span_context().is_valid
+    (received,) = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert received.parent.span_id == step.get_span_context().span_id
+    assert received.context.trace_id == step.get_span_context().trace_id
 
 
 # ---------------------------------------------------------------------------- logging
