@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from draft_service.engine import DraftEngine
 from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
-from draft_service.metrics_http import serve_load_metrics
+from draft_service.metrics import DraftMetrics
 from draft_service.model import Eagle3Draft
 from draft_service.types import (
     MAX_DRAFT_TOKENS,
@@ -26,11 +27,13 @@ from draft_service.types import (
     RequestStatus,
 )
 from kernels.tree_attention import warm_up
+from tandem import telemetry
 from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.layers import DTYPES
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
+from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_from_proto, tensor_to_proto
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
@@ -67,9 +70,11 @@ def status_to_proto(s: RequestStatus) -> draft_pb2.RequestStatus:
 # --- the servicer ---------------------------------------------------------------------------------
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, model_name: str, target_model_name: str, pacing: StepPacing | None = None):
+    def __init__(self, model_name: str, target_model_name: str, pacing: StepPacing | None = None,
+                 metrics: DraftMetrics | None = None):
         self.model_name = model_name
         self.pacing = pacing
+        self.metrics = metrics  # None: --metrics-port is off, nothing is recorded
         self.target_model_name = target_model_name
         self.engine: DraftEngine | None = None
         self.forcing: ForcedProposals | None = None  # benchmarks' scale track only
@@ -101,6 +106,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self._lock:
             statuses = engine.ingest(items, catch_up=request.catch_up)
             load = engine.load()
+            seconds = engine.last_call_seconds
+        if self.metrics is not None:
+            self.metrics.record_ingest(items, request.catch_up, load, seconds)
         return draft_pb2.IngestResponse(requests=[status_to_proto(s) for s in statuses], load=load_to_proto(load))
 
     def _draft(self, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
@@ -117,6 +125,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.pacing.hold(t0, sum(it.budget.steps * it.budget.topk for it in items if not it.budget.empty))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
+        if self.metrics is not None:
+            self.metrics.record_draft(ingest, items, trees, load, seconds)
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
                                        load=load_to_proto(load), draft_seconds=seconds)
 
@@ -144,6 +154,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if self.forcing is not None:
                 self.forcing.release(list(request.request_ids))
             load = engine.load()
+        if self.metrics is not None:
+            self.metrics.record_load(load)
         return draft_pb2.DraftReleaseResponse(released=n, load=load_to_proto(load))
 
     @map_errors
@@ -178,9 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--force-acceptance", type=float, default=0.8, metavar="P",
                        help="per-token probability that a forced main-path token is right (default 0.8)")
     bench.add_argument("--force-seed", type=int, default=0, help="seed of the forced draws (default 0)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this replica's load "
-                   "(tandem_draft_sequences, ...) as Prometheus metrics over HTTP on --host:P (default: off)")
     add_pacing_argument(p, "Draft call", "its tree nodes expanded (steps x topk per request)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on http://HOST:P/metrics (0 picks a free port; default off): "
+                   "this replica's load, read at each scrape (tandem_draft_sequences, what its autoscaler scales "
+                   "on, and tandem_draft_kv_cache_usage_ratio), Draft call time, tree nodes and requests per "
+                   "call, catch-up time, feature bytes")
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), metavar="URL",
+                   help="export OpenTelemetry traces to this OTLP collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                   "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -199,13 +217,16 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(levelname)s %(message)s")
     if args.block_size <= 0 or args.num_blocks < 0 or args.kv_cache_gb <= 0:
         raise SystemExit("error: --block-size and --kv-cache-gb must be positive, --num-blocks >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible")
     pacing = pacing_from_args(args.emulate_step_cost)
+    telemetry.setup_tracing("draft", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = servicer.metrics = DraftMetrics(load=lambda: servicer.engine and servicer.engine.load())
     forcing, records = None, []
     if args.force_record:  # checked before the (possibly long) model load
         try:
@@ -213,15 +234,15 @@ def main(argv: list[str] | None = None) -> int:
             records = load_records(forcing.record)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
+    if metrics is not None:
+        log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
+                                                                            args.metrics_port))
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
     host.start()  # health says NOT_SERVING until the model is loaded
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
-    if args.metrics_port is not None:
-        port = serve_load_metrics(args.host, args.metrics_port, lambda: servicer.engine and servicer.engine.load())
-        log.info("load metrics on http://%s:%d/metrics", args.host, port)
     try:
         servicer.engine = build_engine(args)
     except Exception as exc:
@@ -240,5 +261,6 @@ def main(argv: list[str] | None = None) -> int:
                     pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
     host.run_until_signal()
+    telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -12,6 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_host import GRPC_OPTIONS
+from tandem.grpc_tracing import instrument_channel
+from tandem.telemetry import stream_call_span
 from tandem.tensors import tensor_to_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.step_batch import StepBatch
@@ -59,6 +61,8 @@ class TargetInfo:
 
 
 _END_OF_CALLS = object()
+# The name of one call on the step stream, in traces (the gateway's CLIENT span, the target's SERVER span).
+STEP_CALL = "tandem.v1.TargetService/StepStream.call"
 
 
 class _StepStream:
@@ -95,24 +99,32 @@ class TargetGrant:
     """A grant of plain-decode steps in flight: iterate for each step's (results, load,
     step seconds); interrupt() ends it after the step the target is running."""
 
-    def __init__(self, stream: _StepStream, request_ids: tuple[str, ...], on_broken):
+    def __init__(self, stream: _StepStream, request_ids: tuple[str, ...], on_broken, span=None):
         self._stream = stream
         self._ids = request_ids
         self._on_broken = on_broken
+        self._span = span  # the call's CLIENT span (tracing on), ended with the last reply
         self._done = False
         self._interrupted = False
+
+    def _end(self) -> None:
+        self._done = True
+        if self._span is not None:
+            self._span.end()
+            self._span = None
 
     def __iter__(self):
         while not self._done:
             try:
                 reply = self._stream.reply()
             except (grpc.RpcError, StopIteration) as e:
-                self._done = True
+                self._end()
                 self._on_broken()
                 if isinstance(e, grpc.RpcError):
                     _raise_mapped(e, "target")
                 raise Unavailable("target: the step stream ended") from None
-            self._done = reply.done
+            if reply.done:
+                self._end()
             yield _step_outcome(reply, self._ids)
 
     def interrupt(self) -> None:
@@ -124,7 +136,7 @@ class TargetGrant:
         """Abandon what is left: the stream is dropped (the target ends the grant) and reopened
         by the next call, so no reply of this call can be read as another's."""
         if not self._done:
-            self._done = True
+            self._end()
             self._on_broken()
 
 
@@ -132,7 +144,7 @@ class TargetClient:
     def __init__(self, address: str):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.stub = target_pb2_grpc.TargetServiceStub(instrument_channel(self.channel))  # trace context out
         self._stream: _StepStream | None = None
 
     def _open_stream(self) -> _StepStream:
@@ -148,13 +160,14 @@ class TargetClient:
     def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
               stops: GrantStops | None = None) -> TargetGrant:
         batch = StepBatch.from_items(items)
+        span, traceparent = stream_call_span(STEP_CALL)
         call = target_pb2.PackedStep(items=batch_to_proto(batch), feature_layers=list(feature_layers),
-                                     grant_steps=grant_steps)
+                                     grant_steps=grant_steps, traceparent=traceparent)
         if stops is not None:
             call.stops.CopyFrom(stops.to_proto())
         stream = self._open_stream()
         stream.send(target_pb2.StepCall(step=call))
-        return TargetGrant(stream, batch.request_ids, self._drop_stream)
+        return TargetGrant(stream, batch.request_ids, self._drop_stream, span)
 
     def info(self) -> TargetInfo:
         try:
@@ -203,7 +216,7 @@ class DraftClient:
         self.address = address
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
 
     def healthy(self) -> bool:
         try:

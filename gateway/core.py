@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from opentelemetry import trace
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
+from gateway import tracing
 from gateway.clients import DraftClient, TargetClient
 from gateway.draft_pool import DraftPool, DraftReplica
 from gateway.metrics import GatewayMetrics
@@ -48,8 +48,6 @@ from target_service.types import KvLoad, SamplingParams, SequenceResult, Sequenc
 from target_service.wire import GrantStops
 
 log = logging.getLogger("tandem.gateway")
-# A no-op tracer unless gateway.tracing installed a provider (--otlp-endpoint).
-tracer = trace.get_tracer("tandem.gateway")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,9 +210,7 @@ class GatewayCore:
             self._ids.add(request_id)
             req = Request(request_id=request_id, prompt=list(prompt_token_ids), params=params, sink=sink,
                           eos_ids=self.eos_ids, tokenizer=self.tokenizer, max_model_len=self.max_model_len)
-            req.span = tracer.start_span("tandem.generate", attributes={
-                "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_token_ids),
-                "tandem.max_tokens": params.max_tokens, "tandem.speculation": str(self._mode(req))})
+            req.span = tracing.start_request_span(req, self.model_name, str(self._mode(req)))  # None if tracing off
             self._inbox.append(req)
         self._wake.set()
 
@@ -232,7 +228,8 @@ class GatewayCore:
                 self._wake.clear()
                 continue
             try:
-                self._step()
+                with tracing.step_scope():  # ends the step's span, if step_serves opened one
+                    self._step()
             except Exception:
                 log.exception("step failed; aborting the running requests")
                 for req in list(self.running):
@@ -256,6 +253,7 @@ class GatewayCore:
         plan = self._schedule()
         if plan is None:
             return
+        tracing.step_serves(plan.items)  # the step's span, linked to its requests' (tracing on only)
         trees = self._draft(plan)
         for outcome in self._execute(plan, trees):
             self._update(plan, outcome)
@@ -546,14 +544,10 @@ class GatewayCore:
             req.phase = Phase.FINISHED
             req.finish_reason = FinishReason.ABORT
         if delta.finish_reason:
-            if req.span is not None:
-                req.span.set_attributes({"tandem.finish_reason": str(delta.finish_reason),
-                                         "tandem.completion_tokens": len(req.output),
-                                         **{f"tandem.spec.{k}": v for k, v in req.stats.as_dict().items()}})
-                req.span.end()
-                req.span = None
+            tracing.end_request_span(req, delta)
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             self.metrics.requests_total.labels(finish_reason=str(delta.finish_reason)).inc()
+            self.metrics.generation_tokens.labels(speculation=str(self._mode(req))).inc(delta.completion_tokens)
 
     # --- record --------------------------------------------------------------------------
     def _record(self, plan: StepPlan, outcome: StepOutcome) -> None:

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 
 from gateway.clients import DraftClient
 from tandem.errors import Unavailable
+from tandem.telemetry import bind_context
 
 log = logging.getLogger("tandem.gateway")
 
@@ -64,7 +65,7 @@ class DraftReplica:
                 # A caller that raced the retirement gets an ordinary replica failure.
                 fut.set_exception(Unavailable(f"draft {self.client.address} was retired"))
                 return fut
-            self._jobs.put((fn, fut))
+            self._jobs.put((bind_context(fn), fut))  # the worker runs fn in the caller's trace context
         return fut
 
     def close(self) -> None:

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"in flight). 1 = one call per step (default {DEFAULT_GRANT_STEPS})")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
     p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-                   help="OpenTelemetry collector for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
+                   help="OpenTelemetry collector for traces (also OTEL_EXPORTER_OTLP_ENDPOINT; protocol from "
+                   "OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may finish before they are aborted")
     return p
@@ -107,12 +108,11 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s gateway %(levelname)s %(message)s")
     from gateway.grpc_api import add_generation_service
     from gateway.openai_api import create_app
-    from gateway.tracing import setup_tracing
+    from gateway.tracing import instrument_app, setup_tracing
     from tandem.grpc_host import ServiceHost
+    from tandem.telemetry import shutdown_tracing
 
     setup_tracing(args.otlp_endpoint)
     try:
@@ -156,13 +156,15 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("the gateway could not start")
             server.should_exit = True
 
-    app = create_app(core, args.api_key, [core.model_name])
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+    app = instrument_app(create_app(core, args.api_key, [core.model_name]))  # continues a caller's traceparent
+    # log_config=None: uvicorn's records go through tandem's one logging setup (JSON too).
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", log_config=None,
                                     timeout_graceful_shutdown=2))
     server.core, server.drain_seconds = core, args.drain_seconds
     threading.Thread(target=start_core, daemon=True).start()
     server.run()
     grpc_host.stop(grace=2)
     core.shutdown()
+    shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

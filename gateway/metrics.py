@@ -33,3 +33,6 @@ class GatewayMetrics:
         self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=r)
         self.granted_steps = Counter("tandem_granted_steps", "Target steps run inside plain-decode grants "
                                      "(the target fed its own tokens forward)", registry=r)
+        # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).
+        self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens of finished requests, by "
+                                         "the request's speculation mode", ["speculation"], registry=r)

@@ -365,8 +365,10 @@ def create_app(engine: GenerationEngine, api_key: str | None = None,
     `model` (default: engine.model_name); responses name the model as requested, else the first."""
     names = list(served_model_names or [engine.model_name])
     started = int(time.time())
+    # FastAPI's own spans (newer releases make them once a tracer provider exists) are off:
+    # gateway.tracing's middleware makes the /v1/ server spans, alike on every FastAPI release.
     app = FastAPI(title="tandem", description="OpenAI-compatible API of the tandem gateway",
-                  version="0.1.0")
+                  version="0.1.0", telemetry={"tracing": False})
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:

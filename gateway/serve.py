@@ -171,6 +171,13 @@ def resolve(args: argparse.Namespace) -> Plan:
                 device=args.device or _default_device(), log_dir=log_dir.resolve())
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a child's metrics (a child binds its gRPC port itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def port_is_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -185,7 +192,15 @@ def port_is_free(host: str, port: int) -> bool:
 
 # ---------------------------------------------------------------------------- child command lines
 
-def target_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> list[str]:
+def _observability_flags(args: argparse.Namespace, metrics_port: int) -> list[str]:
+    """What target and draft children share: their metrics port and the trace collector."""
+    cmd = ["--metrics-port", str(metrics_port)] if metrics_port else []
+    if args.otlp_endpoint:
+        cmd += ["--otlp-endpoint", args.otlp_endpoint]
+    return cmd
+
+
+def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0) -> list[str]:
     cmd = ["target", "--model", str(plan.model), "--port", "0", "--port-file", str(port_file),
            "--tp", str(args.tp), "--device", plan.device]
     if args.dtype:
@@ -194,16 +209,16 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> lis
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gb:
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    return cmd + shlex.split(args.target_args)
+    return cmd + _observability_flags(args, metrics_port) + shlex.split(args.target_args)
 
 
-def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path) -> list[str]:
+def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0) -> list[str]:
     assert plan.draft is not None
     cmd = ["draft", "--model", str(plan.draft), "--target-model", str(plan.model), "--port", "0",
            "--port-file", str(port_file), "--device", plan.device]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    return cmd + shlex.split(args.draft_args)
+    return cmd + _observability_flags(args, metrics_port) + shlex.split(args.draft_args)
 
 
 def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: list[str]) -> list[str]:
@@ -248,11 +263,12 @@ def _die_with_parent() -> Callable[[], None] | None:
 class Child:
     """One service process, its log file and its stop sequence."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path):
+    def __init__(self, name: str, argv: list[str], log_dir: Path, metrics_port: int = 0):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.port_file = log_dir / f"{name}.port"
         self.address = ""
+        self.metrics_port = metrics_port  # its Prometheus /metrics on 127.0.0.1 (0: none)
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         # Three or more processes share this machine's cores: left alone, each would
@@ -345,8 +361,8 @@ class Supervisor:
         else:
             _say("forcing stop")
 
-    def start(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, self.log_dir)
+    def start(self, name: str, argv: list[str], metrics_port: int = 0) -> Child:
+        child = Child(name, argv, self.log_dir, metrics_port)
         self.children.append(child)
         return child
 
@@ -410,13 +426,16 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     try:
         _say(f"logs in {plan.log_dir}")
         _say(f"starting target: {plan.model} (device {plan.device}, tp {args.tp})")
-        target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port"))
+        # Each service serves its own Prometheus metrics on a free port (the gateway's are on REST /metrics).
+        port = free_port()
+        target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", port), port)
         drafts = []
         if plan.draft is not None:
             for i in range(args.draft_replicas):
                 name = f"draft{i}"
                 _say(f"starting {name}: {plan.draft}")
-                drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port")))
+                port = free_port()
+                drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", port), port))
         else:
             _say("no draft: serving without speculation")
         for child in [target, *drafts]:
@@ -434,6 +453,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                  f"  gRPC           {local}:{args.grpc_port}   (tandem.v1.Generation)",
                  f"  target         {target.address}   {plan.model}",
                  *[f"  {d.name:<13}  {d.address}   {plan.draft}" for d in drafts],
+                 *[f"  {c.name + ' metrics':<13}  http://127.0.0.1:{c.metrics_port}/metrics"
+                   for c in [target, *drafts]],
                  f"  speculation    {args.speculation}" + ("" if drafts else " (no draft: never)"),
                  f"  logs           {plan.log_dir}",
                  "Press Ctrl-C to stop."]

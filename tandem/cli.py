@@ -15,6 +15,7 @@ commands:
   train-draft  train an EAGLE-3 draft head for a Llama-family target (SGLang checkpoint format)
 
 Run `tandem <command> --help` for a command's options.
+Logging: TANDEM_LOG_LEVEL (default INFO), TANDEM_LOG_FORMAT=text|json (json lines carry trace ids).
 """
 
 
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"tandem: '{command}' is not available in this build.\n\n{USAGE}", file=sys.stderr)
         return 2
+    from tandem.logging_setup import setup_logging
+
+    setup_logging(command)  # the one logging setup: TANDEM_LOG_LEVEL, TANDEM_LOG_FORMAT
     return COMMANDS[command](rest) or 0
 
 

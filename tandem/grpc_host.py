@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
+from tandem.grpc_tracing import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ def map_errors(method: Callable) -> Callable:
 class ServiceHost:
     def __init__(self, host: str, port: int, service_names: Iterable[str], max_workers: int = 32):
         self.service_names = list(service_names)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+        # Tracing interceptors exist only when tandem.telemetry.setup_tracing ran first (an OTLP endpoint).
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+                                  interceptors=server_interceptors())
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

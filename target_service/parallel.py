@@ -25,6 +25,7 @@ import torch.distributed as dist
 from kernels.tree_attention import warm_up
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.layers import DTYPES
+from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
 from target_service.cuda_graphs import GraphConfig
 from target_service.engine import TargetEngine
@@ -125,6 +126,7 @@ def _items_from_json(rows: list[dict]) -> list[SequenceStep]:
 
 def _worker(rank: int, world: int, port: int, spec: EngineSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
+    setup_logging(f"target-rank{rank}")  # a spawned process starts with no logging setup
     group = _init_group(rank, world, port, spec.device)
     engine = build_engine(spec, ParallelSpec(rank, world))
     dist.barrier(group=group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
 import threading
 import time
@@ -13,19 +14,23 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from tandem import telemetry
 from tandem.errors import Unavailable
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
+from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_to_proto
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.grant import check_grant, run_grant
+from target_service.metrics import TargetMetrics
 from target_service.parallel import EngineSpec, ParallelEngine
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 from target_service.wire import GrantStops, batch_from_proto, results_to_proto
 
 log = logging.getLogger("tandem.target")
+STEP_CALL = "tandem.v1.TargetService/StepStream.call"  # one call on the stream, in traces
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -61,9 +66,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, model_dir: Path, pacing: StepPacing | None = None):
+    def __init__(self, model_dir: Path, pacing: StepPacing | None = None, metrics: TargetMetrics | None = None):
         self.model_dir = model_dir
         self.pacing = pacing
+        self.metrics = metrics  # None: --metrics-port is off, nothing is recorded
         self.model_name = model_dir.name
         self.engine: ParallelEngine | None = None
         # One step at a time: the KV cache and the TP ranks see one command stream.
@@ -96,6 +102,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.pacing.hold(t0, sum(len(it.tokens) for it in items))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
+        if self.metrics is not None:
+            self.metrics.record_step(items, results, load, seconds)
         return target_pb2.StepResponse(results=[result_to_proto(r) for r in results],
                                        load=load_to_proto(load), step_seconds=seconds)
 
@@ -108,6 +116,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
+        if self.metrics is not None:
+            self.metrics.record_batch(batch, results, load, seconds)
         return results, load, seconds
 
     def StepStream(self, request_iterator, context):
@@ -127,7 +137,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
         while (call := inbox.get()) is not None:
             if call.WhichOneof("call") == "step":  # an Interrupt with nothing running is moot
-                yield from self._answer(call.step, lambda: not inbox.empty())
+                with telemetry.continued_span(STEP_CALL, call.step.traceparent):
+                    yield from self._answer(call.step, lambda: not inbox.empty())
 
     def _answer(self, call: target_pb2.PackedStep, interrupted) -> Iterator[target_pb2.StepReply]:
         index = 0
@@ -168,6 +179,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self._lock:
             n = engine.release(list(request.request_ids))
             load = engine.load()
+        if self.metrics is not None:
+            self.metrics.record_load(load)
         return target_pb2.ReleaseResponse(released=n, load=load_to_proto(load))
 
     @map_errors
@@ -209,23 +222,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true", help="benchmarks only: draw random weights "
                    "for --model's config.json instead of loading any (realistic step costs, no checkpoint)")
     add_pacing_argument(p, "step", "its tokens")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus metrics "
+                   "(step time, tokens and sequences per step, acceptance by draft position, KV usage, feature "
+                   "bytes) on http://HOST:P/metrics (0 picks a free port; default off)")
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), metavar="URL",
+                   help="export OpenTelemetry traces to this OTLP collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                   "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s target %(levelname)s %(message)s")
     if args.tp < 1:
         raise SystemExit("error: --tp must be >= 1")
     pacing = pacing_from_args(args.emulate_step_cost)
+    telemetry.setup_tracing("target", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
+    metrics = TargetMetrics() if args.metrics_port is not None else None
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
                                                                  else "float32"),
                       device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch)
-    servicer = TargetServicer(Path(args.model).resolve(), pacing)
+    servicer = TargetServicer(Path(args.model).resolve(), pacing, metrics)
+    if metrics is not None:
+        log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
+                                                                            args.metrics_port))
     host = ServiceHost(args.host, args.port, [SERVICE_NAME])
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
     host.start()
@@ -238,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         host.stop(0)
         raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
     load = servicer.engine.load()
+    if metrics is not None:
+        metrics.record_load(load)
     log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
     if pacing is not None:
         log.warning("emulating step cost: every step lasts at least %g ms + %g ms per token",
                     pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
     host.run_until_signal(on_stop=servicer.engine.shutdown)
+    telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -85,12 +85,14 @@ def test_child_command_lines(dirs, tmp_path):
         "--max-model-len", "4096", "--api-key", "k", "--max-queue", "7", "--speculation", "never",
         "--otlp-endpoint", "http://c:4317", "--host", "0.0.0.0", "--port", "9000", "--grpc-port", "9001"])
     plan = serve.Plan(model=model, draft=draft, device="cuda", log_dir=tmp_path)
-    assert serve.target_command(args, plan, tmp_path / "t.port") == [
+    assert serve.target_command(args, plan, tmp_path / "t.port", 9100) == [
         "target", "--model", str(model), "--port", "0", "--port-file", str(tmp_path / "t.port"), "--tp", "2",
-        "--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096"]
-    assert serve.draft_command(args, plan, tmp_path / "d.port") == [
+        "--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096", "--metrics-port", "9100",
+        "--otlp-endpoint", "http://c:4317"]
+    assert serve.draft_command(args, plan, tmp_path / "d.port", 9101) == [
         "draft", "--model", str(draft), "--target-model", str(model), "--port", "0", "--port-file",
-        str(tmp_path / "d.port"), "--device", "cuda", "--dtype", "bfloat16"]
+        str(tmp_path / "d.port"), "--device", "cuda", "--dtype", "bfloat16", "--metrics-port", "9101",
+        "--otlp-endpoint", "http://c:4317"]
     assert serve.gateway_command(args, plan, "127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"]) == [
         "gateway", "--target", "127.0.0.1:1", "--draft", "127.0.0.1:2,127.0.0.1:3", "--model", str(model),
         "--host", "0.0.0.0", "--port", "9000", "--grpc-port", "9001", "--speculation", "never",
@@ -161,6 +163,10 @@ def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_pat
     argv = {n: s.read(n, "argv") for n in names}
     ports = {n: int((tmp_path / "logs" / f"{n}.port").read_text()) for n in names[:3]}
     assert argv["target"][:3] == ["target", "--model", str(model.resolve())]
+    # Each service gets a metrics port of its own, and serve says where.
+    metrics = {n: int(argv[n][argv[n].index("--metrics-port") + 1]) for n in names[:3]}
+    assert len(set(metrics.values())) == 3
+    assert all(f"http://127.0.0.1:{metrics[n]}/metrics" in ready for n in names[:3])
     assert argv["draft1"][:5] == ["draft", "--model", str(draft.resolve()), "--target-model",
                                   str(model.resolve())]
     gw = argv["gateway"]

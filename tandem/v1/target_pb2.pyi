@@ -185,16 +185,18 @@ class GrantStops(_message.Message):
     def __init__(self, max_new_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PackedStep(_message.Message):
-    __slots__ = ("items", "feature_layers", "grant_steps", "stops")
+    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     GRANT_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     items: PackedItems
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     grant_steps: int
     stops: GrantStops
-    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Interrupt(_message.Message):
     __slots__ = ()

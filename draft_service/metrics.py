@@ -1,0 +1,74 @@
+"""The draft service's Prometheus metrics, served on `tandem draft --metrics-port`.
+
+The servicer records each call with one call here, after the engine has
+returned; the engine knows nothing of metrics. A Draft call's time covers the
+lazy catch-up of its requests and the tree growth; an Ingest with catch_up
+(how the gateway feeds a replica off the critical path) is the catch-up time.
+The KV gauge is `tandem_draft_kv_cache_usage_ratio`, the draft's own view of
+what the gateway reports as `tandem_kv_cache_usage_ratio{service="draft"}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from draft_service.metrics_http import DraftLoadCollector
+from draft_service.types import DraftItem, DraftLoad, DraftTree, IngestItem
+from tandem.service_metrics import COUNT_BUCKETS, STEP_SECONDS_BUCKETS, new_registry
+
+
+def _feature_bytes(items: Sequence[IngestItem]) -> int:
+    return sum(it.features.numel() * it.features.element_size() for it in items if it.features is not None)
+
+
+class DraftMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 load: Callable[[], DraftLoad | None] | None = None):
+        self.registry = registry or new_registry()
+        r = self.registry
+        self.step_seconds = Histogram("tandem_draft_step_seconds", "Engine time of one Draft call (catch-up "
+                                      "and tree growth for all its requests)", buckets=STEP_SECONDS_BUCKETS,
+                                      registry=r)
+        self.step_tokens = Histogram("tandem_draft_step_tokens", "Tree nodes drafted in one Draft call",
+                                     buckets=COUNT_BUCKETS, registry=r)
+        self.step_sequences = Histogram("tandem_draft_step_sequences", "Requests given a tree in one Draft call "
+                                        "(batch size)", buckets=COUNT_BUCKETS, registry=r)
+        self.draft_tokens = Counter("tandem_draft_tokens", "Tree nodes drafted", registry=r)
+        self.catch_up_seconds = Histogram("tandem_draft_catch_up_seconds", "Engine time of one Ingest call with "
+                                          "catch_up (the draft KV computed off the critical path)",
+                                          buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.ingested_tokens = Counter("tandem_draft_ingested_tokens", "Tokens sent to the draft (Ingest and "
+                                       "the ingest part of Draft calls)", registry=r)
+        self.feature_bytes = Counter("tandem_draft_feature_bytes", "Bytes of target features received",
+                                     registry=r)
+        if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
+            r.register(DraftLoadCollector(load))
+
+    def record_load(self, load: DraftLoad) -> None:
+        """Load is read at scrape time (DraftLoadCollector); nothing to record per call."""
+
+    def _record_ingest(self, items: Sequence[IngestItem]) -> None:
+        if items:
+            self.ingested_tokens.inc(sum(len(it.tokens) for it in items))
+            feature_bytes = _feature_bytes(items)
+            if feature_bytes:
+                self.feature_bytes.inc(feature_bytes)
+
+    def record_draft(self, ingest: Sequence[IngestItem], items: Sequence[DraftItem], trees: Sequence[DraftTree],
+                     load: DraftLoad, seconds: float) -> None:
+        nodes = sum(len(t.tokens) for t in trees)
+        self.step_seconds.observe(seconds)
+        self.step_tokens.observe(nodes)
+        self.step_sequences.observe(sum(1 for it in items if not it.budget.empty))
+        if nodes:
+            self.draft_tokens.inc(nodes)
+        self._record_ingest(ingest)
+        self.record_load(load)
+
+    def record_ingest(self, items: Sequence[IngestItem], catch_up: bool, load: DraftLoad, seconds: float) -> None:
+        if catch_up:
+            self.catch_up_seconds.observe(seconds)
+        self._record_ingest(items)
+        self.record_load(load)
