@@ -162,6 +162,16 @@ def completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
                         "list of token id lists", param="prompt")
 
 
+def _check_encodable(body: dict[str, Any]) -> None:
+    """JSON's \\u escapes can spell a lone surrogate, which is no character: a tokenizer cannot
+    take it and an error message echoing it cannot be encoded. Refuse it here, as a 400."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"the request body is not valid Unicode: {exc.reason} in a string",
+                       code="invalid_json") from None
+
+
 async def parse_body(request: Request, model_type: type[CommonFields], model_names: Sequence[str]) -> Any:
     """The request body as `model_type`: a 400 for anything that is not one, a 404 for an unknown model."""
     try:
@@ -172,6 +182,7 @@ async def parse_body(request: Request, model_type: type[CommonFields], model_nam
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    _check_encodable(body)
     try:
         req = model_type.model_validate(body)
     except ValidationError as exc:
