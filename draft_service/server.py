@@ -32,6 +32,7 @@ from tandem.layers import DTYPES
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.tensors import tensor_from_proto, tensor_to_proto
+from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("tandem.draft")
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve this replica's load "
                    "(tandem_draft_sequences, ...) as Prometheus metrics over HTTP on --host:P (default: off)")
     add_pacing_argument(p, "Draft call", "its tree nodes expanded (steps x topk per request)")
+    add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             records = load_records(forcing.record)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
     host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
     host.start()  # health says NOT_SERVING until the model is loaded
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)

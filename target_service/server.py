@@ -13,6 +13,7 @@ from tandem.grpc_host import ServiceHost, map_errors
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.tensors import tensor_to_proto
+from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.parallel import EngineSpec, ParallelEngine
 from target_service.types import SamplingParams, SequenceResult, SequenceStep
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true", help="benchmarks only: draw random weights "
                    "for --model's config.json instead of loading any (realistic step costs, no checkpoint)")
     add_pacing_argument(p, "step", "its tokens")
+    add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch)
     servicer = TargetServicer(Path(args.model).resolve(), pacing)
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
     host.start()
     log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)
