@@ -38,8 +38,8 @@ def decode(tokenizer, ids: list[int]) -> str:
 def run(tokenizer, prompt: list[int], output: list[int], chunk: int, stop: tuple[str, ...] = ()
         ) -> tuple[str, str | None]:
     """Commit `output` `chunk` tokens at a time; returns (the text emitted, the finish reason)."""
-    r = Request("r", prompt, GenerationParams(max_tokens=len(output), stop=stop), lambda _d: None,
-                frozenset({EOS}), tokenizer, max_model_len=4096)
+    r = Request(request_id="r", prompt=prompt, params=GenerationParams(max_tokens=len(output), stop=stop),
+                sink=lambda _d: None, eos_ids=frozenset({EOS}), tokenizer=tokenizer, max_model_len=4096)
     text = []
     for i in range(0, len(output), chunk):
         new = output[i:i + chunk]
