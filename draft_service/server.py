@@ -35,6 +35,7 @@ from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_from_proto, tensor_to_proto
+from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("tandem.draft")
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), metavar="URL",
                    help="export OpenTelemetry traces to this OTLP collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
                    "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL)")
+    add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if metrics is not None:
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
                                                                             args.metrics_port))
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
     host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
     host.start()  # health says NOT_SERVING until the model is loaded
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)

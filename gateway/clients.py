@@ -10,11 +10,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
+from tandem.channels import open_channel
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
-from tandem.grpc_host import GRPC_OPTIONS
 from tandem.grpc_tracing import instrument_channel
 from tandem.telemetry import stream_call_span
 from tandem.tensors import tensor_to_proto
+from tandem.tls import ClientTLS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.step_batch import StepBatch
 from target_service.types import KvLoad, SequenceResult, SequenceStep
@@ -141,9 +142,9 @@ class TargetGrant:
 
 
 class TargetClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: ClientTLS | None = None):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(instrument_channel(self.channel))  # trace context out
         self._stream: _StepStream | None = None
 
@@ -212,10 +213,10 @@ class DraftClient:
     """One draft replica. Every failure surfaces as Unavailable (or InvalidArgument):
     the gateway then stops speculating for the replica's requests."""
 
-    def __init__(self, address: str, timeout: float = 30.0):
+    def __init__(self, address: str, timeout: float = 30.0, tls: ClientTLS | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = open_channel(address, tls)
         self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
 
     def healthy(self) -> bool:

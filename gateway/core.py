@@ -718,13 +718,18 @@ class GatewayCore:
         ids = [req.request_id for req in done if req.target_created]
         if ids:
             try:
-                self._free_blocks = self.target.release(ids).free_blocks
+                load = self.target.release(ids)
+                self._free_blocks = load.free_blocks
+                self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
             except Unavailable:
                 log.exception("target release failed")
         for req in done:
             self._detach_draft(req, release=True)
             with self._lock:
                 self._ids.discard(req.request_id)
+        if not self.running and not self.waiting:  # idle: the draft gauge must not keep the last step's value
+            for rep in self.pool.healthy():  # queued after the releases above, on the replica's FIFO worker
+                rep.submit(lambda rep=rep: self._draft_usage(rep.client.info().load))
 
     def _preempt(self, req: Request) -> None:
         """Out of KV: forget req everywhere; it resumes later from its tokens (recompute)."""

@@ -9,12 +9,20 @@ class IncrementalDetokenizer:
     Decoding token by token breaks multi-byte characters and merges that depend
     on context, so each piece is the difference between decoding a short window
     with and without the new tokens; a piece ending in U+FFFD (an incomplete
-    character) waits for the next token.
+    character) waits for the next token. When the output ends, `flush()` gives
+    what is still held back as the tokenizer decodes it (an incomplete
+    character becomes U+FFFD), so that the pieces add up to the decoding of all
+    the output tokens.
     """
 
     def __init__(self, tokenizer, prompt_tail: list[int]):
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_tail)  # a little prompt context for leading-space rules
+        # A little prompt context for leading-space rules; none when the prompt ends inside a
+        # character, or the output's first bytes would complete the prompt's character.
+        context = list(prompt_tail)
+        if context and self._decode(context).endswith("\ufffd"):
+            context = []
+        self.ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
@@ -30,6 +38,13 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return full[len(prefix):]
         return ""
+
+    def flush(self) -> str:
+        """The text held back (an incomplete character at the end): the output has ended."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
 
 
 class StopMatcher:

@@ -97,7 +97,7 @@ class DraftPool:
         self.replicas = [DraftReplica(i, c) for i, c in enumerate(clients)]
         self.on_lost = on_lost
         self.admission: AdmissionCheck | None = None
-        self._make_client = make_client
+        self.make_client = make_client
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._follower: threading.Thread | None = None
@@ -161,7 +161,7 @@ class DraftPool:
         with self._lock:
             live = {r.client.address for r in self.replicas if not r.retired}
             for address in sorted(wanted - live):
-                self.replicas.append(DraftReplica(len(self.replicas), self._make_client(address)))
+                self.replicas.append(DraftReplica(len(self.replicas), self.make_client(address)))
                 log.info("draft replica %s found: it joins once its health check passes", address)
             for r in self.replicas:
                 if not r.retired and r.client.address not in wanted:

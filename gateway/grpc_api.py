@@ -4,6 +4,12 @@ Same semantics as the REST API (gateway/openai_api.py): the same length rule
 and defaults, and a request the engine ends with "abort" (e.g. draining) is
 UNAVAILABLE. A call the client cancels, or whose deadline passes, is aborted in
 the engine at once.
+
+Requests arrive as bytes and are parsed here, so that one grpc would fail to
+parse (a string field that is not UTF-8) is INVALID_ARGUMENT, not grpc's
+INTERNAL. A full queue is RESOURCE_EXHAUSTED with a retry delay, as REST's
+429 has Retry-After: google.rpc.RetryInfo in the status details
+(`grpc-status-details-bin`) and plain `retry-after` (seconds) trailing metadata.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 from gateway.prompts import check_token_ids, fit_max_tokens, text_prompt_ids
 from gateway.streams import iter_deltas
 from gateway.types import Delta, GenerationEngine, GenerationParams, TokenLogprob
-from tandem.errors import InvalidArgument, Unavailable
+from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_host import ServiceHost, status_for
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
@@ -27,6 +36,25 @@ log = logging.getLogger("tandem.gateway.grpc")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 DEFAULT_MAX_TOKENS = 16  # as REST /v1/completions
 ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
+RETRY_AFTER_S = 1  # what RESOURCE_EXHAUSTED asks a client to wait (REST's 429 says the same)
+
+
+def retry_trailers(code: grpc.StatusCode, message: str, seconds: int) -> tuple[tuple[str, str | bytes], ...]:
+    """Trailing metadata telling a client when to retry: RetryInfo in the rich status, and plainly."""
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=seconds)))
+    status = status_pb2.Status(code=code.value[0], message=message, details=[info])
+    return (("grpc-status-details-bin", status.SerializeToString()), ("retry-after", str(seconds)))
+
+
+def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
+    """End the call with the status `exc` maps to (the one mapping, grpc_host.status_for)."""
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("Generate failed", exc_info=exc)
+    if isinstance(exc, ResourceExhausted):
+        context.set_trailing_metadata(retry_trailers(code, message, RETRY_AFTER_S))
+    context.abort(code, message)
 
 
 def map_stream_errors(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
@@ -38,10 +66,7 @@ def map_stream_errors(method: Callable[..., Iterator]) -> Callable[..., Iterator
         try:
             yield from method(self, request, context)
         except Exception as exc:  # the one place service errors reach the wire
-            code, message = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method.__name__)
-            context.abort(code, message)
+            abort_with(context, exc)
 
     return wrapper
 
@@ -49,6 +74,13 @@ def map_stream_errors(method: Callable[..., Iterator]) -> Callable[..., Iterator
 def _float(value: float) -> float:
     # proto floats are float32: 0.7 arrives as 0.699999988; give the engine the number the client wrote.
     return float(f"{value:.7g}")
+
+
+def parse_request(raw: bytes) -> generation_pb2.GenerateRequest:
+    try:
+        return generation_pb2.GenerateRequest.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidArgument(f"the request is not a valid tandem.v1.GenerateRequest: {exc}") from None
 
 
 def request_from_proto(m: generation_pb2.GenerateRequest, tokenizer, max_model_len: int
@@ -100,7 +132,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
 
     @map_stream_errors
-    def Generate(self, request, context):
+    def Generate(self, request: bytes | generation_pb2.GenerateRequest, context):
+        if isinstance(request, bytes):  # as the service registers it: parsed here, see the module doc
+            request = parse_request(request)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         prompt, params = request_from_proto(request, self.engine.tokenizer, self.engine.max_model_len)
         if not self.engine.ready():
@@ -117,8 +151,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield delta_to_proto(request_id, delta)
 
 
+def _add_to_server(servicer: GenerationServicer, server: grpc.Server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server, but the request reaches Generate unparsed."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=None,
+        response_serializer=generation_pb2.GenerateResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),))
+
+
 def add_generation_service(host: ServiceHost, engine: GenerationEngine) -> GenerationServicer:
     """Serve tandem.v1.Generation over `engine` on `host` (whose health the caller manages)."""
     servicer = GenerationServicer(engine)
-    host.add(generation_pb2_grpc.add_GenerationServicer_to_server, servicer)
+    host.add(_add_to_server, servicer)
     return servicer

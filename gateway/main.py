@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import tempfile
@@ -15,8 +16,10 @@ from gateway.clients import DraftClient, TargetClient, wait_healthy
 from gateway.core import CoreConfig, GatewayCore
 from gateway.discovery import parse_draft_source, wait_for_replicas
 from gateway.draft_pool import feature_layers_match
+from gateway.http_guards import DEFAULT_MAX_BODY_BYTES
 from gateway.policy import PolicyConfig
 from gateway.scheduler import SchedulerConfig
+from tandem.tls import add_client_tls_arguments, add_server_tls_arguments, client_tls_from_args, server_tls_from_args
 from tandem.v1 import target_pb2
 
 log = logging.getLogger("tandem.gateway")
@@ -55,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-topk", type=int, default=4, help="children per node for `always` (default 4)")
     p.add_argument("--spec-draft-tokens", type=int, default=8,
                    help="tree size for `always`, root included (default 8)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on REST")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on REST /v1/* and on gRPC tandem.v1.Generation "
+                        "(metadata authorization); health and metrics stay open")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="with --api-key, require the key on /metrics too")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="largest REST body or gRPC message accepted (413 / RESOURCE_EXHAUSTED above it; "
+                        f"default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429 (default 1024)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--max-step-tokens", type=int, default=2048,
@@ -72,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may finish before they are aborted")
+    add_server_tls_arguments(p, client_ca_help=None)  # REST and gRPC; TLS to the services below
+    add_client_tls_arguments(p)
     return p
 
 
@@ -108,18 +120,29 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gateway.grpc_api import add_generation_service
+    from gateway.grpc_api import SERVICE_NAME, add_generation_service
     from gateway.openai_api import create_app
     from gateway.tracing import instrument_app, setup_tracing
+    from tandem.grpc_auth import ApiKeyInterceptor
     from tandem.grpc_host import ServiceHost
     from tandem.telemetry import shutdown_tracing
+
+    try:
+        public_tls = server_tls_from_args(args, with_client_ca=False)
+        service_tls = client_tls_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.protect_metrics and not args.api_key:
+        raise SystemExit("error: --protect-metrics needs --api-key")
+    if args.max_request_bytes < 1:
+        raise SystemExit("error: --max-request-bytes must be positive")
 
     setup_tracing(args.otlp_endpoint)
     try:
         source = parse_draft_source(args.draft, args.draft_resolve_interval)
     except ValueError as exc:
         raise SystemExit(f"error: --draft: {exc}") from None
-    target = TargetClient(args.target)
+    target = TargetClient(args.target, tls=service_tls)
     try:
         wait_healthy(target.channel, timeout=600)
         info = target.info()
@@ -131,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     addresses = wait_for_replicas(source, args.draft_wait)
     if source.dynamic:
         log.info("draft replicas from %s: %s", source.describe(), ", ".join(addresses) or "none yet")
-    drafts = [DraftClient(a) for a in addresses]
+    make_draft_client = functools.partial(DraftClient, tls=service_tls)
+    drafts = [make_draft_client(a) for a in addresses]
     cfg = CoreConfig(
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
@@ -139,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         grant_steps=args.grant_steps)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
-    grpc_host = ServiceHost(args.host, args.grpc_port, ["tandem.v1.Generation"])
+    core.pool.make_client = make_draft_client  # replicas found later connect the same way
+    grpc_host = ServiceHost(
+        args.host, args.grpc_port, [SERVICE_NAME],
+        credentials=public_tls.grpc_credentials() if public_tls else None,
+        interceptors=[ApiKeyInterceptor(args.api_key, [SERVICE_NAME])] if args.api_key else [],
+        max_message_bytes=args.max_request_bytes)
     add_generation_service(grpc_host, core)
     grpc_host.start()
 
@@ -149,17 +178,18 @@ def main(argv: list[str] | None = None) -> int:
             if source.dynamic:
                 core.pool.follow(source.resolve, source.interval_s)
             grpc_host.set_serving(True)
-            log.info("ready: REST http://%s:%d, gRPC %s:%d, %d draft replica(s) from %s, speculation %s",
-                     args.host, args.port, args.host, grpc_host.port, len(drafts), source.describe(),
-                     args.speculation)
+            log.info("ready: REST %s://%s:%d, gRPC %s:%d%s, %d draft replica(s) from %s, speculation %s",
+                     "https" if public_tls else "http", args.host, args.port, args.host, grpc_host.port,
+                     " (TLS)" if public_tls else "", len(drafts), source.describe(), args.speculation)
         except Exception:
             log.exception("the gateway could not start")
             server.should_exit = True
 
-    app = instrument_app(create_app(core, args.api_key, [core.model_name]))  # continues a caller's traceparent
+    app = instrument_app(create_app(core, args.api_key, [core.model_name], protect_metrics=args.protect_metrics,
+                                    max_body_bytes=args.max_request_bytes))  # continues a caller's traceparent
     # log_config=None: uvicorn's records go through tandem's one logging setup (JSON too).
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", log_config=None,
-                                    timeout_graceful_shutdown=2))
+                                    timeout_graceful_shutdown=2, **(public_tls.uvicorn_kwargs() if public_tls else {})))
     server.core, server.drain_seconds = core, args.drain_seconds
     threading.Thread(target=start_core, daemon=True).start()
     server.run()

@@ -151,7 +151,7 @@ class Request:
                 lps.append(self._logprob(tok, logprobs[i], top_logprobs[i] if top_logprobs else None))
             is_eos = tok in self.eos_ids and not self.params.ignore_eos
             if is_eos or tok in self.params.stop_token_ids:
-                text += self._stops.flush()
+                text += self._final_text()[0]
                 self.finish_reason = FinishReason.STOP
                 break
             emitted, hit = self._stops.feed(piece)
@@ -161,8 +161,10 @@ class Request:
                 self.stopped_by_string = True
                 break
             if len(self.output) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-                text += self._stops.flush()
-                self.finish_reason = FinishReason.LENGTH
+                tail, hit = self._final_text()
+                text += tail
+                self.finish_reason = FinishReason.STOP if hit else FinishReason.LENGTH
+                self.stopped_by_string = hit
                 break
         self.last_token_at = now
         if self.finish_reason:
@@ -176,10 +178,17 @@ class Request:
         tops = tuple((t, text(t), v) for t, v in zip(*top, strict=True)) if top else ()
         return TokenLogprob(tok, text(tok), lp, tops[: self.params.logprobs])
 
+    def _final_text(self) -> tuple[str, bool]:
+        """The text still held back once the output ends: the detokenizer's last piece (an
+        incomplete character decodes as U+FFFD), then what the stop matcher held. Returns
+        (text, whether that last piece completed a stop string: the text ends before it)."""
+        emitted, hit = self._stops.feed(self._detok.flush())
+        return (emitted, True) if hit else (emitted + self._stops.flush(), False)
+
     def finish(self, reason: FinishReason) -> Delta:
         self.finish_reason = reason
         self.phase = Phase.FINISHED
-        return Delta((), self._stops.flush() if reason != FinishReason.ABORT else "", None, reason,
+        return Delta((), self._final_text()[0] if reason != FinishReason.ABORT else "", None, reason,
                      len(self.prompt), len(self.output), self.stats)
 
     def reset_for_recompute(self) -> None:

@@ -6,6 +6,16 @@ target), each on a free internal port on 127.0.0.1 that it reports through a
 port file; once all report SERVING on gRPC health, the gateway starts on the
 public --host/--port/--grpc-port and we wait for its /health to say 200.
 
+With --tls-cert/--tls-key the gateway serves REST and gRPC over TLS; adding
+--tls-ca turns on mutual TLS between the gateway and the services: they serve
+the same certificate and require a client certificate signed by the CA, and
+the gateway presents --tls-client-cert/--tls-client-key (default: the serving
+pair, which must then allow client authentication too). This supervisor's own
+readiness probes use the gateway's client certificate for the services; the
+gateway's REST /health is probed without verifying its certificate (our own
+child on this machine), and its gRPC health is not probed when it serves TLS
+(the gateway flips it together with /health).
+
 Children run in sessions of their own so that a terminal's Ctrl-C reaches
 only this supervisor, which stops them in order: the gateway first (it
 drains its running requests), then the drafts and the target. On Linux each
@@ -21,6 +31,7 @@ import os
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,6 +41,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tandem.tls import ClientTLS, ServerTLS
 
 REPO = Path(__file__).resolve().parent.parent
 # The bundled demo pair that `tandem serve` runs with no --model.
@@ -71,7 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-replicas", type=int, default=1, metavar="N",
                    help="draft service processes; a request sticks to one (default 1)")
     p.add_argument("--api-key", metavar="KEY", default=None,
-                   help="require 'Authorization: Bearer KEY' on the REST API")
+                   help="require 'Authorization: Bearer KEY' on the REST API and on gRPC Generation")
+    p.add_argument("--protect-metrics", action="store_true", help="with --api-key, require the key on /metrics")
+    p.add_argument("--max-request-bytes", type=int, metavar="N", default=None,
+                   help="largest REST body or gRPC message the gateway accepts (default: the gateway's)")
+    tls = p.add_argument_group("TLS")
+    tls.add_argument("--tls-cert", metavar="PEM", default=None,
+                     help="serve the REST and gRPC APIs over TLS with this certificate chain (with --tls-key)")
+    tls.add_argument("--tls-key", metavar="PEM", default=None, help="the private key of --tls-cert")
+    tls.add_argument("--tls-ca", metavar="PEM", default=None,
+                     help="mutual TLS between the gateway and the target/drafts: the services serve --tls-cert "
+                          "and accept only callers with a certificate signed by this CA")
+    tls.add_argument("--tls-client-cert", metavar="PEM", default=None,
+                     help="the gateway's certificate towards the services (default: --tls-cert)")
+    tls.add_argument("--tls-client-key", metavar="PEM", default=None,
+                     help="the private key of --tls-client-cert (default: --tls-key)")
     p.add_argument("--otlp-endpoint", metavar="URL", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                    help="OpenTelemetry collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
     p.add_argument("--max-model-len", type=int, metavar="N", default=None,
@@ -111,6 +138,9 @@ class Plan:
     draft: Path | None
     device: str
     log_dir: Path
+    public_tls: ServerTLS | None = None  # the gateway's REST and gRPC
+    service_tls: ServerTLS | None = None  # the target's and drafts' gRPC (mutual: client_ca is set)
+    gateway_tls: ClientTLS | None = None  # the gateway's (and our probes') side towards the services
 
 
 def _say(msg: str) -> None:
@@ -165,10 +195,39 @@ def resolve(args: argparse.Namespace) -> Plan:
     for flag, value in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if not port_is_free(args.host, value):
             raise ServeError(f"{flag} {value}: {args.host}:{value} is already in use")
+    if args.protect_metrics and not args.api_key:
+        raise ServeError("--protect-metrics needs --api-key")
+    public_tls, service_tls, gateway_tls = resolve_tls(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     return Plan(model=model.resolve(), draft=draft.resolve() if draft else None,
-                device=args.device or _default_device(), log_dir=log_dir.resolve())
+                device=args.device or _default_device(), log_dir=log_dir.resolve(), public_tls=public_tls,
+                service_tls=service_tls, gateway_tls=gateway_tls)
+
+
+def resolve_tls(args: argparse.Namespace) -> tuple[ServerTLS | None, ServerTLS | None, ClientTLS | None]:
+    """(the gateway's serving TLS, the services' mutual TLS, the gateway's client TLS) from the flags."""
+    def path(value: str | None) -> Path | None:
+        return Path(value).resolve() if value else None
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ServeError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None and (args.tls_ca or args.tls_client_cert or args.tls_client_key):
+        raise ServeError("--tls-ca and --tls-client-cert/--tls-client-key need --tls-cert and --tls-key")
+    if args.tls_ca is None and (args.tls_client_cert or args.tls_client_key):
+        raise ServeError("--tls-client-cert/--tls-client-key need --tls-ca")
+    if args.tls_cert is None:
+        return None, None, None
+    try:
+        public = ServerTLS(cert=path(args.tls_cert), key=path(args.tls_key))
+        if args.tls_ca is None:
+            return public, None, None
+        services = ServerTLS(cert=public.cert, key=public.key, client_ca=path(args.tls_ca))
+        gateway = ClientTLS(ca=path(args.tls_ca), cert=path(args.tls_client_cert) or public.cert,
+                            key=path(args.tls_client_key) or public.key)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+    return public, services, gateway
 
 
 def free_port() -> int:
@@ -200,6 +259,13 @@ def _observability_flags(args: argparse.Namespace, metrics_port: int) -> list[st
     return cmd
 
 
+def _service_tls_flags(plan: Plan) -> list[str]:
+    tls = plan.service_tls
+    if tls is None:
+        return []
+    return ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.client_ca)]
+
+
 def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0) -> list[str]:
     cmd = ["target", "--model", str(plan.model), "--port", "0", "--port-file", str(port_file),
            "--tp", str(args.tp), "--device", plan.device]
@@ -209,7 +275,7 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metric
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gb:
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
-    return cmd + _observability_flags(args, metrics_port) + shlex.split(args.target_args)
+    return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.target_args)
 
 
 def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0) -> list[str]:
@@ -218,7 +284,7 @@ def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics
            "--port-file", str(port_file), "--device", plan.device]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    return cmd + _observability_flags(args, metrics_port) + shlex.split(args.draft_args)
+    return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.draft_args)
 
 
 def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: list[str]) -> list[str]:
@@ -237,6 +303,15 @@ def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: l
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.otlp_endpoint:
         cmd += ["--otlp-endpoint", args.otlp_endpoint]
+    if args.protect_metrics:
+        cmd += ["--protect-metrics"]
+    if args.max_request_bytes is not None:
+        cmd += ["--max-request-bytes", str(args.max_request_bytes)]
+    if plan.public_tls is not None:
+        cmd += ["--tls-cert", str(plan.public_tls.cert), "--tls-key", str(plan.public_tls.key)]
+    if plan.gateway_tls is not None:
+        tls = plan.gateway_tls
+        cmd += ["--tls-ca", str(tls.ca), "--tls-client-cert", str(tls.cert), "--tls-client-key", str(tls.key)]
     return cmd + shlex.split(args.gateway_args)
 
 
@@ -309,11 +384,13 @@ class Child:
         return f"{self.name} {how} (log: {self.log_path}); its last lines:\n{self.tail()}"
 
 
-def grpc_serving(address: str) -> bool:
+def grpc_serving(address: str, tls: ClientTLS | None = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from tandem.channels import open_channel
+
+    with open_channel(address, tls) as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                timeout=2).status
@@ -323,8 +400,11 @@ def grpc_serving(address: str) -> bool:
 
 
 def http_ok(url: str) -> bool:
+    # An https URL is our own child on this machine: whether it answers is all we ask, so its
+    # certificate (which may name the public host, or chain to a CA we do not have) is not checked.
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -441,16 +521,18 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         for child in [target, *drafts]:
             sup.wait_port(child)
         for child in [target, *drafts]:
-            sup.wait_for(f"{child.name} (loading)", lambda c=child: grpc_serving(c.address))
+            sup.wait_for(f"{child.name} (loading)", lambda c=child: grpc_serving(c.address, plan.gateway_tls))
             _say(f"{child.name} ready on {child.address} ({time.monotonic() - started:.1f} s)")
         _say(f"starting gateway on {args.host}:{args.port} (REST) and {args.host}:{args.grpc_port} (gRPC)")
         sup.start("gateway", gateway_command(args, plan, target.address, [d.address for d in drafts]))
         local = _local(args.host)
-        sup.wait_for("gateway", lambda: http_ok(f"http://{local}:{args.port}/health")
-                     and grpc_serving(f"{local}:{args.grpc_port}"))
+        scheme = "https" if plan.public_tls else "http"
+        sup.wait_for("gateway", lambda: http_ok(f"{scheme}://{local}:{args.port}/health")
+                     and (plan.public_tls is not None or grpc_serving(f"{local}:{args.grpc_port}")))
         lines = [f"ready in {time.monotonic() - started:.1f} s",
-                 f"  REST (OpenAI)  http://{local}:{args.port}/v1   (metrics: /metrics, health: /health)",
-                 f"  gRPC           {local}:{args.grpc_port}   (tandem.v1.Generation)",
+                 f"  REST (OpenAI)  {scheme}://{local}:{args.port}/v1   (metrics: /metrics, health: /health)",
+                 f"  gRPC           {local}:{args.grpc_port}   (tandem.v1.Generation"
+                 f"{', TLS' if plan.public_tls else ''})",
                  f"  target         {target.address}   {plan.model}",
                  *[f"  {d.name:<13}  {d.address}   {plan.draft}" for d in drafts],
                  *[f"  {c.name + ' metrics':<13}  http://127.0.0.1:{c.metrics_port}/metrics"

@@ -27,6 +27,10 @@ class FinishReason(enum.StrEnum):
 
 SPEC_MODES = tuple(m.value for m in SpecMode)
 MAX_LOGPROBS = 20
+# Sampling settings travel to the target as float32 / uint32: larger values would become
+# inf or fail to encode inside the step loop, taking the whole batch down with them.
+MAX_TEMPERATURE = 3.0e38
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,12 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidArgument(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k!r}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidArgument(f"top_k must be between 0 and {MAX_TOP_K}, got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.speculation is not None:

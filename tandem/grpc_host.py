@@ -11,7 +11,7 @@ import functools
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 
 import grpc
@@ -23,11 +23,14 @@ from tandem.grpc_tracing import server_interceptors
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 512 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024  # between the services: a long prefill's features in float32
+
+
+def message_options(max_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+GRPC_OPTIONS = message_options(MAX_MESSAGE_BYTES)
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -60,17 +63,24 @@ def map_errors(method: Callable) -> Callable:
 
 
 class ServiceHost:
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_workers: int = 32):
+    """credentials: None listens in plaintext; interceptors: e.g. tandem.grpc_auth.ApiKeyInterceptor;
+    max_message_bytes bounds what a call may send or receive."""
+
+    def __init__(self, host: str, port: int, service_names: Iterable[str], max_workers: int = 32, *,
+                 credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.ServerInterceptor] = (), max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.service_names = list(service_names)
         # Tracing interceptors exist only when tandem.telemetry.setup_tracing ran first (an OTLP endpoint).
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
-                                  interceptors=server_interceptors())
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                  options=message_options(max_message_bytes),
+                                  interceptors=[*server_interceptors(), *interceptors])
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         address = f"{host}:{port}"
-        self.port = self.server.add_insecure_port(address)
+        self.port = (self.server.add_insecure_port(address) if credentials is None
+                     else self.server.add_secure_port(address, credentials))
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self.stopping = threading.Event()

@@ -13,8 +13,9 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
-import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,15 +90,15 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
     return engine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_file() -> str:
+    """Where the ranks meet: a file store, because a TCP store's server listens on every
+    interface whatever address it is given, and all ranks share this host anyway."""
+    return str(Path(tempfile.mkdtemp(prefix="tandem-tp-")) / "rendezvous")
 
 
-def _init_group(rank: int, world: int, port: int, device: str) -> dist.ProcessGroup:
+def _init_group(rank: int, world: int, rendezvous: str, device: str) -> dist.ProcessGroup:
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     return dist.new_group(backend="gloo")  # control messages travel on the CPU
 
 
@@ -124,10 +125,10 @@ def _items_from_json(rows: list[dict]) -> list[SequenceStep]:
                             "sampling": SamplingParams(**r["sampling"])}) for r in rows]
 
 
-def _worker(rank: int, world: int, port: int, spec: EngineSpec) -> None:
+def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
     setup_logging(f"target-rank{rank}")  # a spawned process starts with no logging setup
-    group = _init_group(rank, world, port, spec.device)
+    group = _init_group(rank, world, rendezvous, spec.device)
     engine = build_engine(spec, ParallelSpec(rank, world))
     dist.barrier(group=group)
     while True:
@@ -156,14 +157,14 @@ class ParallelEngine:
             return
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks share this host
         check_tp(load_llama_config(spec.model_dir), tp_size)  # fail before spawning any rank
-        port = _free_port()
+        self._rendezvous = _rendezvous_file()
         ctx = mp.get_context("spawn")
         for rank in range(1, tp_size):
-            p = ctx.Process(target=_worker, args=(rank, tp_size, port, spec), daemon=True,
+            p = ctx.Process(target=_worker, args=(rank, tp_size, self._rendezvous, spec), daemon=True,
                             name=f"tandem-target-rank{rank}")
             p.start()
             self._procs.append(p)
-        self._group = _init_group(0, tp_size, port, spec.device)
+        self._group = _init_group(0, tp_size, self._rendezvous, spec.device)
         self.engine = build_engine(spec, ParallelSpec(0, tp_size))
         dist.barrier(group=self._group)
 
@@ -211,3 +212,4 @@ class ParallelEngine:
                     p.terminate()
             dist.destroy_process_group()
             self._group = None
+            shutil.rmtree(Path(self._rendezvous).parent, ignore_errors=True)

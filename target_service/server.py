@@ -21,6 +21,7 @@ from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_to_proto
+from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.grant import check_grant, run_grant
 from target_service.metrics import TargetMetrics
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), metavar="URL",
                    help="export OpenTelemetry traces to this OTLP collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
                    "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL)")
+    add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if metrics is not None:
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
                                                                             args.metrics_port))
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME])
+    host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
     host.start()
     log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)

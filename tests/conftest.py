@@ -33,3 +33,13 @@ def tiny_llama(tmp_path_factory) -> callable:
         return cache[variant]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def byte_stack(tmp_path_factory):
+    """tests/byte_stack.py's stack, shared by every module that asks for it (one start)."""
+    from tests.byte_stack import start_byte_stack
+
+    stack = start_byte_stack(tmp_path_factory.mktemp("byte-stack"))
+    yield stack
+    stack.stop()

@@ -235,3 +235,13 @@ def test_triton_attention_gives_the_same_trees(target, drafts):
         assert a.scores == pytest.approx(b.scores, abs=1e-5)
     for a, b in zip(torch_kv, triton_kv):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_refuses_pickled_draft_weights(tmp_path, tiny_llama):
+    target = tiny_llama("gqa")
+    draft = make_tiny_eagle3(tmp_path / "draft", target)
+    for shard in draft.glob("*.safetensors"):
+        shard.unlink()
+    (draft / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(ModelLoadError, match="pickled weights are never loaded"):
+        Eagle3Draft(draft, target)

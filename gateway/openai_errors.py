@@ -1,0 +1,94 @@
+"""Errors of the REST API in OpenAI's shape, and the one mapping to them.
+
+Every error the REST app returns, from a handler, a middleware or the
+framework, has the body `{"error": {"message", "type", "param", "code"}}`;
+429 and 503 carry `Retry-After`. No 5xx ever names internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+log = logging.getLogger("tandem.gateway.api")
+
+RETRY_AFTER_S = 1  # what a 429 or 503 asks a client to wait before retrying
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def api_error_for(exc: BaseException) -> APIError:
+    """The one mapping from service errors to HTTP (the gRPC edge uses grpc_host.status_for)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        return APIError(400, str(exc), "invalid_request_error", code="invalid_argument")
+    if isinstance(exc, ResourceExhausted):
+        return APIError(429, str(exc) or "the server is at capacity, retry later", "rate_limit_error",
+                        code="queue_full")
+    if isinstance(exc, Unavailable):
+        return APIError(503, str(exc) or "the server is not ready", "server_error",
+                        code="service_unavailable")
+    return APIError(500, "internal server error", "server_error", code="internal_error")
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unrecognized_argument")
+    return APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
+                    code="invalid_value")
+
+
+async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
+    return api_error_for(exc).response()
+
+
+async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc).response()  # OpenAI says 400 where FastAPI says 422
+
+
+async def _http(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return APIError(exc.status_code, str(exc.detail), type_).response()
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)
+    return api_error_for(exc).response()  # never a stack trace to the client
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _unexpected)
