@@ -31,6 +31,9 @@ class BlockTable:
         self.rows = rows
         self.max_blocks = max_blocks
         self.table = torch.zeros(rows + 1, max_blocks, dtype=torch.int32, device=device)
+        # The same on the host, always current (the device copy lags by the pending entries):
+        # the step packer reads each node's cache slot from it.
+        self.host = np.zeros((rows + 1, max_blocks), dtype=np.int64)
         self._free_rows = list(range(rows - 1, -1, -1))
         # row * max_blocks + column -> block; a dict, so a slot changed twice before a step
         # (a row released and reused) carries only its last value to the device.
@@ -131,6 +134,7 @@ class PagedKVCache:
             block = self._free.pop()
             if table is not None:
                 table.pending[seq.row * table.max_blocks + len(seq.blocks)] = block
+                table.host[seq.row, len(seq.blocks)] = block
             seq.blocks.append(block)
 
     def trim(self, seq_id: str) -> None:

@@ -123,6 +123,7 @@ class BucketGraph:
         v["seq_info"].view(-1, 4)[:, 3] = self.owner.engine.table.padding_row
         table = self.owner.engine.table
         v["update_index"].fill_(table.padding_row * table.max_blocks)
+        v["row_slot"].fill_(self.owner.engine.kv.trash_slot)
         v["greedy"].fill_(1)
         v["top_p"].fill_(1.0)
 

@@ -163,6 +163,7 @@ class TargetEngine:
                 raise InvalidStep(f"request {it.request_id!r}: {len(it.tokens)} tokens but {len(it.parents)} parents")
         return self.run(StepBatch.from_items(items), feature_layers).sequence_results()
 
+    @torch.inference_mode()
     def run(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()) -> StepResults:
         t0 = time.perf_counter()
         end = self._validate(batch)
@@ -213,8 +214,9 @@ class TargetEngine:
         host = self._host_buffer(layout.size)
         packed = pack_step(batch, prefix_lens=prefix, table_rows=rows, updates=updates, shape=shape,
                            views=layout.host_views(host), per_tile=block_m // self.group,
-                           padding_row=self.table.padding_row, padding_update=self.table.padding_row
-                           * self.table.max_blocks)
+                           padding_row=self.table.padding_row,
+                           padding_update=self.table.padding_row * self.table.max_blocks,
+                           host_table=self.table.host, block_size=self.kv.block_size, trash_slot=self.kv.trash_slot)
         if graph is not None:
             graph.load_inputs(self._host_buf[: layout.size])
             decided_kept, out = graph.replay(greedy_only)
@@ -229,7 +231,8 @@ class TargetEngine:
             dev = self._host_buf[: layout.size].to(self.device, non_blocking=self._pinned)
             views = layout.device_views(dev)
             tail = self.new_tail(views, shape)
-            tail.apply_table_updates()
+            if updates:
+                tail.apply_table_updates()
             k_scratch, v_scratch = self.model.new_scratch(shape.rows)
             torch_layout = None if self.triton else self._torch_layout(batch, prefix, packed)
             logits, features = self.forward(dev, layout, block_m, splits, layers, k_scratch, v_scratch,
@@ -260,10 +263,12 @@ class TargetEngine:
                                     mask_words=views["mask"], batch=shape.seqs, num_tiles=shape.tiles,
                                     block_size=self.kv.block_size, group=self.group, block_m=block_m,
                                     num_splits=splits)
-        else:
+            tokens, positions = views["tokens"], views["positions"]
+        else:  # the torch ops index faster with int64 than with the buffer's int32
             plan = torch_layout
-        out = self.model.forward(views["tokens"], views["positions"], plan, self.kv, views["tree_row"].long(),
-                                 layers, scratch=(k_scratch, v_scratch))
+            tokens, positions = views["tokens"].long(), views["positions"].long()
+        out = self.model.forward(tokens, positions, plan, self.kv, views["tree_row"].long(), layers,
+                                 scratch=(k_scratch, v_scratch))
         return out.logits, out.features
 
     def _torch_layout(self, batch: StepBatch, prefix: np.ndarray, packed) -> StepLayout:
@@ -278,6 +283,8 @@ class TargetEngine:
 
     def _decide_eagerly(self, tail: StepTail, logits: torch.Tensor, batch: StepBatch, out: torch.Tensor,
                         top_k: int) -> torch.Tensor:
+        if logits.device.type == "cpu" and top_k == 0 and batch.greedy.all():
+            return tail.greedy_on_host(logits, out)
         decided = tail.greedy(logits)
         if not batch.greedy.all():
             decided = tail.sampled(logits, decided)
@@ -301,7 +308,8 @@ class TargetEngine:
         feature_rows = None
         if layers:
             # Committed rows of the sequences that asked, in row order, gathered on the device.
-            want = tail.committed_rows(kept) & tail.v["row_seq"].ge(0)
+            committed = tail.committed_rows(kept)
+            want = tail.v["row_seq"].ge(0) if committed is None else committed & tail.v["row_seq"].ge(0)
             asked = torch.from_numpy(batch.return_features).to(self.device, non_blocking=False)
             want &= asked[tail.v["row_seq"].long().clamp(min=0)]
             feature_rows = features[want]

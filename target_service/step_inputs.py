@@ -46,6 +46,7 @@ _REGIONS = (
     ("tokens", lambda s: s.rows), ("positions", lambda s: s.rows),
     ("row_seq", lambda s: s.rows),  # the row's sequence, -1 for padding
     ("row_tree", lambda s: s.rows),  # FIXED_ROW, PADDING_ROW, or the drafted node's b * M + m
+    ("row_slot", lambda s: s.rows),  # the cache slot of the row's position (the trash slot for padding)
     ("seq_info", lambda s: SEQ_INFO_FIELDS * s.seqs),  # prefix_len, first row, node count, table row
     ("tiles", lambda s: 3 * s.tiles),  # sequence, first node, node count
     ("tree_row", lambda s: s.seqs * s.tree),  # [B, M]: the step row of tree node m
@@ -172,10 +173,11 @@ def max_tree(batch: StepBatch) -> int:
 
 def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarray, updates: dict[int, int],
               shape: InputShape, views: dict[str, np.ndarray], per_tile: int, padding_row: int,
-              padding_update: int) -> PackedStep:
+              padding_update: int, host_table: np.ndarray, block_size: int, trash_slot: int) -> PackedStep:
     """Write `batch` into host views of a buffer laid out for `shape` (>= the batch's own
     shape). prefix_lens / table_rows: per sequence, its committed length and its row of
-    the device block table; updates: block-table entries to set before the forward."""
+    the block table (host_table: its host copy, blocks already reserved for the step);
+    updates: device block-table entries to set before the forward."""
     B, M = batch.size, shape.tree
     n = batch.num_nodes.astype(np.int64)
     nf = batch.num_fixed.astype(np.int64)
@@ -230,6 +232,10 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
         tiles[len(tile_seq):] = 0
         in_tree = local >= nf_row - 1
         tree_row.reshape(-1)[(seq_of_row * M + tree_idx)[in_tree]] = np.flatnonzero(in_tree)
+    positions = views["positions"][:R]
+    table_row_of_row = table_rows[seq_of_row]
+    views["row_slot"][:R] = host_table[table_row_of_row, positions // block_size] * block_size + positions % block_size
+    views["row_slot"][R:] = trash_slot
     views["tokens"][:R] = batch.tokens
     views["tokens"][R:] = 0
     views["positions"][R:] = 0

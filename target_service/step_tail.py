@@ -23,6 +23,7 @@ sampled sequences or top log-probs run it eagerly.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.kv_write import kv_commit_reference, kv_commit_triton
@@ -145,6 +146,51 @@ class StepTail:
         return dict(kept=kept, tokens=tokens, deepest=deepest, bonus=argmax.gather(1, deepest),
                     parent_logprob=logprob)
 
+    def greedy_on_host(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """greedy() then pack() for logits already on the host (the CPU's eager steps): the same
+        rule walked per sequence in Python, which on a CPU costs far less than ~30 tensor ops.
+        Fills `out` (a host tensor) and returns the kept mask. Tested equal to the device path."""
+        B, M = self.B, self.M
+        best, argmax = logits.max(-1)
+        logprob = (best - torch.logsumexp(logits, -1)).numpy().reshape(B, M)
+        argmax = argmax.numpy().reshape(B, M)
+        o = out.numpy()
+        kept = np.zeros((B, M), dtype=bool)
+        if M == 1:
+            o[:, 0] = 0
+            o[:, 1] = o[:, 2] = argmax[:, 0]
+            o[:, 3] = logprob[:, 0].astype(np.float32).view(np.int32)
+            o[:, 4] = 1
+            return torch.from_numpy(kept)
+        v = self.v
+        parent = v["tree_parent"].numpy().reshape(B, M)
+        tokens = v["tokens"].numpy()[v["tree_row"].numpy()].reshape(B, M)
+        size = v["tree_size"].numpy()
+        lp = logprob.astype(np.float32).view(np.int32)
+        for b in range(B):
+            children: dict[int, list[int]] = {}
+            for m in range(1, int(size[b])):
+                children.setdefault(int(parent[b, m]), []).append(m)
+            node, path = 0, []
+            while True:
+                want = argmax[b, node]
+                nxt = next((c for c in children.get(node, ()) if tokens[b, c] == want), None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                node = nxt
+            n = len(path)
+            kept[b, path] = True
+            before = [0, *path]
+            o[b, 0] = n
+            o[b, 1] = argmax[b, node]
+            o[b, 2: 2 + M] = argmax[b, node]
+            o[b, 2: 2 + n] = tokens[b, path]
+            o[b, 2 + M: 2 + M + n + 1] = lp[b, before]
+            o[b, 2 + 2 * M: 2 + 3 * M] = M
+            o[b, 2 + 2 * M: 2 + 2 * M + n] = path
+        return torch.from_numpy(kept)
+
     def sampled(self, logits: torch.Tensor, greedy_part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Acceptance for every sequence, sampled ones by the sampling rule (eager only)."""
         v, B, M = self.v, self.B, self.M
@@ -230,20 +276,25 @@ class StepTail:
         return kept
 
     # --- the KV of committed nodes --------------------------------------------
-    def committed_rows(self, kept: torch.Tensor) -> torch.Tensor:
-        """[R] bool: rows whose KV is kept (fixed nodes and the kept path)."""
+    def committed_rows(self, kept: torch.Tensor) -> torch.Tensor | None:
+        """[R] bool: rows whose KV is kept (fixed nodes and the kept path); None when the step
+        has no drafted node (M == 1), so every real row is kept."""
+        if self.M == 1:
+            return None
+        if kept.device.type == "cpu":  # the same in numpy: a few array ops instead of tensor ops
+            row_tree = self.v["row_tree"].numpy()
+            on_path = kept.numpy().reshape(-1)[np.maximum(row_tree, 0)]
+            return torch.from_numpy((row_tree == FIXED_ROW) | ((row_tree >= 0) & on_path))
         row_tree = self.v["row_tree"].long()
         on_path = kept.reshape(-1)[row_tree.clamp(min=0)]
         return (row_tree == FIXED_ROW) | ((row_tree >= 0) & on_path)
 
-    def commit(self, committed: torch.Tensor, k_scratch: torch.Tensor, v_scratch: torch.Tensor) -> None:
-        """Write every committed row's K/V (all layers) to its cache slot; the rest to trash."""
-        v = self.v
-        positions = v["positions"].long()
-        seq = v["row_seq"].long().clamp(min=0)
-        table_row = v["seq_info"].view(-1, 4)[:, 3].long()[seq]
-        block = self.table[table_row, positions // self.block_size].long()
-        slots = torch.where(committed, block * self.block_size + positions % self.block_size, self.trash_slot)
+    def commit(self, committed: torch.Tensor | None, k_scratch: torch.Tensor, v_scratch: torch.Tensor) -> None:
+        """Write every committed row's K/V (all layers) to its cache slot; the rest to trash.
+        committed None: every row is fixed (nothing drafted), padding already points at trash."""
+        slots = self.v["row_slot"]
+        if committed is not None:
+            slots = torch.where(committed, slots, self.trash_slot)
         rows = slots.shape[0]
         if self.use_triton:
             kv_commit_triton(self.k_cache, self.v_cache, k_scratch[:, :rows], v_scratch[:, :rows], slots)
