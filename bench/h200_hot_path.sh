@@ -9,6 +9,7 @@
 #   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
 #   engine   bench/engine_step.py: a whole TargetEngine.step, batch 1/8/64, decode and verify 8
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
+#            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
 # Carried wheels (.whl: grpcio 1.85, FastAPI, ...) are installed into /tmp/site first.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -47,9 +48,14 @@ for stage in "$@"; do
           --out "$OUT/engine_$tree.json"
       done ;;
     stack)
+      scale=/tmp/tandem-scale
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
       for tree in before after; do
-        run "stack_$tree" $tree 280 env SCALE_DIR=/tmp/tandem-scale SCALE_PORT=$((8100 + ${#tree})) \
-          bash bench/scale_stack.sh "$OUT/stack_$tree" 1,8,64 0.8 64 -- --modes never
+        run "stack_$tree" $tree 300 bash "$root/bench/serve_and_bench.sh" "$OUT/stack_$tree" \
+          "${STACK_CONCURRENCY:-1,8,64}" "${STACK_MODES:-never}" 128 \
+          --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
+          --target-args=--random-weights
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Start `tandem serve` from the current directory's code, run `tandem bench` against it, stop it.
+#
+#   bash bench/serve_and_bench.sh OUT CONCURRENCY MODES MAX_TOKENS [tandem serve flags...]
+#
+# OUT receives bench.json, bench.png and the services' logs (OUT/logs). The code is whatever
+# `python3 -m tandem.cli` imports (PYTHONPATH), so a before/after comparison runs this script
+# once per tree.
+set -uo pipefail
+out=${1:?usage: serve_and_bench.sh OUT CONCURRENCY MODES MAX_TOKENS [serve flags]}
+conc=$2; modes=$3; max_tokens=$4; shift 4
+port=${SERVE_PORT:-8123}
+mkdir -p "$out"
+python3 -m tandem.cli serve --port "$port" --grpc-port $((port + 1)) --log-dir "$out/logs" "$@" &
+serve=$!
+trap 'kill -TERM $serve 2>/dev/null; wait $serve 2>/dev/null || true' EXIT
+for _ in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  kill -0 $serve 2>/dev/null || { echo "tandem serve exited"; tail -n 30 "$out"/logs/*.log; exit 1; }
+  sleep 1
+done
+python3 -m tandem.cli bench --url "http://127.0.0.1:$port" --concurrency "$conc" --modes "$modes" \
+  --max-tokens "$max_tokens" --out "$out" --title "tandem: scale track, $modes"
