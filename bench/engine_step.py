@@ -70,6 +70,53 @@ def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, dev
     return 1000 * statistics.median(times[3:])
 
 
+def time_grant(engine: TargetEngine, ids: list[str], steps: int, device: str) -> float | None:
+    """ms per step of a plain-decode grant of `steps` steps (two in flight on graphs), or None
+    where the engine has no grant."""
+    if not hasattr(engine, "grant"):
+        return None
+    import numpy as np
+
+    from target_service.step_batch import StepBatch
+    from target_service.wire import GrantStops
+
+    batch = StepBatch.from_items([SequenceStep.chain(rid, [1]) for rid in ids])
+    stops = GrantStops(max_new_tokens=np.full(len(ids), steps, dtype=np.int32),
+                       stop_token_ids=(frozenset(),) * len(ids))
+    for _ in range(2):  # the first grant warms up; the second is timed
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replies = sum(1 for _ in engine.grant(batch, stops, steps, lambda: False))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    return 1000 * seconds / replies
+
+
+def time_replays(engine: TargetEngine, batch: int, nodes: int, iters: int) -> dict[str, float] | None:
+    """ms per replay of a bucket's graphs alone, no host work: the forward, and forward + tail.
+    What a step costs the GPU; a whole step minus this is host time."""
+    graphs = getattr(engine, "graphs", None)
+    bucket = getattr(graphs, "_buckets", {}).get((batch, nodes))
+    if bucket is None or bucket.forward_graph is None:
+        return None
+    out = {}
+    for name, graphs_run in (("forward", (bucket.forward_graph,)), ("forward+tail", (bucket.forward_graph,
+                                                                                       bucket.tail_graph))):
+        for _ in range(3):
+            for g in graphs_run:
+                g.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for g in graphs_run:
+                g.replay()
+        torch.cuda.synchronize()
+        out[name] = 1000 * (time.perf_counter() - t0) / iters
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
@@ -77,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", default="1,4,8,16")
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--grant", type=int, default=0, metavar="K",
+                    help="also time plain-decode grants of K steps per batch (engines that have them)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
@@ -85,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                                   num_heads=4, num_kv_heads=2, head_dim=16)
         args.batches, args.nodes, args.prefix, args.iters = "1,4", "1,4", 32, 2
+        args.grant = args.grant and 4
     batches = [int(b) for b in args.batches.split(",")]
     nodes = [int(n) for n in args.nodes.split(",")]
     model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device)
@@ -102,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
                 ms = time_steps(engine, ids, n, args.iters, device)
                 rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms})
                 print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step", flush=True)
+            if mode == "graphs":
+                for n in nodes:
+                    replay = time_replays(engine, b, n, args.iters)
+                    if replay is not None:
+                        rows.append({"mode": "replay", "batch": b, "nodes": n, **replay})
+                        print(f"replay batch {b:>4} nodes {n:>3}: forward {replay['forward']:.2f} ms, "
+                              f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
+            if args.grant:
+                ms = time_grant(engine, ids, args.grant, device)
+                if ms is not None:
+                    rows.append({"mode": mode, "batch": b, "nodes": 1, "grant": args.grant, "ms": ms})
+                    print(f"{mode:>6} batch {b:>4} grant {args.grant:>2}: {ms:8.2f} ms per step", flush=True)
             engine.release(ids)
         del engine
         if device == "cuda":

@@ -44,8 +44,9 @@ for stage in "$@"; do
       done ;;
     engine)
       for tree in before after; do
+        extra=(); [[ $tree == after ]] && extra=(--grant 16)  # grants exist after the change only
         run "engine_$tree" $tree 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
-          --out "$OUT/engine_$tree.json"
+          "${extra[@]}" --out "$OUT/engine_$tree.json"
       done ;;
     stack)
       scale=/tmp/tandem-scale

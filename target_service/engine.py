@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +27,9 @@ from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.tree import ancestor_mask, validate_tree
 from target_service.cuda_graphs import GraphConfig, StepGraphs
+from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.model import LlamaModel
+from target_service.pipelined_grant import PipelinedGrant, pipelined
 from target_service.step_batch import StepBatch, StepResults
 from target_service.step_inputs import (
     InputLayout,
@@ -40,6 +43,7 @@ from target_service.step_inputs import (
 )
 from target_service.step_tail import StepTail, output_width
 from target_service.types import InvalidStep, KvLoad, OutOfCapacity, SequenceResult, SequenceStep
+from target_service.wire import GrantStops
 
 MAX_TOP_LOGPROBS = 20
 # Sequences the device block table has rows for, at most: a sequence holds at least
@@ -190,6 +194,19 @@ class TargetEngine:
             raise
         self.last_step_seconds = time.perf_counter() - t0
         return results
+
+    @torch.inference_mode()
+    def grant(self, batch: StepBatch, stops: GrantStops, steps: int,
+              interrupted: Callable[[], bool]) -> Iterator[GrantStep]:
+        """Up to `steps` plain-decode steps of `batch` fed forward on the target (check_grant
+        first). On CUDA-graph buckets two steps are in flight at once (pipelined_grant);
+        otherwise one step after another."""
+        check_grant(batch, stops)
+        self._validate(batch)
+        if pipelined(self, batch):
+            yield from PipelinedGrant(self, batch, stops, steps, interrupted)
+        else:
+            yield from run_grant(self.run, batch, stops, steps, interrupted)
 
     def _host_buffer(self, words: int) -> np.ndarray:
         if self._host_buf.numel() < words:

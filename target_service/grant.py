@@ -21,9 +21,10 @@ from target_service.wire import GrantStops
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GrantStep:
-    results: StepResults | None  # None: the grant ended between steps (nothing ran)
+    results: StepResults | None  # None: nothing to report (the grant ended between steps)
     item_index: np.ndarray  # which items of the grant's first batch the results are for
     last: bool
+    batch: StepBatch | None = None  # what ran in this step (for metrics), when known
 
 
 def check_grant(batch: StepBatch, stops: GrantStops) -> None:
@@ -52,7 +53,7 @@ def run_grant(step: Callable[[StepBatch], StepResults], batch: StepBatch, stops:
                 stopped[i] = True
         follow = active[~stopped]
         last = done_steps == steps or len(follow) == 0 or interrupted()
-        yield GrantStep(results=results, item_index=active, last=last)
+        yield GrantStep(results=results, item_index=active, last=last, batch=current)
         if last:
             return
         if interrupted():  # arrived while the reply was on its way: end without another step

@@ -23,7 +23,7 @@ from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service.grant import check_grant, run_grant
+from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.metrics import TargetMetrics
 from target_service.parallel import EngineSpec, ParallelEngine
 from target_service.step_batch import StepBatch, StepResults
@@ -121,6 +121,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.metrics.record_batch(batch, results, load, seconds)
         return results, load, seconds
 
+    def _grant(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], stops: GrantStops,
+               steps: int, interrupted) -> Iterator[tuple[GrantStep, KvLoad, float]]:
+        """The grant's steps with the load after each and its seconds. At TP=1 without emulated
+        costs the engine runs it (two steps in flight on CUDA graphs) under the lock throughout;
+        otherwise step by step through _run."""
+        if self.pacing is not None or engine.tp_size > 1:
+            timing: dict[str, object] = {}
+
+            def step(part: StepBatch) -> StepResults:
+                results, timing["load"], timing["seconds"] = self._run(engine, part, layers)
+                return results
+
+            for granted in run_grant(step, batch, stops, steps, interrupted):
+                yield granted, timing.get("load") or engine.load(), timing.get("seconds", 0.0)
+            return
+        with self._lock:
+            t0 = time.perf_counter()
+            for granted in engine.engine.grant(batch, stops, steps, interrupted):
+                now = time.perf_counter()
+                load = engine.load()
+                if self.metrics is not None and granted.results is not None:
+                    self.metrics.record_batch(granted.batch, granted.results, load, now - t0)
+                yield granted, load, now - t0
+                t0 = time.perf_counter()
+
     def StepStream(self, request_iterator, context):
         # A reader thread queues what the gateway sends, so that a grant can see an
         # Interrupt (or any new call) while it runs, and end after the step in flight.
@@ -154,19 +179,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             stops = GrantStops.from_proto(call.stops, batch.size)
             check_grant(batch, stops)
             batch = batch.with_seeds(engine.engine.draw_seed)  # one seed for the whole grant
-            timing: dict[str, float] = {}
-
-            def step(part: StepBatch) -> StepResults:
-                results, timing["load"], timing["seconds"] = self._run(engine, part, layers)
-                return results
-
-            for granted in run_grant(step, batch, stops, call.grant_steps, interrupted):
+            for granted, load, seconds in self._grant(engine, batch, layers, stops, call.grant_steps, interrupted):
                 index += 1
                 if granted.results is None:
-                    yield target_pb2.StepReply(load=load_to_proto(engine.load()), step_index=index, done=True)
+                    yield target_pb2.StepReply(load=load_to_proto(load), step_index=index, done=granted.last)
                 else:
-                    yield _reply(granted.results, granted.item_index, timing["load"], timing["seconds"], index,
-                                 granted.last)
+                    yield _reply(granted.results, granted.item_index, load, seconds, index, granted.last)
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:
