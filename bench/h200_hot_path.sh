@@ -36,6 +36,7 @@ for stage in "$@"; do
   case $stage in
     tests)
       run tests after 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_target_graphs.py \
+        tests/test_pipelined_grant.py tests/test_step_tail.py \
         tests/test_target_verify.py ;;
     forward)
       for tree in before after; do
