@@ -94,8 +94,9 @@ def sync(device: str) -> None:
 
 
 def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, accepted: int, iters: int,
-               device: str) -> float:
-    """Median seconds of a Draft call that first ingests `accepted` + 1 committed tokens per request."""
+               device: str, grow_only: bool = False) -> float:
+    """Median seconds of a Draft call that first ingests `accepted` + 1 committed tokens per request
+    (grow_only: ingests nothing, so the call is the tree growth alone)."""
     width, vocab = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
@@ -103,7 +104,7 @@ def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget
     times = []
     for _ in range(iters + 2):
         ingest = []
-        for r in ids:
+        for r in ids if not grow_only else ():
             start = len(engine.requests[r].tokens) - 1
             ingest.append(IngestItem(r, start, tuple(engine.requests[r].tokens[start:]) +
                                      tuple(torch.randint(0, vocab, (accepted + 1,)).tolist()),
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", type=int, default=1024, help="committed tokens per request (default 1024)")
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted per verify step (default 2)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--grow-only", action="store_true", help="calls that ingest nothing: the tree growth alone")
     ap.add_argument("--out", type=Path, help="also write JSON")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'batch':>6} " + " ".join(f"{f'{b.steps}/{b.topk}/{b.num_draft_tokens}':>10}" for b in budgets))
     rows = []
     for batch in batches:
-        ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device) for b in budgets]
+        ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device, args.grow_only)
+              for b in budgets]
         rows.append({"batch": batch, "ms": dict(zip([f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in budgets],
                                                     ms))})
         print(f"{batch:>6} " + " ".join(f"{m:>10.2f}" for m in ms))

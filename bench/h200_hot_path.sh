@@ -10,6 +10,9 @@
 #   engine   bench/engine_step.py: a whole TargetEngine.step, batch 1/8/64, decode and verify 8
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
 #            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
+#   drafttests  the draft's tree-growth tests on the GPU (captured graphs)
+#   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
+#   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
 # Carried wheels (.whl: grpcio 1.85, FastAPI, ...) are installed into /tmp/site first.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -49,6 +52,26 @@ for stage in "$@"; do
         run "engine_$tree" $tree 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           "${extra[@]}" --out "$OUT/engine_$tree.json"
       done ;;
+    drafttests)
+      run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py ;;
+    draft)
+      for tree in before after; do
+        run "draft_$tree" $tree 200 python3 bench/draft_step.py --batches 1,8,64 --budgets "3,1,4;5,4,8;6,8,16" \
+          --iters 10 --out "$OUT/draft_$tree.json"
+      done
+      run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 --budgets "3,1,4;5,4,8;6,8,16" \
+        --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
+    spec)  # after only: always against never on the scale track (forced acceptance 0.8) and the demo track
+      scale=/tmp/tandem-scale
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
+      run spec_scale after 300 env SERVE_PORT=8200 bash "$root/bench/serve_and_bench.sh" "$OUT/spec_scale" \
+        "${SPEC_CONCURRENCY:-1,2,4,8}" never,always 128 \
+        --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
+        --target-args=--random-weights \
+        "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+      run spec_demo after 200 env SERVE_PORT=8300 bash "$root/bench/serve_and_bench.sh" "$OUT/spec_demo" \
+        "1,4" never,always 128 --device cuda ;;
     stack)
       scale=/tmp/tandem-scale
       [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \

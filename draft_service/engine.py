@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from draft_service.device_tree import BatchTreeGrowth, GrowthShape, fits
 from draft_service.model import Eagle3Draft
 from draft_service.tree_growth import TreeGrowth, top_children
 from draft_service.types import (
     MAX_STEPS,
+    DraftBudget,
     DraftInfo,
     DraftItem,
     DraftLoad,
@@ -34,6 +36,14 @@ from draft_service.types import (
 )
 from kernels.tree_attention import StepLayout
 from tandem.tree import ancestor_mask
+
+MAX_REQUESTS = 1024  # rows of the device block table: requests one replica holds at once
+MAX_GROWTH_BATCH = 64  # requests per tree-growth graph; more are grown in several
+
+
+def _bucket(n: int) -> int:
+    """Batch buckets of the tree-growth graphs: 1, 2, 4, ... MAX_GROWTH_BATCH."""
+    return min(MAX_GROWTH_BATCH, 1 << max(0, (n - 1).bit_length()))
 
 
 @dataclass
@@ -65,6 +75,10 @@ class DraftEngine:
     def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16):
         self.model = model
         self.kv = model.new_kv_cache(num_blocks, block_size)
+        # Tree growth reads each request's blocks from a device table (device_tree).
+        self.table = self.kv.keep_block_table(min(num_blocks, MAX_REQUESTS), model.max_position)
+        self.capture_graphs = model.device.type == "cuda" and model.attention.name == "triton"
+        self._growths: dict[GrowthShape, BatchTreeGrowth] = {}
         self.requests: dict[str, _Request] = {}
         self.max_tokens = model.max_position - MAX_STEPS
         self.target_ids = model.d2t.tolist()  # draft id -> target id
@@ -267,16 +281,24 @@ class DraftEngine:
 
     def _grow(self, items: list[DraftItem]) -> list[DraftTree]:
         trees, growing = [], []
+        on_device: dict[DraftBudget, list[tuple[DraftTree, str]]] = {}
         for it in items:
             st = self.requests[it.request_id]
             n = len(st.tokens) - 1
             tree = DraftTree(it.request_id, st.tokens[-1] if st.tokens else -1, max(n, 0))
             trees.append(tree)
             # A request with one known token has no draft position yet: no tree.
-            if not it.budget.empty and st.last_h is not None:
+            if it.budget.empty or st.last_h is None:
+                continue
+            if fits(it.budget):
+                on_device.setdefault(it.budget, []).append((tree, it.request_id))
+            else:
                 growing.append(_Growing(tree, TreeGrowth(it.budget), n, st.last_h,
                                         torch.from_numpy(self.kv.host_slots(it.request_id, 0, n)),
                                         list(self.kv.seqs[it.request_id].blocks)))
+        for budget, members in on_device.items():
+            for at in range(0, len(members), MAX_GROWTH_BATCH):
+                self._grow_on_device(budget, members[at: at + MAX_GROWTH_BATCH])
         if not growing:
             return trees
         # Level 0: the root's children come from the last computed position.
@@ -289,6 +311,29 @@ class DraftEngine:
         for g in growing:
             self._emit(g)
         return trees
+
+    def growth_for(self, batch: int, budget: DraftBudget) -> BatchTreeGrowth:
+        """The buffers (and on CUDA the captured graph) of a batch bucket and budget, made once."""
+        shape = GrowthShape(batch=_bucket(batch), budget=budget)
+        growth = self._growths.get(shape)
+        if growth is None:
+            self.table.flush()
+            growth = self._growths[shape] = BatchTreeGrowth(self.model, self.kv, shape, self.capture_graphs)
+        return growth
+
+    def _grow_on_device(self, budget: DraftBudget, members: list[tuple[DraftTree, str]]) -> None:
+        growth = self.growth_for(len(members), budget)
+        self.table.flush()  # catch-up may have added blocks
+        rids = [rid for _, rid in members]
+        host_slots = None
+        if self.model.attention.name == "torch":
+            host_slots = [self.kv.host_slots(rid, 0, self.computed(rid)) for rid in rids]
+        growth.load(torch.stack([self.requests[rid].last_h for rid in rids]),
+                    [self.computed(rid) for rid in rids], [self.kv.seqs[rid].row for rid in rids],
+                    self.table.padding_row, host_slots)
+        growth.run()
+        for (tree, _), (tokens, parents, depths, lps, scores) in zip(members, growth.trees(len(members))):
+            tree.tokens, tree.parents, tree.depths, tree.logprobs, tree.scores = tokens, parents, depths, lps, scores
 
     def _tree_level(self, active: list[_Growing]) -> None:
         """Run every active request's frontier through the model and expand it.

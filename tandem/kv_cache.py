@@ -53,6 +53,15 @@ class BlockTable:
         pending, self.pending = self.pending, {}
         return pending
 
+    def flush(self) -> None:
+        """Apply the pending entries to the device table now (callers that do not pack them
+        into a step's input)."""
+        pending = self.take_pending()
+        if pending:
+            index = torch.tensor(list(pending.keys()), dtype=torch.long)
+            blocks = torch.tensor(list(pending.values()), dtype=torch.int32)
+            self.table.view(-1)[index.to(self.table.device)] = blocks.to(self.table.device)
+
 
 class PagedKVCache:
     """K and V for `num_layers` layers in blocks of `block_size` tokens.

@@ -1,0 +1,263 @@
+"""EAGLE-2/3 tree growth for a batch of requests on the device, in fixed shapes.
+
+The rule is tree_growth.TreeGrowth's (its docstring; the tests hold the two
+equal): level 0 takes the root's top-k children; every later level runs the k
+frontier nodes through the draft, takes each one's top-k children (score =
+parent score + log-prob, float64), and the best k of those k*k become the next
+frontier; finally the best num_draft_tokens - 1 candidates are kept, in
+creation order. Ties go to the earlier candidate, as a stable sort would.
+
+Here every request of a batch with one budget grows at once and nothing leaves
+the device until the trees are done: a fixed frontier of B x k rows per level,
+top-k without sorting the vocabulary, ancestor masks as bit words built level by
+level (a node's word is its parent's plus its own bit), and the selection on the
+device. The shapes depend only on (batch, budget), so on a GPU one CUDA graph per
+(batch bucket, budget) replays the whole growth; a CPU runs the same code eagerly.
+
+Layout: request b's frontier node j of run e (e = 1 .. steps - 1; level-0 nodes
+are run at e = 1) lives in slot (e - 1) * k + j of b's rows, b * R .. b * R + R - 1
+with R = (steps - 1) * k. Attention gives each run's nodes the request's paged
+prefix plus the slots their ancestor words name.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from draft_service.types import DraftBudget
+from kernels.tree_attention import StepLayout
+from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 64  # run slots per request: one 64-bit ancestor word (5/4/8 uses 16, 6/8/16 uses 40)
+
+
+def fits(budget: DraftBudget) -> bool:
+    return not budget.empty and (budget.steps - 1) * budget.topk <= MAX_SLOTS
+
+
+def top_k_ranked(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their indices, best first, ties to the lower
+    index (what a stable descending sort gives), without sorting the row: the k-th value
+    bounds the choice, and among values equal to it the lowest indices fill the rest."""
+    kth = values.topk(k, -1).values[..., -1:]
+    above = values > kth
+    at = values == kth
+    need = k - above.sum(-1, keepdim=True)
+    taken = above | (at & (at.cumsum(-1) <= need))
+    idx = taken.to(values.dtype).topk(k, -1).indices.sort(-1).values  # the k taken, by index
+    picked = values.gather(-1, idx)
+    order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
+    return picked.gather(-1, order), idx.gather(-1, order)
+
+
+@dataclass(frozen=True)
+class GrowthShape:
+    batch: int
+    budget: DraftBudget
+
+    @property
+    def k(self) -> int:
+        return self.budget.topk
+
+    @property
+    def runs(self) -> int:
+        return self.budget.steps - 1
+
+    @property
+    def slots(self) -> int:
+        return max(1, self.runs * self.k)
+
+    @property
+    def candidates(self) -> int:
+        return self.k + self.runs * self.k * self.k
+
+    @property
+    def kept(self) -> int:
+        return self.budget.max_nodes
+
+
+class BatchTreeGrowth:
+    """The static buffers and (on CUDA) the graph of one (batch, budget)."""
+
+    def __init__(self, model, kv, shape: GrowthShape, capture: bool):
+        self.model, self.kv, self.shape = model, kv, shape
+        dev, B, R, K = model.device, shape.batch, shape.slots, shape.k
+        group = model.num_heads // model.num_kv_heads
+        self.block_m = choose_block_m(K, group)
+        self.per_tile = self.block_m // group
+        self.tiles_per_run = -(-K // self.per_tile)
+        tiles = B * self.tiles_per_run
+        # ints: seq_info [B, 4], then each run's tiles [tiles, 3].
+        self.ints_host = np.zeros(SEQ_INFO_FIELDS * B + 3 * tiles * max(shape.runs, 1), dtype=np.int32)
+        self.ints = torch.zeros(len(self.ints_host), dtype=torch.int32, device=dev)
+        self.root_h = torch.zeros(B, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        self.words = torch.zeros(B * R, 1, dtype=torch.int64, device=dev)
+        self.q = torch.zeros(B * R, model.num_heads, model.head_dim, dtype=model.dtype, device=dev)
+        self.k_scratch = torch.zeros(B * R, model.num_kv_heads, model.head_dim, dtype=model.dtype, device=dev)
+        self.v_scratch = torch.zeros_like(self.k_scratch)
+        self.out = torch.zeros(B, 5 * max(shape.kept, 1), dtype=torch.int32, device=dev)
+        self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
+        self.host_layouts: list[StepLayout] | None = None  # the torch backend's per-run layouts (CPU)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capture_seconds = 0.0
+        if capture:
+            self._capture()
+
+    # --- inputs -------------------------------------------------------------------
+    def load(self, root_h: torch.Tensor, lengths: list[int], table_rows: list[int], padding_row: int,
+             host_slots: list[np.ndarray] | None = None) -> None:
+        """The requests of this call (fewer than the bucket's batch: the rest are padding)."""
+        B, R, K = self.shape.batch, self.shape.slots, self.shape.k
+        n = len(lengths)
+        info = self.ints_host[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
+        info[:] = (0, 0, 0, padding_row)
+        info[:, 1] = np.arange(B) * R
+        info[:n, 0] = lengths
+        info[:n, 2] = R
+        info[:n, 3] = table_rows
+        at = SEQ_INFO_FIELDS * B
+        for run in range(self.shape.runs):
+            tiles = self.ints_host[at: at + 3 * B * self.tiles_per_run].reshape(B, self.tiles_per_run, 3)
+            first = run * K + np.arange(self.tiles_per_run) * self.per_tile
+            tiles[:, :, 0] = np.arange(B)[:, None]
+            tiles[:, :, 1] = first
+            tiles[:, :, 2] = np.minimum(self.per_tile, (run + 1) * K - first)
+            tiles[n:, :, 2] = 0  # padding requests do nothing
+            at += 3 * B * self.tiles_per_run
+        self.ints.copy_(torch.from_numpy(self.ints_host), non_blocking=False)
+        self.root_h[:n].copy_(root_h)
+        self.root_h[n:].zero_()
+        self.lengths[:n].copy_(torch.tensor(lengths, dtype=torch.long))
+        self.lengths[n:] = 0
+        if self.model.attention.name == "torch":
+            self.host_slots = host_slots or [np.zeros(0, dtype=np.int64)] * n
+            self.real = n
+
+    # --- the growth ---------------------------------------------------------------
+    def _plan(self, run: int):
+        """What run `run`'s attention reads: kernel metadata, or (torch backend) a layout."""
+        B, R = self.shape.batch, self.shape.slots
+        if self.model.attention.name == "triton":
+            tile_off = SEQ_INFO_FIELDS * B + run * 3 * B * self.tiles_per_run
+            return TreeAttnMetadata(
+                ints=self.ints, info_off=0, tile_off=tile_off, block_table=self.kv.block_table.table,
+                mask_words=self.words, batch=B, num_tiles=B * self.tiles_per_run, block_size=self.kv.block_size,
+                group=self.model.num_heads // self.model.num_kv_heads, block_m=self.block_m,
+                num_splits=self.splits)
+        # The reference attends every row; rows of later runs see only themselves (their bit).
+        bits = (self.words.view(B, R, 1) >> torch.arange(R, device=self.words.device)) & 1
+        masks = bits.bool()
+        n = self.real
+        slots = [torch.from_numpy(s) for s in self.host_slots] + [torch.zeros(0, dtype=torch.long)] * (B - n)
+        return StepLayout(tuple(range(0, B * R, R)), (R,) * B, tuple(slots), tuple(masks[b] for b in range(B)))
+
+    def run(self) -> None:
+        """Grow every request's tree; results in self.out (read with `trees`)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._grow()
+
+    def _grow(self) -> None:
+        model, shape = self.model, self.shape
+        B, K, R, runs = shape.batch, shape.k, shape.slots, shape.runs
+        dev = model.device
+        d2t = model.d2t
+        # Level 0: the root's children.
+        lp, ids = top_k_ranked(model.logprobs(self.root_h), K)  # [B, K]
+        cand_token = [ids]
+        cand_parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
+        cand_level = [torch.zeros(B, K, dtype=torch.long, device=dev)]
+        cand_lp = [lp]
+        cand_score = [lp.double()]
+        frontier = torch.arange(K, device=dev).expand(B, K)  # candidate indices, ascending
+        frontier_parent_slot = torch.full((B, K), -1, dtype=torch.long, device=dev)
+        g = self.root_h[:, None, :].expand(B, K, -1)
+        own = torch.arange(R, device=dev)
+        self.words.copy_((torch.ones_like(own) << own).repeat(B)[:, None])
+        rows = (torch.arange(B, device=dev) * R)[:, None]
+        created = K
+        for run in range(runs):
+            slot = run * K + torch.arange(K, device=dev)  # this run's slots
+            token = d2t[torch.cat(cand_token, 1).gather(1, frontier)]
+            level = torch.cat(cand_level, 1).gather(1, frontier)
+            positions = self.lengths[:, None] + level
+            parent_words = self.words.view(B, R).gather(1, frontier_parent_slot.clamp(min=0))
+            parent_words = torch.where(frontier_parent_slot >= 0, parent_words, 0)
+            self.words.view(B, R)[:, run * K: (run + 1) * K] = parent_words | (1 << slot)
+            q, k, v = model.attention_inputs(token.reshape(-1), g.reshape(B * K, -1), positions.reshape(-1))
+            at = (rows + slot).reshape(-1)
+            self.q[at] = q
+            self.k_scratch[at] = k
+            self.v_scratch[at] = v
+            attn = model.attention(self.q, self.k_scratch, self.v_scratch, self.kv.k[0], self.kv.v[0],
+                                   self._plan(run), model.scale)
+            h = model.finish(attn[at], g.reshape(B * K, -1))  # [B*K, H]
+            child_lp, child_ids = top_k_ranked(model.logprobs(h), K)  # [B*K, K]
+            score = torch.cat(cand_score, 1).gather(1, frontier)  # [B, K] float64
+            child_score = (score[:, :, None] + child_lp.view(B, K, K).double()).reshape(B, K * K)
+            cand_token.append(child_ids.view(B, K * K))
+            cand_parent.append(frontier[:, :, None].expand(B, K, K).reshape(B, K * K))
+            cand_level.append(torch.full((B, K * K), run + 1, dtype=torch.long, device=dev))
+            cand_lp.append(child_lp.view(B, K * K))
+            cand_score.append(child_score)
+            # The next frontier: the best k new candidates, in creation order, and where their parents ran.
+            best = top_k_ranked(child_score, K)[1].sort(-1).values  # positions among the new K*K
+            frontier = created + best
+            frontier_parent_slot = run * K + best // K
+            g = h.view(B, K, -1).gather(1, (best // K)[:, :, None].expand(B, K, h.shape[-1]))
+            created += K * K
+        self._select(torch.cat(cand_token, 1), torch.cat(cand_parent, 1), torch.cat(cand_level, 1),
+                     torch.cat(cand_lp, 1), torch.cat(cand_score, 1))
+
+    def _select(self, token, parent, level, lp, score) -> None:
+        """The kept nodes (best scores, creation order), each with its parent's index among them."""
+        B, C, n = token.shape[0], token.shape[1], self.shape.kept
+        if n <= 0:
+            return
+        chosen = top_k_ranked(score, n)[1].sort(-1).values  # [B, n] candidate indices, ascending
+        index_of = torch.full((B, C + 1), -1, dtype=torch.long, device=token.device)
+        index_of.scatter_(1, chosen, torch.arange(n, device=token.device).expand(B, n))
+        parent_index = index_of.gather(1, torch.where(parent.gather(1, chosen) >= 0, parent.gather(1, chosen), C))
+        out = self.out.view(B, 5, n)
+        out[:, 0] = self.model.d2t[token.gather(1, chosen)].int()
+        out[:, 1] = parent_index.int()
+        out[:, 2] = (level.gather(1, chosen) + 1).int()
+        out[:, 3] = lp.gather(1, chosen).float().view(torch.int32)
+        out[:, 4] = score.gather(1, chosen).float().view(torch.int32)
+
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        padding_row = self.kv.block_table.padding_row
+        self.load(torch.zeros(0, self.model.cfg.hidden_size, dtype=self.model.dtype, device=self.model.device),
+                  [], [], padding_row)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile the kernels outside the capture
+            self._grow()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._grow()
+        self.graph = graph
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("captured the draft tree graph for batch %d, budget %d/%d/%d in %.2f s", self.shape.batch,
+                 self.shape.budget.steps, self.shape.budget.topk, self.shape.budget.num_draft_tokens,
+                 self.capture_seconds)
+
+    # --- results ------------------------------------------------------------------
+    def trees(self, n: int) -> list[tuple[list[int], list[int], list[int], list[float], list[float]]]:
+        """(tokens, parents, depths, log-probs, scores) of the first n requests: one device-to-host copy."""
+        kept = self.shape.kept
+        raw = self.out[:n].cpu().numpy().reshape(n, 5, max(kept, 1))[:, :, :kept]
+        floats = raw[:, 3:5].copy().view(np.float32)
+        return [(raw[b, 0].tolist(), raw[b, 1].tolist(), raw[b, 2].tolist(), floats[b, 0].tolist(),
+                 floats[b, 1].tolist()) for b in range(n)]

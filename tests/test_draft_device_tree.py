@@ -1,0 +1,72 @@
+"""Tree growth on the device equals the host rule it replaces, on every attention backend.
+
+draft_service.device_tree grows a batch's trees in fixed shapes (one CUDA graph on a
+GPU); draft_service.tree_growth.TreeGrowth is the per-request rule, kept as the
+reference (tests/test_draft_tree.py checks it against brute force). Same history,
+same budgets: the same nodes, parents, depths, in the same order, with the same scores.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import draft_service.engine as draft_engine
+from draft_service.device_tree import top_k_ranked
+from draft_service.engine import DraftEngine
+from draft_service.model import Eagle3Draft
+from draft_service.types import DraftBudget, DraftItem, IngestItem
+from tests.tiny_draft import make_tiny_eagle3
+
+BUDGETS = [DraftBudget(5, 4, 8), DraftBudget(3, 1, 4), DraftBudget(6, 8, 16), DraftBudget(2, 3, 30),
+           DraftBudget(1, 4, 3)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama, tmp_path_factory):
+    target = tiny_llama("gqa")
+    return target, make_tiny_eagle3(tmp_path_factory.mktemp("dev") / "d", target, draft_vocab_size=40, seed=31)
+
+
+def drafted(model: Eagle3Draft, on_device: bool, monkeypatch) -> list:
+    grows_on_device = (lambda budget: not budget.empty) if on_device else (lambda budget: False)
+    monkeypatch.setattr(draft_engine, "fits", grows_on_device)
+    engine = DraftEngine(model, num_blocks=96, block_size=4)
+    rng = random.Random(7)
+    for i in range(6):
+        n = rng.randint(2, 19)
+        gen = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, model.cfg.target_vocab_size, (n + 1,), generator=gen).tolist()
+        feats = torch.randn(n, model.cfg.feature_width, generator=gen)
+        engine.ingest([IngestItem(f"r{i}", 0, tuple(tokens), feats)], catch_up=True)
+    items = [DraftItem(f"r{i}", BUDGETS[i % len(BUDGETS)]) for i in range(6)]
+    return engine.draft(items)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_device_growth_gives_the_host_rules_trees(pair, backend, monkeypatch):
+    """On a GPU with triton the device growth replays a captured CUDA graph."""
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
+    host = drafted(model, on_device=False, monkeypatch=monkeypatch)
+    device = drafted(model, on_device=True, monkeypatch=monkeypatch)
+    assert sum(len(t) for t in host) > 20
+    for a, b in zip(host, device, strict=True):
+        assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths), a.request_id
+        assert b.scores == pytest.approx(a.scores, abs=1e-5) and b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+def test_top_k_ranked_breaks_ties_towards_the_lower_index_like_a_stable_sort():
+    rng = random.Random(1)
+    for _ in range(200):
+        width = rng.randint(1, 12)
+        k = rng.randint(1, width)
+        values = torch.tensor([float(rng.choice([0, -1, -2, -1e9])) for _ in range(width)]).expand(3, width)
+        got_values, got_index = top_k_ranked(values, k)
+        want = torch.sort(values, dim=-1, descending=True, stable=True)
+        assert torch.equal(got_index, want.indices[:, :k]) and torch.equal(got_values, want.values[:, :k])
