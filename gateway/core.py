@@ -548,6 +548,7 @@ class GatewayCore:
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             self.metrics.requests_total.labels(finish_reason=str(delta.finish_reason)).inc()
             self.metrics.generation_tokens.labels(speculation=str(self._mode(req))).inc(delta.completion_tokens)
+            self.metrics.record_finished(self.model_name, delta.prompt_tokens, delta.completion_tokens)
 
     # --- record --------------------------------------------------------------------------
     def _record(self, plan: StepPlan, outcome: StepOutcome) -> None:

@@ -49,6 +49,16 @@ class GatewayMetrics:
                                              "whose drafted path was accepted past each position (vLLM's name)",
                                              [*labels, "position"], registry=r)
 
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests (vLLM's "
+                                          "name)", labels, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Output tokens of finished requests "
+                                              "(vLLM's name)", labels, registry=r)
+
+    def record_finished(self, model_name: str, prompt_tokens: int, completion_tokens: int) -> None:
+        labels = {"model_name": model_name, "engine": "0"}
+        self.vllm_prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.vllm_generation_tokens.labels(**labels).inc(completion_tokens)
+
     def record_verify(self, model_name: str, drafted: int, accepted: int) -> None:
         """One verified tree: `drafted` nodes, `accepted` of them on the kept path."""
         self.num_drafts.inc()
