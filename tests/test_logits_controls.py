@@ -323,3 +323,28 @@ def test_counting_only_committed_tokens_at_tree_nodes_is_caught(tiny_vocab_model
     monkeypatch.setattr(processors, "_node_context_counts", fixed_only)
     spec = sample_three_tokens(tiny_vocab_model, True, TRIALS, seed0=50_000)
     assert contingency_p(plain_samples, spec) < 1e-6  # 1e-22 when written
+
+
+def test_graph_buckets_with_controls_decide_as_the_eager_step(checkpoint):
+    """Padded bucket buffers (captured graphs on a GPU; the same buffers eagerly on CPU) replay
+    the forward and run the controls' tail eagerly, with the eager step's results."""
+    from tests.test_target_graphs import DEVICE, engines, run_both, tree_with_path
+
+    eager, graphs = engines((LlamaModel(checkpoint, device=DEVICE, attention_backend="torch"),
+                             LlamaModel(checkpoint, device=DEVICE, attention_backend="triton")))
+    controls = {"a": with_prompt(CONTROLS["all"]), "b": with_prompt(CONTROLS["frequency"]),
+                "c": LogitsControls()}
+    first = run_both(eager, graphs, [SequenceStep.chain(r, PROMPT, create=True, controls=c)
+                                     for r, c in controls.items()])
+    last = {r.request_id: r.tokens[-1] for r in first}
+    for step in range(5):
+        items = []
+        for i, (rid, c) in enumerate(controls.items()):
+            if (step + i) % 2:
+                items.append(SequenceStep.chain(rid, [last[rid]], controls=c))
+            else:
+                toks, parents = tree_with_path(last[rid], [(last[rid] * 7 + k) % 97 for k in range(3)], {1: [5]})
+                items.append(SequenceStep(rid, tuple(toks), tuple(parents), 1, controls=c))
+        items = items if step % 2 else items[:2]  # 3 sequences pad to a bucket of 4
+        last.update({r.request_id: r.tokens[-1] for r in run_both(eager, graphs, items)})
+    assert graphs.graphs.replays == 5
