@@ -173,9 +173,19 @@ class ControlColumns:
             bias_ids=self.bias_ids[bias_at], bias_values=self.bias_values[bias_at])
 
     def problem(self, vocab: int) -> tuple[int, str] | None:
-        """The first sequence whose controls cannot be applied, and why."""
-        for b in range(self.size):
-            why = self.item(b).problem(vocab)
-            if why is not None:
-                return b, why
-        return None
+        """The first sequence whose controls cannot be applied, and why (checked as columns: the
+        step's host work stays a few array operations; LogitsControls.problem words the reason)."""
+        with np.errstate(invalid="ignore"):
+            bad = ~((self.repetition_penalty > 0) & np.isfinite(self.repetition_penalty))
+            for column in (self.frequency_penalty, self.presence_penalty):
+                bad |= ~(np.abs(column) <= MAX_PENALTY)
+            bad |= ~((self.min_p >= 0) & (self.min_p <= 1)) | (self.min_tokens < 0) | (self.prompt_len < 0)
+            seq_of_stop = np.repeat(np.arange(self.size), self.stop_counts)
+            bad[seq_of_stop[(self.stop_ids < 0) | (self.stop_ids >= vocab)]] = True
+            seq_of_bias = np.repeat(np.arange(self.size), self.bias_counts)
+            wrong = (self.bias_ids < 0) | (self.bias_ids >= vocab) | ~(np.abs(self.bias_values) <= MAX_LOGIT_BIAS)
+            bad[seq_of_bias[wrong]] = True
+        if not bad.any():
+            return None
+        b = int(np.flatnonzero(bad)[0])
+        return b, self.item(b).problem(vocab) or "logits controls out of range"
