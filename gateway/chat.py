@@ -62,8 +62,10 @@ def render_plain(messages: Sequence[dict[str, str]]) -> str:
     return "".join(lines) + PLAIN_ASSISTANT_CUE
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
-    """Token ids of the prompt for the assistant's next turn."""
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                    add_special_tokens: bool | None = None) -> list[int]:
+    """Token ids of the prompt for the assistant's next turn. add_special_tokens (vLLM's field):
+    None leaves them to the template (none added), or to the tokenizer for the plain template."""
     msgs = normalize_messages(messages)
     if getattr(tokenizer, "chat_template", None):
         try:
@@ -71,5 +73,5 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[
         except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
             raise InvalidArgument(f"the model's chat template rejected the messages: {exc}") from exc
         # The template writes the special tokens (BOS and the like) itself.
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(render_plain(msgs)))
+        return list(tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)))
+    return list(tokenizer.encode(render_plain(msgs), add_special_tokens=add_special_tokens is not False))

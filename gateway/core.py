@@ -42,7 +42,7 @@ from gateway.policy import (
 )
 from gateway.request import DraftLink, Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, blocks_for, plan_step
-from gateway.types import DeltaSink, FinishReason, GenerationParams, SpecMode, SpecStats
+from gateway.types import DeltaSink, FinishReason, GenerationParams, SpecMode
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 from target_service.wire import GrantStops
@@ -202,6 +202,10 @@ class GatewayCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < self._vocab]
         if bad:
             raise InvalidArgument(f"prompt token id {bad[0]} is out of range")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self._vocab]
+        if bad:
+            raise InvalidArgument(f"logit_bias token id {bad[0]} is out of the vocabulary (0..{self._vocab - 1})",
+                                  param="logit_bias")
         with self._lock:
             if request_id in self._ids:
                 raise InvalidArgument(f"request id {request_id!r} is already in use")
@@ -411,9 +415,9 @@ class GatewayCore:
         if tree is not None:
             tokens, parents, num_fixed = tree.verify_tree()
             return SequenceStep(req.request_id, tuple(tokens), tuple(parents), num_fixed, False, sampling, top,
-                                want_features)
+                                want_features, req.logits_controls)
         return SequenceStep.chain(req.request_id, it.tokens, create=not req.target_created, sampling=sampling,
-                                  top_logprobs=top, return_features=want_features)
+                                  top_logprobs=top, return_features=want_features, controls=req.logits_controls)
 
     def _wants_features(self, req: Request) -> bool:
         return self._replica(req) is not None and self._mode(req) != SpecMode.NEVER and not self._dormant(req)
@@ -510,16 +514,12 @@ class GatewayCore:
         stats = req.stats
         if tree is not None:
             accepted = len(res.accepted_nodes)
-            stats = SpecStats(stats.draft_tokens + len(tree.tokens), stats.accepted_tokens + accepted,
-                              stats.verify_steps + 1, stats.plain_steps)
-            self.metrics.num_drafts.inc()
-            self.metrics.num_draft_tokens.inc(len(tree.tokens))
-            self.metrics.num_accepted_tokens.inc(accepted)
+            stats = stats.after_verify(len(tree.tokens), accepted)
+            self.metrics.record_verify(self.model_name, len(tree.tokens), accepted)
             req.acceptance.record(budget, accepted)
             self.book.record(budget, accepted)
         elif it.is_decode:
-            stats = SpecStats(stats.draft_tokens, stats.accepted_tokens, stats.verify_steps,
-                              stats.plain_steps + 1)
+            stats = stats.after_plain()
             self.metrics.plain_decode_steps.inc()
             req.acceptance.fade(0.85)
         first = req.first_token_at is None
@@ -548,6 +548,7 @@ class GatewayCore:
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             self.metrics.requests_total.labels(finish_reason=str(delta.finish_reason)).inc()
             self.metrics.generation_tokens.labels(speculation=str(self._mode(req))).inc(delta.completion_tokens)
+            self.metrics.record_finished(self.model_name, delta.prompt_tokens, delta.completion_tokens)
 
     # --- record --------------------------------------------------------------------------
     def _record(self, plan: StepPlan, outcome: StepOutcome) -> None:

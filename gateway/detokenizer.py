@@ -15,8 +15,9 @@ class IncrementalDetokenizer:
     the output tokens.
     """
 
-    def __init__(self, tokenizer, prompt_tail: list[int]):
+    def __init__(self, tokenizer, prompt_tail: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         # A little prompt context for leading-space rules; none when the prompt ends inside a
         # character, or the output's first bytes would complete the prompt's character.
         context = list(prompt_tail)
@@ -27,7 +28,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -50,18 +52,21 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Finds stop strings in streamed text, holding back what could still become one."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
         self.stops = stops
+        self.include_stop = include_stop  # the text ends after the stop string, not before it
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""  # text not yet released to the client
 
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """Returns (text safe to emit now, whether a stop string was hit)."""
+    def feed(self, piece: str, match: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string was hit). match=False: the text
+        may not end on a stop string yet (min_tokens), but is still held back as usual."""
         self.pending += piece
-        if self.stops:
-            hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if self.stops and match:
+            hits = [(i, -len(s), s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
             if hits:
-                out, self.pending = self.pending[:min(hits)], ""
+                at, _, stop = min(hits)
+                out, self.pending = self.pending[: at + len(stop) if self.include_stop else at], ""
                 return out, True
         cut = len(self.pending) - self.hold if self.stops else len(self.pending)
         out, self.pending = self.pending[:max(cut, 0)], self.pending[max(cut, 0):]

@@ -14,10 +14,8 @@ INTERNAL. A full queue is RESOURCE_EXHAUSTED with a retry delay, as REST's
 
 from __future__ import annotations
 
-import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterator
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -47,28 +45,18 @@ def retry_trailers(code: grpc.StatusCode, message: str, seconds: int) -> tuple[t
     return (("grpc-status-details-bin", status.SerializeToString()), ("retry-after", str(seconds)))
 
 
-def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
-    """End the call with the status `exc` maps to (the one mapping, grpc_host.status_for)."""
+def abort_with(context: grpc.ServicerContext, exc: BaseException, request_id: str | None = None) -> None:
+    """End the call with the status `exc` maps to (the one mapping, grpc_host.status_for); a
+    refused request is logged once, at warning level, with its code, param and request id."""
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("Generate failed", exc_info=exc)
+    else:
+        log.warning("rejected Generate (request %s): %s, param=%s: %s", request_id or "unparsed", code.name,
+                    getattr(exc, "param", None), message)
     if isinstance(exc, ResourceExhausted):
         context.set_trailing_metadata(retry_trailers(code, message, RETRY_AFTER_S))
     context.abort(code, message)
-
-
-def map_stream_errors(method: Callable[..., Iterator]) -> Callable[..., Iterator]:
-    """Decorate a server-streaming servicer method: service errors become status codes
-    (grpc_host.map_errors does this for unary methods; a generator needs its own wrapper)."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            yield from method(self, request, context)
-        except Exception as exc:  # the one place service errors reach the wire
-            abort_with(context, exc)
-
-    return wrapper
 
 
 def _float(value: float) -> float:
@@ -104,7 +92,13 @@ def request_from_proto(m: generation_pb2.GenerateRequest, tokenizer, max_model_l
         stop_token_ids=tuple(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
-        speculation=m.speculation or None)
+        speculation=m.speculation or None,
+        repetition_penalty=_float(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=_float(m.frequency_penalty), presence_penalty=_float(m.presence_penalty),
+        min_p=_float(m.min_p), min_tokens=m.min_tokens,
+        logit_bias=tuple((int(t), _float(b)) for t, b in sorted(m.logit_bias.items())),
+        include_stop_str_in_output=m.include_stop_str_in_output,
+        skip_special_tokens=m.skip_special_tokens if m.HasField("skip_special_tokens") else True)
     return prompt, params
 
 
@@ -131,11 +125,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: GenerationEngine):
         self.engine = engine
 
-    @map_stream_errors
     def Generate(self, request: bytes | generation_pb2.GenerateRequest, context):
-        if isinstance(request, bytes):  # as the service registers it: parsed here, see the module doc
-            request = parse_request(request)
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        request_id = None
+        try:
+            if isinstance(request, bytes):  # as the service registers it: parsed here, see the module doc
+                request = parse_request(request)
+            request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            yield from self._generate(request_id, request, context)
+        except Exception as exc:  # the one place service errors reach the wire
+            abort_with(context, exc, request_id)
+
+    def _generate(self, request_id: str, request: generation_pb2.GenerateRequest, context):
         prompt, params = request_from_proto(request, self.engine.tokenizer, self.engine.max_model_len)
         if not self.engine.ready():
             raise Unavailable("the engine is not ready (loading or draining)")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.openai_errors import APIError
+from gateway.openai_errors import APIError, rejected
 from tandem.api_key import UNAUTHORIZED_MESSAGE, key_matches
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -34,6 +35,11 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+async def _refuse(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    response = rejected(err, scope.get("method", ""), scope.get("path", ""), Headers(scope=scope))
+    await response(scope, receive, send)
+
+
 class ApiKeyMiddleware:
     """401 for a request to a protected path without `Authorization: Bearer <api_key>`."""
 
@@ -45,7 +51,7 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.protected(scope["path"]) and \
                 not key_matches(_header(scope, b"authorization"), self.api_key):
-            await unauthorized().response()(scope, receive, send)
+            await _refuse(unauthorized(), scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -64,7 +70,7 @@ class BodyLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await body_too_large(self.max_bytes).response()(scope, receive, send)
+            await _refuse(body_too_large(self.max_bytes), scope, receive, send)
             return
         seen = 0
 

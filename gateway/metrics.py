@@ -36,3 +36,37 @@ class GatewayMetrics:
         # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens of finished requests, by "
                                          "the request's speculation mode", ["speculation"], registry=r)
+        # The same speculation counters under vLLM's names and labels, where vLLM-aware dashboards
+        # and benchmark clients look for them.
+        labels = ["model_name", "engine"]
+        self.vllm_num_drafts = Counter("vllm:spec_decode_num_drafts", "Token trees verified (vLLM's name)",
+                                       labels, registry=r)
+        self.vllm_num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens sent for "
+                                             "verification (vLLM's name)", labels, registry=r)
+        self.vllm_num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens the "
+                                                "target accepted (vLLM's name)", labels, registry=r)
+        self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Verified trees "
+                                             "whose drafted path was accepted past each position (vLLM's name)",
+                                             [*labels, "position"], registry=r)
+
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests (vLLM's "
+                                          "name)", labels, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Output tokens of finished requests "
+                                              "(vLLM's name)", labels, registry=r)
+
+    def record_finished(self, model_name: str, prompt_tokens: int, completion_tokens: int) -> None:
+        labels = {"model_name": model_name, "engine": "0"}
+        self.vllm_prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.vllm_generation_tokens.labels(**labels).inc(completion_tokens)
+
+    def record_verify(self, model_name: str, drafted: int, accepted: int) -> None:
+        """One verified tree: `drafted` nodes, `accepted` of them on the kept path."""
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(drafted)
+        self.num_accepted_tokens.inc(accepted)
+        labels = {"model_name": model_name, "engine": "0"}
+        self.vllm_num_drafts.labels(**labels).inc()
+        self.vllm_num_draft_tokens.labels(**labels).inc(drafted)
+        self.vllm_num_accepted_tokens.labels(**labels).inc(accepted)
+        for position in range(accepted):
+            self.vllm_accepted_per_pos.labels(**labels, position=str(position)).inc()

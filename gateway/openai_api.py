@@ -45,6 +45,7 @@ from gateway.openai_schema import (
     check_logprobs,
     completion_prompts,
     parse_body,
+    prompt_texts,
     sampling_kwargs,
 )
 from gateway.prompts import fit_max_tokens
@@ -125,8 +126,9 @@ async def completions(request: Request) -> Response:
     req: CompletionRequest = await parse_body(request, CompletionRequest, settings.model_names)
     try:
         logprobs = check_logprobs(req)
-        prompts = completion_prompts(engine.tokenizer, req.prompt)
-        job = _build_job(engine, settings, req, False, prompts, logprobs, req.max_tokens)
+        prompts = completion_prompts(engine.tokenizer, req.prompt, req.add_special_tokens is not False)
+        echo = prompt_texts(engine.tokenizer, req.prompt, prompts) if req.echo else None
+        job = _build_job(engine, settings, req, False, prompts, logprobs, req.max_tokens, echo)
     except InvalidArgument as exc:
         raise api_error_for(exc) from exc
     return await _run(request, engine, job, req.stream)
@@ -138,7 +140,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         logprobs = check_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        prompt = chat_prompt_ids(engine.tokenizer, req.messages)
+        prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_special_tokens)
         job = _build_job(engine, settings, req, True, [prompt], logprobs, max_tokens)
     except InvalidArgument as exc:
         raise api_error_for(exc) from exc
@@ -168,7 +170,8 @@ async def metrics(request: Request) -> Response:
 # ---------------------------------------------------------------------------- running a job
 
 def _build_job(engine: GenerationEngine, settings: ApiSettings, req: CommonFields, chat: bool,
-               prompts: list[list[int]], logprobs: int | None, max_tokens: int | None) -> Job:
+               prompts: list[list[int]], logprobs: int | None, max_tokens: int | None,
+               echo: list[str] | None = None) -> Job:
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     base = sampling_kwargs(req, logprobs)
     total = len(prompts) * req.n
@@ -182,12 +185,14 @@ def _build_job(engine: GenerationEngine, settings: ApiSettings, req: CommonField
             params = GenerationParams(max_tokens=fitted, seed=seed, **base)
             rid = response_id if total == 1 else f"{response_id}-{index}"
             subrequests.append(SubRequest(rid, ids, params))
-            choices.append(Choice(index=index))
+            choices.append(Choice(index=index, echo=echo[p] if echo is not None else ""))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # As vLLM: cumulative usage on every chunk only when the final usage chunk is asked for too.
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
     return Job(chat=chat, response_id=response_id, model=req.model or settings.model_names[0],
                created=int(time.time()), prompt_lens=[len(ids) for ids in prompts],
                subrequests=subrequests, choices=choices, logprobs=logprobs is not None,
-               include_usage=include_usage)
+               include_usage=include_usage, continuous_usage=continuous)
 
 
 async def _run(request: Request, engine: GenerationEngine, job: Job, streaming: bool) -> Response:

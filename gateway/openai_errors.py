@@ -8,6 +8,8 @@ framework, has the body `{"error": {"message", "type", "param", "code"}}`;
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,7 +47,8 @@ def api_error_for(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidArgument):
-        return APIError(400, str(exc), "invalid_request_error", code="invalid_argument")
+        return APIError(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None),
+                        code="invalid_argument")
     if isinstance(exc, ResourceExhausted):
         return APIError(429, str(exc) or "the server is at capacity, retry later", "rate_limit_error",
                         code="queue_full")
@@ -67,24 +70,47 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
                     code="invalid_value")
 
 
-async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
-    return api_error_for(exc).response()
+REQUEST_ID_HEADER = "x-request-id"
 
 
-async def _invalid(_request: Request, exc: Exception) -> JSONResponse:
+def request_id_for(headers: Mapping[str, str] | None) -> str:
+    """The caller's X-Request-Id, or a fresh id: what a rejection is logged and answered under."""
+    given = (headers or {}).get(REQUEST_ID_HEADER)
+    return given if given and len(given) <= 128 and given.isprintable() else f"req-{uuid.uuid4().hex}"
+
+
+def rejected(err: APIError, method: str, path: str, headers: Mapping[str, str] | None) -> JSONResponse:
+    """The error response for a request the server refused, logged once at warning level with
+    its status, param and request id (sent back as X-Request-Id)."""
+    request_id = request_id_for(headers)
+    log.warning("rejected %s %s (request %s): %d %s, param=%s: %s", method, path, request_id, err.status,
+                err.code or err.type, err.param, err.message)
+    response = err.response()
+    response.headers["X-Request-Id"] = request_id
+    return response
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    return rejected(api_error_for(exc), request.method, request.url.path, request.headers)
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return validation_error(exc).response()  # OpenAI says 400 where FastAPI says 422
+    # OpenAI says 400 where FastAPI says 422.
+    return rejected(validation_error(exc), request.method, request.url.path, request.headers)
 
 
-async def _http(_request: Request, exc: Exception) -> JSONResponse:
+async def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return APIError(exc.status_code, str(exc.detail), type_).response()
+    return rejected(APIError(exc.status_code, str(exc.detail), type_), request.method, request.url.path,
+                    request.headers)
 
 
-async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error", exc_info=exc)
-    return api_error_for(exc).response()  # never a stack trace to the client
+    # Never a stack trace to the client.
+    return rejected(api_error_for(exc), request.method, request.url.path, request.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

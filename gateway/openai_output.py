@@ -20,6 +20,7 @@ class Choice:
     """What one choice has produced so far."""
 
     index: int
+    echo: str = ""  # the prompt's text, before the output (completions' echo)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -90,6 +91,7 @@ class Job:
     choices: list[Choice]
     logprobs: bool
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far on every chunk
 
     def chunk(self, choice_objs: list[dict[str, Any]], usage: dict[str, Any] | None = None,
               with_usage_field: bool = False) -> dict[str, Any]:
@@ -98,17 +100,31 @@ class Job:
                                "created": self.created, "model": self.model, "choices": choice_objs}
         if self.chat:
             out["system_fingerprint"] = None
+        if usage is None and self.continuous_usage:
+            usage = self.usage()
         if with_usage_field or usage is not None:
             out["usage"] = usage
         return out
 
+    def usage(self) -> dict[str, Any]:
+        """Usage so far (the final count once every choice has finished)."""
+        return usage(self.prompt_lens, self.choices)
+
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """OpenAI opens each chat choice with the role; completions have no opening."""
+        """OpenAI opens each chat choice with the role; completions open only to echo the prompt."""
         if not self.chat:
-            return []
+            return [self.chunk([{"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}],
+                               with_usage_field=self.include_usage) for c in self.choices if c.echo]
         return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}], with_usage_field=self.include_usage)
                 for c in self.choices]
+
+    def vllm_metrics(self) -> dict[str, Any] | None:
+        """vLLM's per-request `metrics` object (speculative decoding statistics), for a single
+        choice as vLLM sends it; None for several."""
+        if len(self.choices) != 1:
+            return None
+        return {"speculative_decoding": self.choices[0].spec.vllm_dict()}
 
     def delta_choices(self, choice: Choice, delta: Delta) -> list[dict[str, Any]]:
         """Stream choice objects for one delta: new text (if any), then the finish (if final),
@@ -135,8 +151,9 @@ class Job:
         return out
 
     def usage_chunk(self) -> dict[str, Any]:
-        final = self.chunk([], usage=usage(self.prompt_lens, self.choices))
+        final = self.chunk([], usage=self.usage())
         final["spec_stats"] = spec_stats(self.choices)
+        final["metrics"] = self.vllm_metrics()
         return final
 
     def full_response(self) -> dict[str, Any]:
@@ -149,11 +166,11 @@ class Job:
                                 "logprobs": chat_logprobs(c.logprobs) if self.logprobs else None,
                                 "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": c.index, "text": text,
+                choices.append({"index": c.index, "text": c.echo + text,
                                 "logprobs": completion_logprobs(c.logprobs, 0) if self.logprobs else None,
                                 "finish_reason": c.finish_reason})
         out = {"id": self.response_id, "object": "chat.completion" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices,
-               "usage": usage(self.prompt_lens, self.choices), "spec_stats": spec_stats(self.choices)}
+               "usage": self.usage(), "spec_stats": spec_stats(self.choices), "metrics": self.vllm_metrics()}
         out["system_fingerprint"] = None
         return out

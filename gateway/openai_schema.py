@@ -2,8 +2,15 @@
 
 Choices we made where OpenAI leaves room:
 - Unknown request fields are rejected (400), as OpenAI does, and so are known
-  fields with values we cannot honour (presence_penalty != 0, echo, tools...):
+  fields with values we cannot honour (suffix, tools, echo with logprobs...):
   a client must not get output that silently ignores what it asked for.
+- Every sampling control vLLM's OpenAI server takes and that means something
+  here is honoured with vLLM's meaning: frequency/presence/repetition
+  penalties, logit_bias, min_tokens, min_p (applied by the target on every
+  decode path), echo, include_stop_str_in_output, skip_special_tokens,
+  add_special_tokens, stream_options.continuous_usage_stats;
+  stream_options.include_obfuscation is accepted and has no effect, as its
+  padding protects nothing on this server.
 - n > 1 and list prompts run as independent engine requests; with a seed,
   choice i of a prompt uses seed + i so the choices differ but stay repeatable.
 """
@@ -32,6 +39,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: cumulative usage on every chunk (with include_usage)
+    include_obfuscation: bool | None = None  # OpenAI: accepted, no effect here
 
 
 class CommonFields(_Strict):
@@ -48,16 +57,18 @@ class CommonFields(_Strict):
     stream_options: StreamOptions | None = None
     speculation: Literal["auto", "always", "never"] | None = None
     ignore_eos: bool = False
-    # Accepted so that ordinary clients work; only their neutral values are honoured.
-    user: str | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = 0
     min_p: float | None = 0.0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's default; only it is honoured
     include_stop_str_in_output: bool = False
+    add_special_tokens: bool | None = None  # None: completions add them (BOS), chat does not (the template does)
+    # Accepted so that ordinary clients work; they change nothing here.
+    user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -85,19 +96,12 @@ class ChatCompletionRequest(CommonFields):
 
 def reject_unsupported(req: CommonFields) -> None:
     """Fields we accept only at values that mean "off": anything else would be silently ignored."""
-    neutral: list[tuple[str, bool]] = [
-        ("frequency_penalty", req.frequency_penalty in (None, 0)),
-        ("presence_penalty", req.presence_penalty in (None, 0)),
-        ("repetition_penalty", req.repetition_penalty in (None, 1)),
-        ("logit_bias", not req.logit_bias),
-        ("min_tokens", req.min_tokens in (None, 0)),
-        ("min_p", req.min_p in (None, 0)),
-        ("skip_special_tokens", req.skip_special_tokens),
-        ("include_stop_str_in_output", not req.include_stop_str_in_output),
-    ]
+    neutral: list[tuple[str, bool]] = [("spaces_between_special_tokens", req.spaces_between_special_tokens)]
     if isinstance(req, CompletionRequest):
-        neutral += [("echo", not req.echo), ("suffix", req.suffix is None),
-                    ("best_of", req.best_of is None or req.best_of == req.n)]
+        neutral += [("suffix", req.suffix is None), ("best_of", req.best_of is None or req.best_of == req.n)]
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported: it needs the prompt's log-probs, which "
+                                "this server does not compute", param="echo", code="unsupported_value")
     if isinstance(req, ChatCompletionRequest):
         neutral += [("tools", not req.tools),
                     ("tool_choice", req.tool_choice in (None, "none", "auto")),
@@ -120,6 +124,23 @@ def reject_unsupported(req: CommonFields) -> None:
             raise APIError(400, f"{name} must be a finite number, got {value!r}", param=name)
     if req.top_k is not None and req.top_k < -1:
         raise APIError(400, f"top_k must be -1, 0 (off) or positive, got {req.top_k}", param="top_k")
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):
+            raise APIError(400, f"{name} must be a finite number, got {value!r}", param=name)
+    logit_bias(req)
+
+
+def logit_bias(req: CommonFields) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs; keys must spell token ids (OpenAI's form)."""
+    pairs = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.strip().isdigit() or len(key) > 12:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not math.isfinite(value):
+            raise APIError(400, f"logit_bias values must be finite numbers, got {value!r}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def check_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -144,16 +165,30 @@ def sampling_kwargs(req: CommonFields, logprobs: int | None) -> dict[str, Any]:
     return dict(temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, stop=stop,
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                logprobs=logprobs, speculation=req.speculation)
+                logprobs=logprobs, speculation=req.speculation,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                min_p=req.min_p or 0.0, min_tokens=req.min_tokens or 0, logit_bias=logit_bias(req),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens)
 
 
-def completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
+def prompt_texts(tokenizer: Any, prompt: Any, ids: list[list[int]]) -> list[str]:
+    """Each prompt as text (what echo repeats): as written, or decoded from its token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [tokenizer.decode(p) for p in ids]
+
+
+def completion_prompts(tokenizer: Any, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
     """OpenAI's four prompt forms: str, [str], [int], [[int]]."""
     if isinstance(prompt, str):
-        return [text_prompt_ids(tokenizer, prompt)]
+        return [text_prompt_ids(tokenizer, prompt, add_special_tokens)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [text_prompt_ids(tokenizer, p) for p in prompt]
+            return [text_prompt_ids(tokenizer, p, add_special_tokens) for p in prompt]
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
             return [check_token_ids(prompt)]
         if all(isinstance(p, list) and p for p in prompt):

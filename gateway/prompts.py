@@ -13,9 +13,9 @@ from typing import Any
 from tandem.errors import InvalidArgument
 
 
-def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+def text_prompt_ids(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """Tokenize a raw prompt the way the model's tokenizer does by default (e.g. with BOS)."""
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def check_token_ids(ids: Sequence[Any], what: str = "prompt") -> list[int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from draft_service.types import DraftBudget, IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecMode, SpecStats, TokenLogprob
+from target_service.controls import LogitsControls
 
 
 class Phase(enum.Enum):
@@ -86,8 +87,14 @@ class Request:
     span: object | None = None  # OpenTelemetry span, ended when the request finishes
 
     def __post_init__(self) -> None:
-        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt[-4:])
-        self._stops = StopMatcher(self.params.stop)
+        p = self.params
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt[-4:], p.skip_special_tokens)
+        self._stops = StopMatcher(p.stop, p.include_stop_str_in_output)
+        self.logits_controls = LogitsControls(
+            repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
+            prompt_len=len(self.prompt), stop_ids=tuple(sorted(self.target_stop_ids)) if p.min_tokens else (),
+            logit_bias=p.logit_bias)
 
     # --- derived ----------------------------------------------------------
     @property
@@ -151,10 +158,13 @@ class Request:
                 lps.append(self._logprob(tok, logprobs[i], top_logprobs[i] if top_logprobs else None))
             is_eos = tok in self.eos_ids and not self.params.ignore_eos
             if is_eos or tok in self.params.stop_token_ids:
+                if self.params.include_stop_str_in_output:  # as vLLM: the stop token's text too
+                    text += self._stops.feed(piece, match=False)[0]
                 text += self._final_text()[0]
                 self.finish_reason = FinishReason.STOP
                 break
-            emitted, hit = self._stops.feed(piece)
+            # As vLLM: no stop string ends the output before min_tokens.
+            emitted, hit = self._stops.feed(piece, match=len(self.output) >= self.params.min_tokens)
             text += emitted
             if hit:
                 self.finish_reason = FinishReason.STOP

@@ -2,7 +2,12 @@
 
 
 class InvalidArgument(ValueError):
-    """The caller sent something that cannot be served: INVALID_ARGUMENT."""
+    """The caller sent something that cannot be served: INVALID_ARGUMENT. `param` names the
+    request field at fault, when one is (REST errors carry it as `param`)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ResourceExhausted(RuntimeError):

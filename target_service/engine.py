@@ -16,6 +16,7 @@ the device once. BENCHMARKS.md ("Target step") has what each part cost.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from target_service.cuda_graphs import GraphConfig, StepGraphs
 from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.model import LlamaModel
 from target_service.pipelined_grant import PipelinedGrant, pipelined
+from target_service.processors import PenaltyHistory, StepControls, apply_controls, record_committed
 from target_service.step_batch import StepBatch, StepResults
 from target_service.step_inputs import (
     InputLayout,
@@ -67,6 +69,8 @@ class TargetEngine:
         self._out_host = torch.zeros(0, dtype=torch.int32)
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
+        # Token counts of the sequences whose penalties need them (target_service.processors).
+        self.penalty_history = PenaltyHistory(model.cfg.vocab_size, self.device)
         # Decode and verify steps replay captured CUDA graphs when configured (GPU, triton, TP=1).
         self.graphs = StepGraphs(self, graphs) if graphs is not None else None
 
@@ -93,9 +97,8 @@ class TargetEngine:
         for it in items:
             if not it.sampling.greedy and it.sampling.seed is None:
                 sp = it.sampling
-                it = SequenceStep(it.request_id, it.tokens, it.parents, it.num_fixed, it.create,
-                                  type(sp)(sp.temperature, sp.top_k, sp.top_p, self.draw_seed()),
-                                  it.top_logprobs, it.return_features)
+                it = dataclasses.replace(it, sampling=type(sp)(sp.temperature, sp.top_k, sp.top_p,
+                                                               self.draw_seed()))
             out.append(it)
         return out
 
@@ -171,6 +174,7 @@ class TargetEngine:
     def run(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()) -> StepResults:
         t0 = time.perf_counter()
         end = self._validate(batch)
+        self._validate_controls(batch)
         layers = self.resolve_feature_layers(feature_layers) if batch.return_features.any() else ()
         kv = self.kv
         need = sum(kv.extra_blocks_needed(rid, int(e)) for rid, e in zip(batch.request_ids, end))
@@ -184,10 +188,14 @@ class TargetEngine:
                 if new:
                     kv.create(rid)
                 kv.reserve(rid, int(e))
+            if batch.controls is not None:
+                for b in np.flatnonzero(batch.controls.needs_history & batch.create).tolist():
+                    self.penalty_history.create(batch.request_ids[b])
             results = self._execute(batch, layers)
         except Exception:
             for rid in created:
                 kv.release(rid)
+                self.penalty_history.release(rid)
             for rid in batch.request_ids:
                 if rid in kv.seqs:
                     kv.trim(rid)
@@ -220,7 +228,7 @@ class TargetEngine:
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         updates = self.table.take_pending()
         top_k = int(batch.top_logprobs.max())
-        greedy_only = bool(batch.greedy.all()) and top_k == 0
+        greedy_only = bool(batch.greedy.all()) and top_k == 0 and batch.controls is None
         graph = self.graphs.bucket_for(batch, layers, len(updates)) if self.graphs is not None else None
         if graph is not None:
             shape, block_m, splits = graph.shape, graph.block_m, graph.num_splits
@@ -300,12 +308,37 @@ class TargetEngine:
 
     def _decide_eagerly(self, tail: StepTail, logits: torch.Tensor, batch: StepBatch, out: torch.Tensor,
                         top_k: int) -> torch.Tensor:
-        if logits.device.type == "cpu" and top_k == 0 and batch.greedy.all():
-            return tail.greedy_on_host(logits, out)
-        decided = tail.greedy(logits)
+        if batch.controls is None:
+            if logits.device.type == "cpu" and top_k == 0 and batch.greedy.all():
+                return tail.greedy_on_host(logits, out)
+            decided = tail.greedy(logits)
+            if not batch.greedy.all():
+                decided = tail.sampled(logits, decided)
+            return tail.pack(decided, out, top_k, logits)
+        # Logits controls: every tree row processed from its own path, then the same rules.
+        slots = self.penalty_history.slot_array(batch.request_ids, tail.B)
+        ctl = StepControls.build(batch.controls, slots, tail.B, tail.M, self.device)
+        processed = apply_controls(logits, tail.v, ctl, self.penalty_history)
+        decided = tail.greedy(logits, processed)
         if not batch.greedy.all():
-            decided = tail.sampled(logits, decided)
-        return tail.pack(decided, out, top_k, logits)
+            decided = tail.sampled(logits, decided, processed, ctl.min_p if ctl.any_min_p else None)
+        kept = tail.pack(decided, out, top_k, logits)
+        record_committed(self.penalty_history, tail.v, ctl, tail.committed_rows(kept))
+        return kept
+
+    def _validate_controls(self, batch: StepBatch) -> None:
+        """Logits controls in range, and penalties only for sequences whose counts are kept
+        (asked for from the step that created them)."""
+        cols = batch.controls
+        if cols is None:
+            return
+        bad = cols.problem(self.model.cfg.vocab_size)
+        if bad is not None:
+            raise InvalidStep(f"request {batch.request_ids[bad[0]]!r}: {bad[1]}")
+        for b in np.flatnonzero(cols.needs_history & ~batch.create).tolist():
+            if batch.request_ids[b] not in self.penalty_history:
+                raise InvalidStep(f"request {batch.request_ids[b]!r}: penalties must be asked for from the "
+                                  "sequence's first step (the target counts its tokens from there)")
 
     def _commit(self, tail: StepTail, kept: torch.Tensor, k_scratch: torch.Tensor, v_scratch: torch.Tensor) -> None:
         tail.commit(tail.committed_rows(kept), k_scratch, v_scratch)
@@ -359,5 +392,7 @@ class TargetEngine:
         return results
 
     def release(self, request_ids: list[str]) -> int:
+        for r in request_ids:
+            self.penalty_history.release(r)
         return sum(self.kv.release(r) for r in request_ids)
 

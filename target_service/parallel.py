@@ -28,6 +28,7 @@ from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.layers import DTYPES
 from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
+from target_service.controls import LogitsControls
 from target_service.cuda_graphs import GraphConfig
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel, ParallelSpec, check_tp
@@ -120,9 +121,15 @@ def _items_to_json(items: list[SequenceStep]) -> list[dict]:
     return [dataclasses.asdict(it) for it in items]
 
 
+def _controls_from_json(c: dict) -> LogitsControls:
+    return LogitsControls(**{**c, "stop_ids": tuple(c["stop_ids"]),
+                             "logit_bias": tuple((int(t), float(v)) for t, v in c["logit_bias"])})
+
+
 def _items_from_json(rows: list[dict]) -> list[SequenceStep]:
     return [SequenceStep(**{**r, "tokens": tuple(r["tokens"]), "parents": tuple(r["parents"]),
-                            "sampling": SamplingParams(**r["sampling"])}) for r in rows]
+                            "sampling": SamplingParams(**r["sampling"]),
+                            "controls": _controls_from_json(r["controls"])}) for r in rows]
 
 
 def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec) -> None:

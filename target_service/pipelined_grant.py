@@ -47,9 +47,11 @@ class _Launched:
 
 
 def pipelined(engine: TargetEngine, batch: StepBatch) -> bool:
-    """Whether a grant of `batch` can run pipelined: greedy, on CUDA-graph buckets, nothing but tokens back."""
+    """Whether a grant of `batch` can run pipelined: greedy without logits controls, on CUDA-graph
+    buckets, nothing but tokens back."""
     return (engine.graphs is not None and bool(batch.greedy.all()) and not batch.top_logprobs.any()
-            and not batch.return_features.any() and engine.graphs.bucket_for(batch, (), 0) is not None)
+            and not batch.return_features.any() and batch.controls is None
+            and engine.graphs.bucket_for(batch, (), 0) is not None)
 
 
 class PipelinedGrant:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from target_service.controls import ControlColumns
 from target_service.types import SamplingParams, SequenceResult, SequenceStep
 
 
@@ -34,6 +35,7 @@ class StepBatch:
     has_seed: np.ndarray  # bool [B]
     top_logprobs: np.ndarray  # int32 [B]
     return_features: np.ndarray  # bool [B]
+    controls: ControlColumns | None = None  # None: every sequence's logits controls are neutral
 
     def __post_init__(self) -> None:
         B = len(self.request_ids)
@@ -41,6 +43,8 @@ class StepBatch:
                      "top_logprobs", "return_features"):
             if len(getattr(self, name)) != B:
                 raise ValueError(f"StepBatch.{name} has {len(getattr(self, name))} entries for {B} sequences")
+        if self.controls is not None and self.controls.size != B:
+            raise ValueError(f"StepBatch.controls has {self.controls.size} entries for {B} sequences")
         if len(self.tokens) != len(self.parents) or len(self.tokens) != int(self.num_nodes.sum()):
             raise ValueError(f"{len(self.tokens)} tokens and {len(self.parents)} parents for "
                              f"{int(self.num_nodes.sum())} nodes")
@@ -81,7 +85,8 @@ class StepBatch:
             seed=np.array([s or 0 for s in seeds], dtype=np.uint64),
             has_seed=np.array([s is not None for s in seeds], dtype=bool),
             top_logprobs=np.array([it.top_logprobs for it in items], dtype=np.int32),
-            return_features=np.array([it.return_features for it in items], dtype=bool))
+            return_features=np.array([it.return_features for it in items], dtype=bool),
+            controls=ControlColumns.from_items([it.controls for it in items]))
 
     def items(self) -> list[SequenceStep]:
         starts = self.starts
@@ -94,7 +99,8 @@ class StepBatch:
                 create=bool(self.create[b]),
                 sampling=SamplingParams(float(self.temperature[b]), int(self.top_k[b]), float(self.top_p[b]),
                                         int(self.seed[b]) if self.has_seed[b] else None),
-                top_logprobs=int(self.top_logprobs[b]), return_features=bool(self.return_features[b])))
+                top_logprobs=int(self.top_logprobs[b]), return_features=bool(self.return_features[b]),
+                **({} if self.controls is None else {"controls": self.controls.item(b)})))
         return out
 
     def with_seeds(self, draw: callable) -> StepBatch:
@@ -115,7 +121,8 @@ class StepBatch:
                                                              "return_features")}
         return StepBatch(request_ids=tuple(self.request_ids[r] for r in rows.tolist()),
                          create=np.zeros(len(rows), dtype=bool), tokens=tokens.astype(np.int32),
-                         parents=np.full(len(rows), -1, dtype=np.int32), **pick)
+                         parents=np.full(len(rows), -1, dtype=np.int32),
+                         controls=None if self.controls is None else self.controls.take(rows), **pick)
 
 
 def _replace(batch: StepBatch, **changes) -> StepBatch:

@@ -64,11 +64,17 @@ def uniform(key: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
 
 
 def target_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
+                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """acceptance.target_probs for many rows at once, each with its own settings. logits: [N, V]
-    float32; temperature (> 0), top_k (0 = off), top_p (1 = off): [N]."""
+    float32; temperature (> 0), top_k (0 = off), top_p (1 = off), min_p (0 = off): [N].
+    min_p drops, after temperature and before top-k/top-p (vLLM's order), the tokens less
+    likely than min_p times the most likely one."""
     V = logits.shape[-1]
     scaled = logits / temperature[:, None]
+    if min_p is not None:
+        probs = torch.softmax(scaled, -1)
+        low = probs < min_p[:, None] * probs.amax(-1, keepdim=True)
+        scaled = scaled.masked_fill(low, float("-inf"))
     use_k = (top_k > 0) & (top_k < V)
     use_p = top_p < 1
     if bool(use_k.any()) or bool(use_p.any()):
@@ -130,14 +136,22 @@ class StepTail:
         drafted = (m_idx > 0) & (m_idx < v["tree_size"].view(B, 1))
         return parent, tokens, m_idx, drafted
 
-    def greedy(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    def greedy(self, logits: torch.Tensor, processed: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """processed: the logits after the step's controls (target_service.processors), which
+        decide; log-probs stay those of the raw logits."""
         B, M = self.B, self.M
         if M == 1:  # plain decode or prefill: nothing drafted, the bonus is the argmax
             best, argmax = logits.max(-1, keepdim=True)
+            if processed is not None:
+                argmax = processed.argmax(-1, keepdim=True)
+                best = logits.gather(1, argmax)
             return dict(kept=torch.zeros(B, 1, dtype=torch.bool, device=logits.device), bonus=argmax,
                         deepest=torch.zeros_like(argmax), plain_logprob=best - torch.logsumexp(logits, -1, True))
         parent, tokens, m_idx, drafted = self._grid()
         best, argmax = logits.max(-1)
+        if processed is not None:
+            argmax = processed.argmax(-1)
+            best = logits.gather(1, argmax[:, None])[:, 0]
         logprob = (best - torch.logsumexp(logits, -1)).view(B, M)
         argmax = argmax.view(B, M)
         take = drafted & (tokens == argmax.gather(1, parent))
@@ -191,15 +205,18 @@ class StepTail:
             o[b, 2 + 2 * M: 2 + 2 * M + n] = path
         return torch.from_numpy(kept)
 
-    def sampled(self, logits: torch.Tensor, greedy_part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Acceptance for every sequence, sampled ones by the sampling rule (eager only)."""
+    def sampled(self, logits: torch.Tensor, greedy_part: dict[str, torch.Tensor], processed: torch.Tensor | None = None,
+                min_p: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Acceptance for every sequence, sampled ones by the sampling rule (eager only).
+        processed / min_p [B]: the step's controls (see greedy); log-probs stay raw."""
         v, B, M = self.v, self.B, self.M
         V = logits.shape[-1]
         parent, tokens, m_idx, drafted = self._grid()
         is_greedy = v["greedy"].view(B, 1).bool()
         temperature = torch.where(is_greedy[:, 0], 1.0, v["temperature"].view(B))
-        probs = target_probs_rows(logits, temperature.repeat_interleave(M), v["top_k"].repeat_interleave(M),
-                                  v["top_p"].repeat_interleave(M)).view(B, M, V)
+        probs = target_probs_rows(logits if processed is None else processed, temperature.repeat_interleave(M),
+                                  v["top_k"].repeat_interleave(M), v["top_p"].repeat_interleave(M),
+                                  None if min_p is None else min_p.repeat_interleave(M)).view(B, M, V)
         # p(x) of each drafted node under its parent's distribution.
         parent_row = (parent + torch.arange(B, device=parent.device)[:, None] * M).reshape(-1)
         p_x = probs.view(B * M, V)[parent_row, tokens.reshape(-1)].view(B, M)

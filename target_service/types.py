@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.errors import InvalidArgument, ResourceExhausted
+from target_service.controls import LogitsControls
 
 
 class InvalidStep(InvalidArgument):
@@ -48,6 +49,7 @@ class SequenceStep:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     top_logprobs: int = 0
     return_features: bool = False
+    controls: LogitsControls = field(default_factory=LogitsControls)  # penalties, bias, min_tokens, min_p
 
     @classmethod
     def chain(cls, request_id: str, tokens: list[int] | tuple[int, ...], **kw) -> SequenceStep:

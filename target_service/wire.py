@@ -14,14 +14,51 @@ import torch
 
 from tandem.tensors import array_from_proto, array_to_proto, tensor_from_proto, tensor_to_proto
 from tandem.v1 import target_pb2
+from target_service.controls import ControlColumns
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import InvalidStep, SequenceResult
 
 CREATE, RETURN_FEATURES, HAS_SEED = 1, 2, 4
 
 
+_CONTROL_COLUMNS = (("repetition_penalty", "float32"), ("frequency_penalty", "float32"),
+                    ("presence_penalty", "float32"), ("min_p", "float32"), ("min_tokens", "int32"),
+                    ("prompt_len", "int32"), ("stop_counts", "int32"), ("stop_ids", "int32"),
+                    ("bias_counts", "int32"), ("bias_ids", "int32"), ("bias_values", "float32"))
+
+
+def controls_to_proto(cols: ControlColumns, m: target_pb2.PackedItems) -> None:
+    for name, dtype in _CONTROL_COLUMNS:
+        getattr(m, name).CopyFrom(array_to_proto(getattr(cols, name).astype(dtype)))
+
+
+def controls_from_proto(m: target_pb2.PackedItems, size: int) -> ControlColumns | None:
+    """The controls columns (None when absent), checked for consistent lengths."""
+    present = [m.HasField(name) for name, _ in _CONTROL_COLUMNS]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [name for (name, _), p in zip(_CONTROL_COLUMNS, present) if not p]
+        raise InvalidStep(f"items: logits controls given without {', '.join(missing)}")
+    cols = {name: array_from_proto(getattr(m, name), dtype, f"items.{name}") for name, dtype in _CONTROL_COLUMNS}
+    try:
+        out = ControlColumns(**cols)
+    except ValueError as exc:
+        raise InvalidStep(f"items: {exc}") from None
+    if out.size != size:
+        raise InvalidStep(f"items: logits controls for {out.size} items, expected {size}")
+    return out
+
+
 def batch_to_proto(batch: StepBatch) -> target_pb2.PackedItems:
     flags = (batch.create * CREATE | batch.return_features * RETURN_FEATURES | batch.has_seed * HAS_SEED)
+    m = _items_to_proto(batch, flags)
+    if batch.controls is not None:
+        controls_to_proto(batch.controls, m)
+    return m
+
+
+def _items_to_proto(batch: StepBatch, flags: np.ndarray) -> target_pb2.PackedItems:
     return target_pb2.PackedItems(
         request_ids=batch.request_ids, num_nodes=array_to_proto(batch.num_nodes.astype(np.int32)),
         num_fixed=array_to_proto(batch.num_fixed.astype(np.int32)), flags=array_to_proto(flags.astype(np.uint8)),
@@ -55,7 +92,8 @@ def batch_from_proto(m: target_pb2.PackedItems) -> StepBatch:
         parents=column("parents", "int32", total), temperature=column("temperature", "float32", B),
         top_k=column("top_k", "int32", B), top_p=column("top_p", "float32", B),
         seed=column("seed", "int64", B).view(np.uint64), has_seed=(flags & HAS_SEED) > 0,
-        top_logprobs=column("top_logprobs", "int32", B), return_features=(flags & RETURN_FEATURES) > 0)
+        top_logprobs=column("top_logprobs", "int32", B), return_features=(flags & RETURN_FEATURES) > 0,
+        controls=controls_from_proto(m, B))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

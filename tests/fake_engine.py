@@ -136,9 +136,7 @@ class FakeEngine:
         text = self.tokenizer.decode(run.tokens[start:min(run.sent, run.visible_chars)]) \
             if start < run.visible_chars else ""
         s = run.spec
-        run.spec = (SpecStats(s.draft_tokens + 3, s.accepted_tokens + len(new) - 1, s.verify_steps + 1,
-                              s.plain_steps) if spec else
-                    SpecStats(s.draft_tokens, s.accepted_tokens, s.verify_steps, s.plain_steps + 1))
+        run.spec = s.after_verify(3, len(new) - 1) if spec else s.after_plain()
         logprobs = None
         if run.params.logprobs is not None:
             logprobs = tuple(self._logprob(t, run.params.logprobs) for t in new)

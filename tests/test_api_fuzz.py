@@ -54,7 +54,15 @@ COMMON = {
     "stream": (st.booleans(), JSON),
     "speculation": (st.sampled_from(["auto", "always", "never"]), st.text(max_size=8) | JSON),
     "ignore_eos": (st.booleans(), JSON),
-    "presence_penalty": (st.just(0.0), st.floats() | JSON),
+    "presence_penalty": (st.floats(-2, 2), st.floats() | JSON),
+    "frequency_penalty": (st.floats(-2, 2), st.floats() | JSON),
+    "repetition_penalty": (st.floats(0.5, 2), st.floats() | JSON),
+    "min_p": (st.floats(0, 1), st.floats() | JSON),
+    "min_tokens": (st.integers(0, 1), st.integers() | JSON),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
+                   st.dictionaries(st.text(max_size=4), st.floats() | JSON, min_size=1, max_size=2) | JSON),
+    "include_stop_str_in_output": (st.booleans(), JSON),
+    "skip_special_tokens": (st.booleans(), JSON),
     "unknown field": (st.nothing(), st.dictionaries(st.text(max_size=6), JSON, min_size=1, max_size=1)),
 }
 COMPLETION_FIELDS = {
@@ -65,7 +73,7 @@ COMPLETION_FIELDS = {
                st.lists(st.integers(-3, VOCAB + 3), max_size=MAX_MODEL_LEN + 3) | st.text(max_size=MAX_MODEL_LEN * 2)
                | JSON),
     "logprobs": (st.integers(0, 3), st.integers() | JSON),
-    "echo": (st.just(False), JSON),
+    "echo": (st.booleans(), JSON),
 }
 CONTENT = st.text(max_size=8) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=4)}),
                                          max_size=2)
@@ -170,6 +178,13 @@ GENERATE_FIELDS = {
     "ignore_eos": (st.booleans(), st.nothing()),
     "logprobs": (st.integers(0, 3), UINT32),
     "speculation": (st.sampled_from(["", "auto", "always", "never"]), st.text(max_size=8)),
+    "repetition_penalty": (st.floats(0.5, 2, width=32), st.floats(width=32)),
+    "frequency_penalty": (st.floats(-2, 2, width=32), st.floats(width=32)),
+    "presence_penalty": (st.floats(-2, 2, width=32), st.floats(width=32)),
+    "min_p": (st.floats(0, 1, width=32), st.floats(width=32)),
+    "min_tokens": (st.integers(0, 1), UINT32),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100, width=32), max_size=3),
+                   st.dictionaries(INT32, st.floats(width=32), min_size=1, max_size=2)),
     "prompt": (st.text(min_size=1, max_size=MAX_MODEL_LEN // 2), st.text(max_size=MAX_MODEL_LEN * 2)),
     "prompt_token_ids": (st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
                          st.lists(INT32, max_size=MAX_MODEL_LEN + 3)),

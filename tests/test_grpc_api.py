@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -136,3 +137,24 @@ def test_deadline_aborts(stub, engine):
     while "r-deadline" not in engine.aborted:
         assert time.time() < deadline, "a passed deadline did not abort the request"
         time.sleep(0.02)
+
+
+def test_a_refused_generate_is_logged_once_with_code_param_and_request_id(stub, engine, caplog):
+    caplog.set_level(logging.WARNING, logger="tandem.gateway.grpc")
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, prompt="a", presence_penalty=2.5, request_id="grpc-refused-7")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    lines = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(lines) == 1
+    assert "grpc-refused-7" in lines[0] and "INVALID_ARGUMENT" in lines[0] and "param=presence_penalty" in lines[0]
+
+
+def test_logits_controls_reach_the_engine(stub, engine):
+    generate(stub, prompt="a", max_tokens=4, request_id="r-controls", repetition_penalty=1.5, frequency_penalty=0.5,
+             presence_penalty=-0.25, min_p=0.125, min_tokens=2, logit_bias={7: -100.0, 3: 2.5},
+             include_stop_str_in_output=True, skip_special_tokens=False)
+    p = engine.submitted["r-controls"][1]
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.min_p, p.min_tokens) == \
+        (1.5, 0.5, -0.25, 0.125, 2)
+    assert p.logit_bias == ((3, 2.5), (7, -100.0))
+    assert p.include_stop_str_in_output and not p.skip_special_tokens

@@ -249,10 +249,10 @@ def _error(exc: openai.APIStatusError) -> dict:
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1), None),
     (dict(max_tokens=500), None),
-    (dict(extra_body={"presence_penalty": 0.5}), "presence_penalty"),
+    (dict(extra_body={"presence_penalty": 2.5}), "presence_penalty"),
     (dict(extra_body={"bogus": 1}), "bogus"),
     (dict(extra_body={"speculation": "sometimes"}), "speculation"),
-    (dict(extra_body={"echo": True}), "echo"),
+    (dict(extra_body={"echo": True, "logprobs": 1}), "echo"),
     (dict(max_tokens="many"), "max_tokens"),
     (dict(logprobs=21), "logprobs"),
     (dict(seed=-1), "seed"),

@@ -24,25 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xc9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x13\n\x0bspeculation\x18\r \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"e\n\x15GeneratedTokenLogprob\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"e\n\tSpecStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x14\n\x0cverify_steps\x18\x03 \x01(\x04\x12\x13\n\x0bplain_steps\x18\x04 \x01(\x04\"\xdd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .tandem.v1.GeneratedTokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12(\n\nspec_stats\x18\x07 \x01(\x0b\x32\x14.tandem.v1.SpecStats2S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xa8\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x13\n\x0bspeculation\x18\r \x01(\t\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x18\n\x10presence_penalty\x18\x10 \x01(\x02\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"e\n\x15GeneratedTokenLogprob\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12$\n\x03top\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"e\n\tSpecStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x14\n\x0cverify_steps\x18\x03 \x01(\x04\x12\x13\n\x0bplain_steps\x18\x04 \x01(\x04\"\xdd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .tandem.v1.GeneratedTokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12(\n\nspec_stats\x18\x07 \x01(\x0b\x32\x14.tandem.v1.SpecStats2S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=42
-  _globals['_GENERATEREQUEST']._serialized_end=371
-  _globals['_TOKENLOGPROB']._serialized_start=373
-  _globals['_TOKENLOGPROB']._serialized_end=437
-  _globals['_GENERATEDTOKENLOGPROB']._serialized_start=439
-  _globals['_GENERATEDTOKENLOGPROB']._serialized_end=540
-  _globals['_USAGE']._serialized_start=542
-  _globals['_USAGE']._serialized_end=621
-  _globals['_SPECSTATS']._serialized_start=623
-  _globals['_SPECSTATS']._serialized_end=724
-  _globals['_GENERATERESPONSE']._serialized_start=727
-  _globals['_GENERATERESPONSE']._serialized_end=948
-  _globals['_GENERATION']._serialized_start=950
-  _globals['_GENERATION']._serialized_end=1033
+  _globals['_GENERATEREQUEST']._serialized_end=722
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=579
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=627
+  _globals['_TOKENLOGPROB']._serialized_start=724
+  _globals['_TOKENLOGPROB']._serialized_end=788
+  _globals['_GENERATEDTOKENLOGPROB']._serialized_start=790
+  _globals['_GENERATEDTOKENLOGPROB']._serialized_end=891
+  _globals['_USAGE']._serialized_start=893
+  _globals['_USAGE']._serialized_end=972
+  _globals['_SPECSTATS']._serialized_start=974
+  _globals['_SPECSTATS']._serialized_end=1075
+  _globals['_GENERATERESPONSE']._serialized_start=1078
+  _globals['_GENERATERESPONSE']._serialized_end=1299
+  _globals['_GENERATION']._serialized_start=1301
+  _globals['_GENERATION']._serialized_end=1384
 # @@protoc_insertion_point(module_scope)

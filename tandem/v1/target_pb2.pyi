@@ -149,7 +149,7 @@ class TokenizerFiles(_message.Message):
     def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class PackedItems(_message.Message):
-    __slots__ = ("request_ids", "num_nodes", "num_fixed", "flags", "tokens", "parents", "temperature", "top_k", "top_p", "seed", "top_logprobs")
+    __slots__ = ("request_ids", "num_nodes", "num_fixed", "flags", "tokens", "parents", "temperature", "top_k", "top_p", "seed", "top_logprobs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "prompt_len", "stop_counts", "stop_ids", "bias_counts", "bias_ids", "bias_values")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_FIXED_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,17 @@ class PackedItems(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    STOP_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_nodes: _common_pb2.Tensor
     num_fixed: _common_pb2.Tensor
@@ -172,7 +183,18 @@ class PackedItems(_message.Message):
     top_p: _common_pb2.Tensor
     seed: _common_pb2.Tensor
     top_logprobs: _common_pb2.Tensor
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_fixed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., flags: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    repetition_penalty: _common_pb2.Tensor
+    frequency_penalty: _common_pb2.Tensor
+    presence_penalty: _common_pb2.Tensor
+    min_p: _common_pb2.Tensor
+    min_tokens: _common_pb2.Tensor
+    prompt_len: _common_pb2.Tensor
+    stop_counts: _common_pb2.Tensor
+    stop_ids: _common_pb2.Tensor
+    bias_counts: _common_pb2.Tensor
+    bias_ids: _common_pb2.Tensor
+    bias_values: _common_pb2.Tensor
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_fixed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., flags: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., temperature: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_p: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., seed: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., repetition_penalty: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., frequency_penalty: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., presence_penalty: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., min_p: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., min_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., bias_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., bias_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., bias_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class GrantStops(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_counts", "stop_token_ids")
