@@ -19,5 +19,10 @@ for _ in $(seq 1 600); do
   kill -0 $serve 2>/dev/null || { echo "tandem serve exited"; tail -n 30 "$out"/logs/*.log; exit 1; }
   sleep 1
 done
-python3 -m tandem.cli bench --url "http://127.0.0.1:$port" --concurrency "$conc" --modes "$modes" \
-  --max-tokens "$max_tokens" --out "$out" --title "tandem: scale track, $modes"
+# One bench per mode, the gateway's metrics scraped after each (their differences say where a round's
+# time went: tandem_step_phase_seconds).
+for mode in ${modes//,/ }; do
+  python3 -m tandem.cli bench --url "http://127.0.0.1:$port" --concurrency "$conc" --modes "$mode" \
+    --max-tokens "$max_tokens" --out "$out/$mode" --title "tandem: $mode"
+  curl -sf "http://127.0.0.1:$port/metrics" > "$out/metrics_after_$mode.txt" || true
+done

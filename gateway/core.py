@@ -252,16 +252,29 @@ class GatewayCore:
         self.metrics.requests_waiting.set(len(self.waiting))
 
     def _step(self) -> None:
-        """One round of the loop: schedule, draft, then execute/update/record per target step."""
+        """One round of the loop: schedule, draft, then execute/update/record per target step.
+        Each phase's wall time goes to tandem_step_phase_seconds{phase} (where a round's time goes)."""
+        phase = self.metrics.step_phase
+        t0 = time.perf_counter()
         self._apply_reports()
         plan = self._schedule()
         if plan is None:
             return
         tracing.step_serves(plan.items)  # the step's span, linked to its requests' (tracing on only)
+        t1 = time.perf_counter()
+        phase["schedule"].observe(t1 - t0)
         trees = self._draft(plan)
+        t0 = time.perf_counter()
+        phase["draft"].observe(t0 - t1)
         for outcome in self._execute(plan, trees):
+            t1 = time.perf_counter()
+            phase["execute"].observe(t1 - t0)
             self._update(plan, outcome)
+            t0 = time.perf_counter()
+            phase["update"].observe(t0 - t1)
             self._record(plan, outcome)
+            t1, t0 = t0, time.perf_counter()
+            phase["record"].observe(t0 - t1)
 
     # --- schedule ------------------------------------------------------------------
     def _schedule(self) -> StepPlan | None:

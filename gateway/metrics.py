@@ -31,6 +31,11 @@ class GatewayMetrics:
         self.step_seconds = Histogram("tandem_step_seconds", "Gateway step wall time",
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=r)
+        phases = Histogram("tandem_step_phase_seconds", "Gateway loop time by phase: schedule (plan and "
+                           "budgets), draft (draft calls), execute (waiting for the target's step), update "
+                           "(commit, emit, feed the draft), record (metrics, cost model, load gate)", ["phase"],
+                           buckets=LATENCY_BUCKETS, registry=r)
+        self.step_phase = {p: phases.labels(phase=p) for p in ("schedule", "draft", "execute", "update", "record")}
         self.granted_steps = Counter("tandem_granted_steps", "Target steps run inside plain-decode grants "
                                      "(the target fed its own tokens forward)", registry=r)
         # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).

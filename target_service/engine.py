@@ -387,7 +387,7 @@ class TargetEngine:
                 B, M, top_k)
             results.top_k = batch.top_logprobs
         if feature_rows is not None:
-            results.features = feature_rows.float().cpu()
+            results.features = feature_rows.cpu()  # in the model dtype: bf16 on a GPU, half the bytes of float32
             results.feature_counts = np.where(batch.return_features, committed_now, 0)
         return results
 

@@ -65,7 +65,7 @@ class SequenceResult:
     tokens: list[int]  # accepted drafted tokens, then the bonus token
     logprobs: list[float]
     top_logprobs: list[tuple[list[int], list[float]]]
-    features: torch.Tensor | None  # [committed this step, layers * hidden] float32
+    features: torch.Tensor | None  # [committed this step, layers * hidden], the model's dtype
     num_committed: int
 
 
