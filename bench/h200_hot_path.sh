@@ -85,3 +85,7 @@ for stage in "$@"; do
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
+
+# Files come back from the machine at most 8 at a time: everything in one archive, plus the logs of the stages.
+(cd "$OUT" && tar czf results.tgz --exclude=results.tgz . 2>/dev/null && find . -mindepth 1 -type d -prune \
+  -exec rm -rf {} + && ls)
