@@ -168,16 +168,20 @@ class BatchTreeGrowth:
 
     def _grow(self) -> None:
         model, shape = self.model, self.shape
-        B, K, R, runs = shape.batch, shape.k, shape.slots, shape.runs
+        B, K, R, runs, C = shape.batch, shape.k, shape.slots, shape.runs, shape.candidates
         dev = model.device
         d2t = model.d2t
+        # Every candidate, in creation order: [B, C] each, written level by level.
+        cand_token = torch.zeros(B, C, dtype=torch.long, device=dev)
+        cand_parent = torch.full((B, C), -1, dtype=torch.long, device=dev)
+        cand_level = torch.zeros(B, C, dtype=torch.long, device=dev)
+        cand_lp = torch.zeros(B, C, dtype=torch.float32, device=dev)
+        cand_score = torch.zeros(B, C, dtype=torch.float64, device=dev)
         # Level 0: the root's children.
         lp, ids = top_k_ranked(model.logprobs(self.root_h), K)  # [B, K]
-        cand_token = [ids]
-        cand_parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
-        cand_level = [torch.zeros(B, K, dtype=torch.long, device=dev)]
-        cand_lp = [lp]
-        cand_score = [lp.double()]
+        cand_token[:, :K] = ids
+        cand_lp[:, :K] = lp
+        cand_score[:, :K] = lp.double()
         frontier = torch.arange(K, device=dev).expand(B, K)  # candidate indices, ascending
         frontier_parent_slot = torch.full((B, K), -1, dtype=torch.long, device=dev)
         g = self.root_h[:, None, :].expand(B, K, -1)
@@ -187,9 +191,8 @@ class BatchTreeGrowth:
         created = K
         for run in range(runs):
             slot = run * K + torch.arange(K, device=dev)  # this run's slots
-            token = d2t[torch.cat(cand_token, 1).gather(1, frontier)]
-            level = torch.cat(cand_level, 1).gather(1, frontier)
-            positions = self.lengths[:, None] + level
+            token = d2t[cand_token.gather(1, frontier)]
+            positions = self.lengths[:, None] + cand_level.gather(1, frontier)
             parent_words = self.words.view(B, R).gather(1, frontier_parent_slot.clamp(min=0))
             parent_words = torch.where(frontier_parent_slot >= 0, parent_words, 0)
             self.words.view(B, R)[:, run * K: (run + 1) * K] = parent_words | (1 << slot)
@@ -202,21 +205,22 @@ class BatchTreeGrowth:
                                    self._plan(run), model.scale)
             h = model.finish(attn[at], g.reshape(B * K, -1))  # [B*K, H]
             child_lp, child_ids = top_k_ranked(model.logprobs(h), K)  # [B*K, K]
-            score = torch.cat(cand_score, 1).gather(1, frontier)  # [B, K] float64
-            child_score = (score[:, :, None] + child_lp.view(B, K, K).double()).reshape(B, K * K)
-            cand_token.append(child_ids.view(B, K * K))
-            cand_parent.append(frontier[:, :, None].expand(B, K, K).reshape(B, K * K))
-            cand_level.append(torch.full((B, K * K), run + 1, dtype=torch.long, device=dev))
-            cand_lp.append(child_lp.view(B, K * K))
-            cand_score.append(child_score)
-            # The next frontier: the best k new candidates, in creation order, and where their parents ran.
-            best = top_k_ranked(child_score, K)[1].sort(-1).values  # positions among the new K*K
+            child_score = (cand_score.gather(1, frontier)[:, :, None] + child_lp.view(B, K, K).double()
+                           ).reshape(B, K * K)
+            new = slice(created, created + K * K)
+            cand_token[:, new] = child_ids.view(B, K * K)
+            cand_parent[:, new] = frontier[:, :, None].expand(B, K, K).reshape(B, K * K)
+            cand_level[:, new] = run + 1
+            cand_lp[:, new] = child_lp.view(B, K * K)
+            cand_score[:, new] = child_score
+            # The next frontier: the best k new candidates (a stable sort of k*k: ties to the earlier),
+            # in creation order, and where their parents ran.
+            best = torch.sort(child_score, dim=-1, descending=True, stable=True).indices[:, :K].sort(-1).values
             frontier = created + best
             frontier_parent_slot = run * K + best // K
             g = h.view(B, K, -1).gather(1, (best // K)[:, :, None].expand(B, K, h.shape[-1]))
             created += K * K
-        self._select(torch.cat(cand_token, 1), torch.cat(cand_parent, 1), torch.cat(cand_level, 1),
-                     torch.cat(cand_lp, 1), torch.cat(cand_score, 1))
+        self._select(cand_token, cand_parent, cand_level, cand_lp, cand_score)
 
     def _select(self, token, parent, level, lp, score) -> None:
         """The kept nodes (best scores, creation order), each with its parent's index among them."""

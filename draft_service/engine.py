@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from draft_service.catch_up import WIDTH, BatchCatchUp
 from draft_service.device_tree import BatchTreeGrowth, GrowthShape, fits
 from draft_service.model import Eagle3Draft
 from draft_service.tree_growth import TreeGrowth, top_children
@@ -79,6 +80,7 @@ class DraftEngine:
         self.table = self.kv.keep_block_table(min(num_blocks, MAX_REQUESTS), model.max_position)
         self.capture_graphs = model.device.type == "cuda" and model.attention.name == "triton"
         self._growths: dict[GrowthShape, BatchTreeGrowth] = {}
+        self._catch_ups: dict[int, BatchCatchUp] = {}  # batch bucket -> fixed-width catch-up
         self.requests: dict[str, _Request] = {}
         self.max_tokens = model.max_position - MAX_STEPS
         self.target_ids = model.d2t.tolist()  # draft id -> target id
@@ -202,9 +204,45 @@ class DraftEngine:
         plans = {rid: p for rid, p in plans.items() if p}
         for rid, plan in plans.items():
             self.kv.reserve(rid, plan[-1][1])
+        fixed = [rid for rid, plan in plans.items() if self._fits_fixed_width(rid, plan)]
+        if len(fixed) == len(plans) and fixed:  # the usual case after a verify: one graph
+            for at in range(0, len(fixed), MAX_GROWTH_BATCH):
+                self._catch_up_fixed([(rid, *plans[rid][0]) for rid in fixed[at: at + MAX_GROWTH_BATCH]])
+            return
         # Round r runs every request's r-th segment in one batched forward.
         for r in range(max((len(p) for p in plans.values()), default=0)):
             self._run_segments([(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)])
+
+    def _fits_fixed_width(self, rid: str, plan: list[tuple[int, int]]) -> bool:
+        """One segment of at most WIDTH positions, each with the target's features."""
+        if len(plan) != 1:
+            return False
+        a, b = plan[0]
+        features = self.requests[rid].features
+        return b - a <= WIDTH and all(p in features for p in range(a, b))
+
+    def _catch_up_fixed(self, batch: list[tuple[str, int, int]]) -> None:
+        """The fixed-width path (draft_service.catch_up): one graph replay for the whole batch."""
+        bucket = _bucket(len(batch))
+        catch = self._catch_ups.get(bucket)
+        if catch is None:
+            self.table.flush()
+            catch = self._catch_ups[bucket] = BatchCatchUp(self.model, self.kv, bucket, self.capture_graphs)
+        self.table.flush()
+        reqs = [self.requests[rid] for rid, _, _ in batch]
+        host_prefix = None
+        if self.model.attention.name == "torch":
+            host_prefix = [self.kv.host_slots(rid, 0, a) for rid, a, _ in batch]
+        catch.load([st.tokens[a + 1: b + 1] for st, (_, a, b) in zip(reqs, batch)], [a for _, a, _ in batch],
+                   [torch.stack([st.features[p] for p in range(a, b)]) for st, (_, a, b) in zip(reqs, batch)],
+                   np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch]),
+                   [self.kv.seqs[rid].row for rid, _, _ in batch], self.table.padding_row, host_prefix)
+        catch.run()
+        for i, (st, (rid, a, b)) in enumerate(zip(reqs, batch)):
+            self.kv.seqs[rid].length = b
+            st.last_h = catch.last_h[i].clone()
+            for p in range(a, b):
+                st.features.pop(p, None)
 
     def _run_segments(self, batch: list[tuple[str, int, int]]) -> None:
         model, dev = self.model, self.model.device

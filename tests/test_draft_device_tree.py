@@ -70,3 +70,38 @@ def test_top_k_ranked_breaks_ties_towards_the_lower_index_like_a_stable_sort():
         got_values, got_index = top_k_ranked(values, k)
         want = torch.sort(values, dim=-1, descending=True, stable=True)
         assert torch.equal(got_index, want.indices[:, :k]) and torch.equal(got_values, want.values[:, :k])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fixed_width_catch_up_writes_what_the_eager_catch_up_writes(pair, backend, monkeypatch):
+    """After a verify each request brings a few positions with features: the fixed-width path
+    (one graph on a GPU) leaves the same draft KV and hidden state as the eager one."""
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
+    engines = {}
+    for fixed in (False, True):
+        if not fixed:
+            monkeypatch.setattr(DraftEngine, "_fits_fixed_width", lambda self, rid, plan: False)
+        else:
+            monkeypatch.undo()
+        engine = engines[fixed] = DraftEngine(model, num_blocks=96, block_size=4)
+        calls = []
+        for i in range(5):
+            gen = torch.Generator().manual_seed(40 + i)
+            n = 6 + 3 * i
+            tokens = torch.randint(0, model.cfg.target_vocab_size, (n + 1,), generator=gen).tolist()
+            engine.ingest([IngestItem(f"r{i}", 0, tuple(tokens), torch.randn(n, model.cfg.feature_width,
+                                                                                generator=gen))], catch_up=True)
+            more = torch.randint(0, model.cfg.target_vocab_size, (i + 2,), generator=gen).tolist()
+            calls.append(IngestItem(f"r{i}", n, (tokens[-1], *more), torch.randn(i + 2, model.cfg.feature_width,
+                                                                                  generator=gen)))
+        engine.ingest(calls, catch_up=True)  # 2..6 new positions each, all with features
+    eager, fixed = engines[False], engines[True]
+    assert fixed._catch_ups and not eager._catch_ups
+    for i in range(5):
+        rid = f"r{i}"
+        assert fixed.computed(rid) == eager.computed(rid)
+        n = eager.computed(rid)
+        for got, want in zip(fixed.kv.read(0, fixed.kv.slots(rid, 0, n)), eager.kv.read(0, eager.kv.slots(rid, 0, n))):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fixed.requests[rid].last_h, eager.requests[rid].last_h, atol=1e-4, rtol=1e-4)
