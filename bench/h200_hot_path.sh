@@ -86,6 +86,6 @@ for stage in "$@"; do
   esac
 done
 
-# Files come back from the machine at most 8 at a time: everything in one archive, plus the logs of the stages.
-(cd "$OUT" && tar czf results.tgz --exclude=results.tgz . 2>/dev/null && find . -mindepth 1 -type d -prune \
-  -exec rm -rf {} + && ls)
+# Files come back from the machine at most 8 at a time: everything in one archive.
+tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
+ls -la "$OUT"
