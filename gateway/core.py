@@ -355,17 +355,19 @@ class GatewayCore:
                 budgets[rid] = DraftBudget(room, budget.topk, budget.num_draft_tokens) if room >= 1 else NO_SPEC
         return budgets
 
-    # Under load `auto` stops speculating; feeding every request's features to the
-    # draft would then cost target output, gateway work and draft compute for
-    # nothing. After QUIET_STEPS steps without a tree, auto requests go dormant (no
-    # features, no ingest); every WAKE_EVERY steps they wake for QUIET_STEPS steps,
-    # catch up from their tokens and are offered to the policy again.
+    # When `auto` stops speculating (under load, or wherever trees do not pay), feeding
+    # every request's features to the draft would cost target output, gateway work and
+    # draft compute for nothing, and would keep plain steps from being granted (a grant
+    # feeds nothing to the draft). After QUIET_STEPS steps without a tree, auto requests
+    # go dormant (no features, no ingest); every WAKE_EVERY steps they wake for QUIET_STEPS
+    # steps, catch up from their tokens and are offered to the policy again. At any load:
+    # on a GPU, with grants, features cost a plain step about half its speed (issue 14).
     QUIET_STEPS = 16
     WAKE_EVERY = 128
 
     def _track_quiet(self, plan: StepPlan) -> None:
-        if any(not b.empty for b in plan.budgets.values()) or len(plan.items) < self.gate.min_batch:
-            self._quiet = 0  # speculating, or too light a load for feature traffic to matter
+        if any(not b.empty for b in plan.budgets.values()):
+            self._quiet = 0  # speculating
         elif self._quiet >= self.QUIET_STEPS or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
                 for it in plan.items):

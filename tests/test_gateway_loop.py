@@ -354,3 +354,16 @@ def test_an_abort_during_a_grant_interrupts_it_and_frees_the_kv(tokenizer):
     core._take_inbox()
     assert out[-1].finish_reason == "abort" and target.lengths == {}
     assert np.all([req.phase == Phase.FINISHED for req in core.running]) and not core.running
+
+
+def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_are_granted(tokenizer):
+    """The plain arm as plain decoding really runs: no feature traffic, granted steps."""
+    core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
+    out = submit(core, "solo", [4, 5, 6], max_tokens=200)
+    run_until_idle(core)
+    assert tokens_of(out) == expected([4, 5, 6], 200)
+    assert out[-1].spec.verify_steps == 0
+    assert target.grants > 0, "dormant plain steps were never granted"
+    fed = [any(it.return_features for it in step) for step in target.steps]
+    assert not any(fed[core.QUIET_STEPS + 4: core.WAKE_EVERY - 4]), "features kept flowing while dormant"
