@@ -11,7 +11,8 @@ A step, in phases:
 Per-request state the step needs lives on the device and changes by what each
 step adds (the block table); acceptance and the kept path are decided on the
 device and the kept nodes' KV is moved there, so a plain-decode step waits on
-the device once. BENCHMARKS.md ("Target step") has what each part cost.
+the device once. BENCHMARKS.md ("Plain decoding at the speed of the forward") has
+what each part cost on an H200.
 """
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ class TargetEngine:
         otherwise one step after another."""
         check_grant(batch, stops)
         self._validate(batch)
+        # A sequence is never fed past the model's length, whatever the caller's limit.
+        room = np.array([self.max_model_len - self.kv.seqs[rid].length for rid in batch.request_ids])
+        stops = dataclasses.replace(stops, max_new_tokens=np.minimum(stops.max_new_tokens, room).astype(np.int32))
         if pipelined(self, batch):
             yield from PipelinedGrant(self, batch, stops, steps, interrupted)
         else:
@@ -271,7 +275,7 @@ class TargetEngine:
     def new_tail(self, views: dict[str, torch.Tensor], shape: InputShape) -> StepTail:
         kv = self.kv
         flat = (kv.k_all.shape[0], -1, *kv.k_all.shape[3:])
-        return StepTail(views=views, seqs=shape.seqs, tree=shape.tree, block_size=kv.block_size,
+        return StepTail(views=views, seqs=shape.seqs, tree=shape.tree,
                         trash_slot=kv.trash_slot, block_table=self.table.table, k_cache=kv.k_all.view(flat),
                         v_cache=kv.v_all.view(flat), use_triton=self.triton)
 

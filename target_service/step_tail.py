@@ -116,12 +116,10 @@ class StepTail:
     `logits` are [B * M, V] float32, row b * M + m for tree node m of sequence b.
     """
 
-    def __init__(self, *, views: dict[str, torch.Tensor], seqs: int, tree: int, block_size: int,
-                 trash_slot: int, block_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 use_triton: bool):
+    def __init__(self, *, views: dict[str, torch.Tensor], seqs: int, tree: int, trash_slot: int,
+                 block_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, use_triton: bool):
         self.v = views
         self.B, self.M = seqs, tree
-        self.block_size = block_size
         self.trash_slot = trash_slot
         self.table = block_table
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, slots, Hkv, D] flat views

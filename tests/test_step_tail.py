@@ -40,7 +40,7 @@ def test_host_and_device_greedy_tails_agree_on_random_trees_with_duplicate_sibli
                   shape=shape, views=layout.host_views(buf), per_tile=16, padding_row=63, padding_update=0,
                   host_table=host_table, block_size=4, trash_slot=999)
         views = layout.device_views(torch.from_numpy(buf))
-        tail = StepTail(views=views, seqs=shape.seqs, tree=shape.tree, block_size=4, trash_slot=999,
+        tail = StepTail(views=views, seqs=shape.seqs, tree=shape.tree, trash_slot=999,
                         block_table=torch.zeros(65, 8, dtype=torch.int32), k_cache=None, v_cache=None,
                         use_triton=False)
         # Logits whose argmax is often a drafted child, so paths of several nodes are kept.
