@@ -147,6 +147,10 @@ class DraftEngine:
                     raise InvalidDraftInput(f"request {rid!r}: {f.shape[0]} feature rows for "
                                             f"{len(it.tokens)} tokens")
             after[rid] = total
+        new = sum(1 for rid in after if rid not in self.requests)
+        if new > self.kv.free_rows:
+            raise OutOfDraftCapacity(f"{new} new requests, but this replica holds {len(self.requests)} and has "
+                                     f"room for {self.kv.free_rows} more")
         return after
 
     def _check_capacity(self, lengths: dict[str, int]) -> None:

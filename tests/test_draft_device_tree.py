@@ -105,3 +105,16 @@ def test_fixed_width_catch_up_writes_what_the_eager_catch_up_writes(pair, backen
         for got, want in zip(fixed.kv.read(0, fixed.kv.slots(rid, 0, n)), eager.kv.read(0, eager.kv.slots(rid, 0, n))):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fixed.requests[rid].last_h, eager.requests[rid].last_h, atol=1e-4, rtol=1e-4)
+
+
+def test_a_replica_full_of_requests_refuses_more_as_out_of_capacity(pair):
+    from draft_service.types import OutOfDraftCapacity
+
+    target, draft = pair
+    engine = DraftEngine(Eagle3Draft(draft, target), num_blocks=3, block_size=4)  # room for 3 requests
+    engine.ingest([IngestItem(f"r{i}", 0, (1, 2)) for i in range(3)])
+    with pytest.raises(OutOfDraftCapacity, match="room for 0 more"):
+        engine.ingest([IngestItem("one-too-many", 0, (1, 2))])
+    assert "one-too-many" not in engine.requests
+    engine.release(["r0"])
+    engine.ingest([IngestItem("one-too-many", 0, (1, 2))])
