@@ -90,6 +90,11 @@ class PipelinedGrant:
             kv.reserve(rid, seq.length + 1)
         updates = engine.table.take_pending()
         bucket = engine.graphs.bucket_for(part, (), len(updates))
+        if bucket is None:  # more table entries than the bucket carries (left by an earlier step): set them now
+            engine.table.pending.update(updates)
+            engine.table.flush()
+            updates = {}
+            bucket = engine.graphs.bucket_for(part, (), 0)
         host_in, host_out = self._buffers()
         prefix = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
