@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import uvicorn
+from grpc_health.v1 import health_pb2
 
 from gateway.clients import DraftClient, TargetClient, wait_healthy
 from gateway.core import CoreConfig, GatewayCore
@@ -27,6 +28,10 @@ log = logging.getLogger("tandem.gateway")
 
 DEFAULT_GRANT_STEPS = 8
 DEFAULT_TARGET_WAIT_S = 60.0
+# A gRPC health name that is SERVING for as long as the process runs (Kubernetes' liveness asks it):
+# "" turns NOT_SERVING while the gateway waits for a lost target or drains, when restarting the
+# gateway would only lose the requests it holds.
+LIVENESS_SERVICE = "tandem.liveness"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         max_message_bytes=args.max_request_bytes)
     add_generation_service(grpc_host, core)
     grpc_host.start()
+    grpc_host.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
     def start_core() -> None:
         try:

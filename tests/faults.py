@@ -149,11 +149,12 @@ def generation_stub(grpc_port: int) -> generation_pb2_grpc.GenerationStub:
     return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
 
 
-def grpc_health(grpc_port: int) -> int | None:
-    """The gateway's gRPC health status, or None when it does not answer."""
+def grpc_health(grpc_port: int, service: str = "") -> int | None:
+    """The gateway's gRPC health status (of `service`), or None when it does not answer."""
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=5).status
         except grpc.RpcError:
             return None
 

@@ -97,6 +97,7 @@ def assert_refuses_new_requests(gw: Gateway) -> None:
 def wait_not_serving(gw: Gateway) -> None:
     wait_for(lambda: httpx.get(f"{gw.url}/health", timeout=5).status_code == 503, "REST /health to say 503")
     wait_for(lambda: grpc_health(gw.grpc_port) == NOT_SERVING, "gRPC health to say NOT_SERVING")
+    assert grpc_health(gw.grpc_port, "tandem.liveness") == SERVING  # alive: a liveness probe must not restart it
 
 
 def wait_serving(gw: Gateway) -> None:
