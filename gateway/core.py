@@ -127,6 +127,9 @@ class GatewayCore:
         self._quiet = 0  # consecutive steps in which auto chose no tree
         self._ingest_queue: dict[int, list[tuple[Request, IngestItem]]] = {}  # replica -> this step's ingests
         self._release_after_grant: list[Request] = []
+        # Finished requests whose target release failed because the target was unreachable:
+        # released when it answers again after the loss (if it never restarted, it holds them).
+        self._unreleased: list[str] = []
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -746,6 +749,9 @@ class GatewayCore:
                 load = self.target.release(ids)
                 self._free_blocks = load.free_blocks
                 self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
+            except TargetUnavailable as exc:
+                self._unreleased += ids
+                log.warning("target release failed: %s", exc)
             except Unavailable:
                 log.exception("target release failed")
         for req in done:
@@ -806,13 +812,18 @@ class GatewayCore:
         """Put every running request back in the queue, in arrival order, to re-prefill from its
         tokens (as preemption does); release its draft state. Returns the ids the target may still
         hold, should it not have restarted after all (a broken stream to a live target)."""
-        forget = [req.request_id for req in self.running + self._release_after_grant if req.target_created]
-        self._release_after_grant = []
-        requeued = [req for req in self.running if req.phase != Phase.FINISHED]
-        for req in requeued:
+        held = self.running + self._release_after_grant  # finished ones included: none was released
+        forget = [req.request_id for req in held if req.target_created] + self._unreleased
+        self.running, self._release_after_grant, self._unreleased = [], [], []
+        requeued = []
+        for req in held:
             self._detach_draft(req, release=True)
-            req.reset_for_recompute()
-        self.running = []
+            if req.phase == Phase.FINISHED:
+                with self._lock:
+                    self._ids.discard(req.request_id)
+            else:
+                req.reset_for_recompute()
+                requeued.append(req)
         self.waiting = sorted(requeued + self.waiting, key=lambda req: req.arrival)
         self.metrics.requests_running.set(0)
         self.metrics.requests_waiting.set(len(self.waiting))

@@ -23,17 +23,19 @@ from tests.test_gateway_loop import FakeDraft, FakeTarget, expected, submit, tok
 
 
 class RestartingTarget(FakeTarget):
-    """A fake target that dies at its `die_at_step`-th step and forgets every sequence; it
-    answers again (healthy) once `come_back()` is called."""
+    """A fake target that becomes unreachable at its `die_at_step`-th step and answers again
+    (healthy) once `come_back()` is called; `restarts`: it forgets every sequence meanwhile
+    (False: a broken stream to a target that kept them)."""
 
     address = "fake-target:1"
 
-    def __init__(self, die_at_step: int, **kw):
+    def __init__(self, die_at_step: int, restarts: bool = True, **kw):
         super().__init__(**kw)
-        self.die_at_step = die_at_step
+        self.die_at_step, self.restarts = die_at_step, restarts
         self.calls = 0
         self.down = False
         self.reconnects = 0
+        self.released: list[str] = []
 
     def healthy(self) -> bool:
         return not self.down
@@ -47,7 +49,9 @@ class RestartingTarget(FakeTarget):
     def step(self, items, feature_layers):
         self.calls += 1
         if self.calls == self.die_at_step:
-            self.down, self.lengths = True, {}
+            self.down = True
+            if self.restarts:
+                self.lengths = {}
         if self.down:
             raise TargetUnavailable("target failed: UNAVAILABLE: Socket closed")
         return super().step(items, feature_layers)
@@ -55,6 +59,7 @@ class RestartingTarget(FakeTarget):
     def release(self, ids):
         if self.down:
             raise TargetUnavailable("target failed: UNAVAILABLE: Socket closed")
+        self.released += ids
         return super().release(ids)
 
     def info(self):
@@ -107,6 +112,23 @@ def test_requests_running_when_the_target_is_lost_finish_unchanged_once_it_retur
         assert readiness == [False, True] and core.ready()
         assert target.reconnects == 1  # the broken step stream is not reused
         wait_for(lambda: target.lengths == {} and draft.known == {}, "the target and draft to hold nothing")
+    finally:
+        core.shutdown()
+
+
+def test_after_a_broken_stream_to_a_target_that_kept_its_kv_the_stale_kv_is_released_first(tokenizer):
+    target = RestartingTarget(die_at_step=3, restarts=False)
+    core, _, _ = running_core(tokenizer, target, wait_s=60)
+    try:
+        outs = [submit(core, f"r{i}", [3 + i, 4], max_tokens=20) for i in range(2)]
+        wait_for(lambda: target.down, "the stream to break")
+        assert set(target.lengths) == {"r0", "r1"}  # the target still holds both
+        target.come_back()
+        wait_for(lambda: all(finished(out) for out in outs), "every request to finish")
+        assert target.released[:2] == ["r0", "r1"]  # before they were prefilled again
+        for i, out in enumerate(outs):
+            assert tokens_of(out) == expected([3 + i, 4], 20)
+        wait_for(lambda: target.lengths == {}, "the target to hold nothing")
     finally:
         core.shutdown()
 
