@@ -6,8 +6,9 @@ past the bound, every stream ends UNAVAILABLE (gRPC) / with an error event or a 
 and the gateway serves again once the target is back. Meanwhile the gateway reports
 NOT_SERVING and refuses new requests with 503 / UNAVAILABLE.
 
-The target is paced (--emulate-step-cost) so that a 64-token stream takes well over the time
-between the streams' first chunks and the kill, on any machine: the kill lands mid-stream.
+The target is paced (--emulate-step-cost, at least 30 ms a step) so that a 64-token stream
+takes well over the time between the streams' first chunks and the kill (at least 11 more
+steps even if every drafted token were accepted): the kill lands mid-stream on any machine.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SHORT_WAIT_S = 2.0  # --target-wait of the gateway that gives up
 def stack(tmp_path_factory):
     st = Stack(tmp_path_factory.mktemp("target-restart"), DEMO / "target", [DEMO / "draft"], "--no-profile",
                "--max-model-len", "512", "--target-wait", "120",
-               target_args=("--num-blocks", "1024", "--block-size", "16", "--emulate-step-cost", "15,0"))
+               target_args=("--num-blocks", "1024", "--block-size", "16", "--emulate-step-cost", "30,0"))
     yield st
     st.stop()
 

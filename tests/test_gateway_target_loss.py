@@ -14,6 +14,7 @@ import pytest
 
 from gateway.clients import TargetUnavailable
 from gateway.core import CoreConfig, GatewayCore
+from gateway.main import build_parser
 from gateway.policy import PolicyConfig
 from gateway.scheduler import SchedulerConfig
 from tandem.errors import Unavailable
@@ -173,3 +174,11 @@ def test_an_idle_gateway_notices_a_lost_target_and_serves_again_when_it_returns(
 def test_a_negative_target_wait_is_refused():
     with pytest.raises(ValueError, match="target wait"):
         CoreConfig(target_wait_s=-1)
+
+
+def test_the_gateway_flag_defaults_to_a_minute_and_says_what_it_does():
+    parser = build_parser()
+    assert parser.parse_args(["--target", "t:1"]).target_wait == 60.0
+    assert parser.parse_args(["--target", "t:1", "--target-wait", "5"]).target_wait == 5.0
+    text = " ".join(parser.format_help().split())
+    assert "--target-wait SECONDS" in text and "re-prefills them from their tokens" in text
