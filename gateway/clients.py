@@ -26,25 +26,35 @@ def _load(m: common_pb2.KvLoad) -> KvLoad:
     return KvLoad(m.num_sequences, m.block_size, m.total_blocks, m.free_blocks)
 
 
-def _raise_mapped(err: grpc.RpcError, who: str):
+class TargetUnavailable(Unavailable):
+    """The target could not be reached (a call or the step stream failed in transport, or the
+    stream ended): it may have died or be restarting. The gateway then waits for it to return
+    and re-prefills its requests. An error the target itself reports is not this."""
+
+
+def _raise_mapped(err: grpc.RpcError, who: str, unavailable: type[Unavailable] = Unavailable):
     code = err.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise InvalidArgument(f"{who}: {err.details()}") from err
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         raise ResourceExhausted(f"{who}: {err.details()}") from err
-    raise Unavailable(f"{who} failed: {code.name}: {err.details()}") from err
+    raise unavailable(f"{who} failed: {code.name}: {err.details()}") from err
+
+
+def _health_status(channel: grpc.Channel, timeout: float) -> int | None:
+    """The service's gRPC health status, or None when it does not answer."""
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                         timeout=timeout).status
+    except grpc.RpcError:
+        return None
 
 
 def wait_healthy(channel: grpc.Channel, timeout: float) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
+        if _health_status(channel, 2) == health_pb2.HealthCheckResponse.SERVING:
+            return
         if time.monotonic() > deadline:
             raise Unavailable("service did not become healthy in time")
         time.sleep(0.2)
@@ -122,8 +132,8 @@ class TargetGrant:
                 self._end()
                 self._on_broken()
                 if isinstance(e, grpc.RpcError):
-                    _raise_mapped(e, "target")
-                raise Unavailable("target: the step stream ended") from None
+                    _raise_mapped(e, "target", TargetUnavailable)
+                raise TargetUnavailable("target: the step stream ended") from None
             if reply.done:
                 self._end()
             yield _step_outcome(reply, self._ids)
@@ -158,6 +168,11 @@ class TargetClient:
             self._stream.close()
             self._stream = None
 
+    def reconnect(self) -> None:
+        """Forget the step stream: after the target restarted, the old one is broken though
+        nothing has failed on it yet; the next call opens a new one."""
+        self._drop_stream()
+
     def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
               stops: GrantStops | None = None) -> TargetGrant:
         batch = StepBatch.from_items(items)
@@ -170,11 +185,15 @@ class TargetClient:
         stream.send(target_pb2.StepCall(step=call))
         return TargetGrant(stream, batch.request_ids, self._drop_stream, span)
 
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """Whether the target answers its health check with SERVING."""
+        return _health_status(self.channel, timeout) == health_pb2.HealthCheckResponse.SERVING
+
     def info(self) -> TargetInfo:
         try:
             m = self.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=30)
         except grpc.RpcError as e:
-            _raise_mapped(e, "target")
+            _raise_mapped(e, "target", TargetUnavailable)
         return TargetInfo(m.model_name, m.vocab_size, m.hidden_size, m.max_model_len,
                           tuple(m.eos_token_ids), tuple(m.default_feature_layers), _load(m.load))
 
@@ -192,7 +211,7 @@ class TargetClient:
         try:
             return _load(self.stub.Release(target_pb2.ReleaseRequest(request_ids=request_ids), timeout=30).load)
         except grpc.RpcError as e:
-            _raise_mapped(e, "target")
+            _raise_mapped(e, "target", TargetUnavailable)
 
     def close(self) -> None:
         self._drop_stream()
@@ -220,12 +239,7 @@ class DraftClient:
         self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
 
     def healthy(self) -> bool:
-        try:
-            status = health_pb2_grpc.HealthStub(self.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2).status
-            return status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+        return _health_status(self.channel, 2) == health_pb2.HealthCheckResponse.SERVING
 
     def info(self) -> DraftInfo:
         try:

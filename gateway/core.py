@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,7 @@ import torch
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway import tracing
-from gateway.clients import DraftClient, TargetClient
+from gateway.clients import DraftClient, TargetClient, TargetUnavailable
 from gateway.draft_pool import DraftPool, DraftReplica
 from gateway.metrics import GatewayMetrics
 from gateway.policy import (
@@ -49,6 +49,11 @@ from target_service.wire import GrantStops
 
 log = logging.getLogger("tandem.gateway")
 
+# While idle, how often the loop asks whether the target still serves (under load every step asks).
+TARGET_PROBE_S = 1.0
+# Between health checks of a lost target: from the first to the longest.
+TARGET_RETRY_S = (0.1, 1.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CoreConfig:
@@ -60,8 +65,12 @@ class CoreConfig:
     # Plain-decode steps granted to the target at once when a batch decodes plainly
     # and feeds nothing to the draft; 1 = one call per step.
     grant_steps: int = 1
+    # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
+    target_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not self.target_wait_s >= 0:
+            raise ValueError(f"target wait must be >= 0 seconds, got {self.target_wait_s}")
         if self.grant_steps < 1:
             raise ValueError(f"grant steps must be >= 1, got {self.grant_steps}")
         if self.max_queue < 1:
@@ -108,12 +117,19 @@ class GatewayCore:
         self._vocab = 0
         self._ready = False
         self._draining = False
+        self._target_down = False  # the target is unreachable: new requests are refused
+        self._target_checked = 0.0  # when an idle loop last asked the target's health
+        # Called with ready() whenever it changes (the gRPC health status follows it).
+        self.on_readiness: Callable[[bool], None] | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.step_count = 0
         self._quiet = 0  # consecutive steps in which auto chose no tree
         self._ingest_queue: dict[int, list[tuple[Request, IngestItem]]] = {}  # replica -> this step's ingests
         self._release_after_grant: list[Request] = []
+        # Finished requests whose target release failed because the target was unreachable:
+        # released when it answers again after the loss (if it never restarted, it holds them).
+        self._unreleased: list[str] = []
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -137,6 +153,7 @@ class GatewayCore:
             thread.start()
             self._threads.append(thread)
         self._ready = True
+        self._readiness_changed()
 
     def configure(self, replicas: list[DraftReplica] | None = None) -> None:
         """Learn the model's facts from the target and the feature layers from `replicas`
@@ -163,7 +180,11 @@ class GatewayCore:
         self.feature_layers = layers.pop() if layers else info.default_feature_layers
 
     def ready(self) -> bool:
-        return self._ready and not self._draining
+        return self._ready and not self._draining and not self._target_down
+
+    def _readiness_changed(self) -> None:
+        if self.on_readiness is not None:
+            self.on_readiness(self.ready())
 
     @property
     def draining(self) -> bool:
@@ -172,6 +193,7 @@ class GatewayCore:
     def drain(self, timeout: float) -> None:
         """Refuse new requests, let running ones finish within `timeout`, abort the rest."""
         self._draining = True
+        self._readiness_changed()
         deadline = time.monotonic() + timeout
         while (self.running or self.waiting or self._inbox) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -194,6 +216,8 @@ class GatewayCore:
             raise Unavailable("the gateway is still starting")
         if self._draining:
             raise Unavailable("the gateway is draining")
+        if self._target_down:
+            raise Unavailable("the target service is unreachable; the gateway is waiting for it to return")
         if not prompt_token_ids:
             raise InvalidArgument("the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -230,10 +254,13 @@ class GatewayCore:
             if not self.running and not self.waiting:
                 self._wake.wait(0.5)
                 self._wake.clear()
+                self._check_idle_target()
                 continue
             try:
                 with tracing.step_scope():  # ends the step's span, if step_serves opened one
                     self._step()
+            except TargetUnavailable as exc:
+                self._target_lost(str(exc))
             except Exception:
                 log.exception("step failed; aborting the running requests")
                 for req in list(self.running):
@@ -710,9 +737,9 @@ class GatewayCore:
         self.pool.mark_lost(replica, str(exc))
 
     # --- finishing ----------------------------------------------------------------
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         if req.phase != Phase.FINISHED:
-            self._emit(req, req.finish(reason))
+            self._emit(req, req.finish(reason, error))
         req.phase = Phase.FINISHED
         self._release_finished()
 
@@ -737,6 +764,9 @@ class GatewayCore:
                 load = self.target.release(ids)
                 self._free_blocks = load.free_blocks
                 self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
+            except TargetUnavailable as exc:
+                self._unreleased += ids
+                log.warning("target release failed: %s", exc)
             except Unavailable:
                 log.exception("target release failed")
         for req in done:
@@ -756,3 +786,89 @@ class GatewayCore:
         req.reset_for_recompute()
         self.running = [other for other in self.running if other is not req]
         self.waiting.insert(0, req)
+
+    # --- a lost target ---------------------------------------------------------------
+    def _check_idle_target(self) -> None:
+        """While idle, notice a target that went away, so that health reports it at once
+        rather than when the next request fails."""
+        now = time.monotonic()
+        if self._ready and now - self._target_checked >= TARGET_PROBE_S:
+            self._target_checked = now
+            if not self.target.healthy():
+                self._target_lost("its health check failed")
+
+    def _target_lost(self, why: str) -> None:
+        """The target is unreachable: refuse new requests, keep the running ones, and once the
+        target answers again (restarted at the same address) re-prefill them from their tokens.
+        Past cfg.target_wait_s they end UNAVAILABLE; the gateway serves again when it returns."""
+        log.warning("target %s unreachable (%s): not serving; %d request(s) wait up to %.0f s for it",
+                    self.target.address, why, len(self.running) + len(self.waiting), self.cfg.target_wait_s)
+        self._target_down = True
+        self._readiness_changed()
+        forget = self._requeue_for_recompute()
+        deadline = time.monotonic() + self.cfg.target_wait_s
+        while not self._stop.is_set():
+            if self._wait_for_target(deadline):
+                try:
+                    self._target_back(forget)
+                    return
+                except TargetUnavailable as exc:  # gone again at once: keep waiting
+                    log.warning("target lost again while resuming: %s", exc)
+                    continue
+            message = (f"the target service was unreachable for longer than {self.cfg.target_wait_s:g} s "
+                       "(--target-wait); retry")
+            log.warning("target still unreachable after %.0f s: ending %d request(s) as unavailable",
+                        self.cfg.target_wait_s, len(self.running) + len(self.waiting))
+            for req in list(self.running) + list(self.waiting):
+                self._finish(req, FinishReason.ABORT, message)
+            deadline = float("inf")  # keep waiting, with nothing held, to serve again once it is back
+
+    def _requeue_for_recompute(self) -> list[str]:
+        """Put every running request back in the queue, in arrival order, to re-prefill from its
+        tokens (as preemption does); release its draft state. Returns the ids the target may still
+        hold, should it not have restarted after all (a broken stream to a live target)."""
+        held = self.running + self._release_after_grant  # finished ones included: none was released
+        forget = [req.request_id for req in held if req.target_created] + self._unreleased
+        self.running, self._release_after_grant, self._unreleased = [], [], []
+        requeued = []
+        for req in held:
+            self._detach_draft(req, release=True)
+            if req.phase == Phase.FINISHED:
+                with self._lock:
+                    self._ids.discard(req.request_id)
+            else:
+                req.reset_for_recompute()
+                requeued.append(req)
+        self.waiting = sorted(requeued + self.waiting, key=lambda req: req.arrival)
+        self.metrics.requests_running.set(0)
+        self.metrics.requests_waiting.set(len(self.waiting))
+        return forget
+
+    def _wait_for_target(self, deadline: float) -> bool:
+        """Ask the target's health with a growing pause until it serves (True) or the deadline
+        passes (False), handling arrivals and aborts meanwhile (a client may give up waiting)."""
+        pause = TARGET_RETRY_S[0]
+        while not self._stop.is_set():
+            self._take_inbox()
+            if self.target.healthy():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.wait(min(pause, max(deadline - time.monotonic(), 0.0)))
+            self._wake.clear()
+            pause = min(pause * 2, TARGET_RETRY_S[1])
+        return False
+
+    def _target_back(self, forget: list[str]) -> None:
+        if forget:
+            try:
+                self.target.release(forget)  # a target that did not restart still holds them
+            except (InvalidArgument, ResourceExhausted) as exc:
+                log.warning("releasing the lost requests on the target failed: %s", exc)
+        self.target.reconnect()
+        load = self.target.info().load
+        self._free_blocks = load.free_blocks
+        self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
+        self._target_down = False
+        self._readiness_changed()
+        log.info("target %s is back: serving; re-prefilling %d request(s)", self.target.address, len(self.waiting))

@@ -4,7 +4,10 @@ Every call to one replica goes through its single worker thread, so an ingest
 queued without waiting (feature traffic off the critical path) is always
 applied before a later draft call to the same replica. Any failure marks the
 replica unhealthy; its requests then decode plainly until they move to a
-healthy replica, catching up there from their tokens.
+healthy replica, catching up there from their tokens. A lost replica is probed
+and, once it answers again (restarted, or past a transient failure), used again
+without a gateway restart; what it may still hold of the requests that left it
+is released first, so its KV does not leak.
 
 Replicas may come and go at run time (`follow`, fed by gateway/discovery.py).
 The step loop keeps a request's replica as an index into `replicas`, so entries
@@ -41,6 +44,9 @@ class DraftReplica:
         self.retired = False  # its address left the source: never used again
         self.requests: set[str] = set()
         self.refused: str | None = None  # the admission check's last objection (logged once)
+        # Requests it held when it was lost: they leave without a release (it did not answer),
+        # so if it comes back without having restarted, their state is released then.
+        self.orphans: set[str] = set()
         self._jobs: queue.Queue[tuple[Callable, Future] | None] = queue.Queue()
         self._closed = False
         self._lock = threading.Lock()
@@ -114,6 +120,7 @@ class DraftPool:
             if not replica.healthy:
                 return
             replica.healthy = False
+            replica.orphans |= replica.requests.copy()  # copy(): one step under the GIL, while the loop edits it
         log.warning("draft replica %s lost (%s): its requests continue without speculation",
                     replica.client.address, why)
         self.on_lost(replica)
@@ -121,11 +128,14 @@ class DraftPool:
     def probe_forever(self, interval: float = 1.0) -> None:
         """Background: bring replicas back (or in, when new) when their health check passes."""
         while not self._stop.wait(interval):
-            for r in list(self.replicas):
-                # The step loop detaches a lost replica's requests first; only then can it
-                # come back (it may have restarted and forgotten them).
-                if not r.healthy and not r.retired and not r.requests:
-                    self._probe(r)
+            self.probe_once()
+
+    def probe_once(self) -> None:
+        for r in list(self.replicas):
+            # The step loop detaches a lost replica's requests first; only then can it
+            # come back (it may have restarted and forgotten them).
+            if not r.healthy and not r.retired and not r.requests:
+                self._probe(r)
 
     def _probe(self, r: DraftReplica) -> None:
         try:
@@ -133,13 +143,29 @@ class DraftPool:
         except Exception as exc:  # e.g. its channel closed by a retirement that raced us
             log.debug("probing draft replica %s failed: %s", r.client.address, exc)
             return
-        if not ready:
+        if not ready or not self._release_orphans(r):
             return
         with self._lock:
             if r.retired:  # retired while we probed it
                 return
             r.healthy = True
         log.info("draft replica %s is healthy", r.client.address)
+
+    @staticmethod
+    def _release_orphans(r: DraftReplica) -> bool:
+        """Release what a returning replica may hold of the requests it had when it was lost
+        (nothing, if it restarted). Through its worker, after any call still queued from
+        before the loss. False: it failed, so the replica is not ready yet."""
+        if not r.orphans:
+            return True
+        orphans = sorted(r.orphans)
+        try:
+            r.submit(lambda: r.client.release(orphans)).result(timeout=60)
+        except Exception as exc:
+            log.debug("releasing the lost requests on draft replica %s failed: %s", r.client.address, exc)
+            return False
+        r.orphans.difference_update(orphans)
+        return True
 
     def _admits(self, r: DraftReplica) -> bool:
         if self.admission is None:

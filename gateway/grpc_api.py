@@ -1,8 +1,9 @@
 """gRPC edge of the gateway (tandem.v1.Generation): protobuf <-> engine requests, nothing else.
 
 Same semantics as the REST API (gateway/openai_api.py): the same length rule
-and defaults, and a request the engine ends with "abort" (e.g. draining) is
-UNAVAILABLE. A call the client cancels, or whose deadline passes, is aborted in
+and defaults, and a request the engine ends with "abort" (e.g. draining, or a
+target that stayed unreachable past --target-wait) is UNAVAILABLE, with the
+engine's reason as the message when it gives one. A call the client cancels, or whose deadline passes, is aborted in
 the engine at once.
 
 Requests arrive as bytes and are parsed here, so that one grpc would fail to
@@ -33,6 +34,7 @@ log = logging.getLogger("tandem.gateway.grpc")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 DEFAULT_MAX_TOKENS = 16  # as REST /v1/completions
+NOT_READY_MESSAGE = "the engine is not ready (loading, draining, or waiting for an unreachable target)"
 ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
 RETRY_AFTER_S = 1  # what RESOURCE_EXHAUSTED asks a client to wait (REST's 429 says the same)
 
@@ -138,7 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _generate(self, request_id: str, request: generation_pb2.GenerateRequest, context):
         prompt, params = request_from_proto(request, self.engine.tokenizer, self.engine.max_model_len)
         if not self.engine.ready():
-            raise Unavailable("the engine is not ready (loading or draining)")
+            raise Unavailable(NOT_READY_MESSAGE)
         stream = iter_deltas(self.engine, request_id, prompt, params)
         # Runs when the call ends for any reason; only a call ending early (cancelled,
         # deadline, connection lost) still has a request to abort.
@@ -146,7 +148,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stream.cancel()
         for delta in stream:
             if delta.finish_reason == "abort":
-                raise Unavailable(ABORTED_MESSAGE)
+                raise Unavailable(delta.error or ABORTED_MESSAGE)
             if delta.token_ids or delta.text or delta.finish_reason is not None:
                 yield delta_to_proto(request_id, delta)
 

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import uvicorn
+from grpc_health.v1 import health_pb2
 
 from gateway.clients import DraftClient, TargetClient, wait_healthy
 from gateway.core import CoreConfig, GatewayCore
@@ -26,6 +27,11 @@ log = logging.getLogger("tandem.gateway")
 
 
 DEFAULT_GRANT_STEPS = 8
+DEFAULT_TARGET_WAIT_S = 60.0
+# A gRPC health name that is SERVING for as long as the process runs (Kubernetes' liveness asks it):
+# "" turns NOT_SERVING while the gateway waits for a lost target or drains, when restarting the
+# gateway would only lose the requests it holds.
+LIVENESS_SERVICE = "tandem.liveness"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "to K steps on its own, feeding its tokens forward (stops at max_tokens, EOS and stop "
                         "token ids; a new arrival, an abort or a stop string ends the grant after the step "
                         f"in flight). 1 = one call per step (default {DEFAULT_GRANT_STEPS})")
+    p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
+                   help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
+                        "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
+                        "return at the same address, then re-prefills them from their tokens and continues; "
+                        "past it they end with 503 / UNAVAILABLE, and the gateway serves again once the target "
+                        f"is back (default {DEFAULT_TARGET_WAIT_S:g})")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
     p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                    help="OpenTelemetry collector for traces (also OTEL_EXPORTER_OTLP_ENDPOINT; protocol from "
@@ -136,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --protect-metrics needs --api-key")
     if args.max_request_bytes < 1:
         raise SystemExit("error: --max-request-bytes must be positive")
+    if not args.target_wait >= 0:
+        raise SystemExit("error: --target-wait must be >= 0 seconds")
 
     setup_tracing(args.otlp_endpoint)
     try:
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
-        grant_steps=args.grant_steps)
+        grant_steps=args.grant_steps, target_wait_s=args.target_wait)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way
@@ -171,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         max_message_bytes=args.max_request_bytes)
     add_generation_service(grpc_host, core)
     grpc_host.start()
+    grpc_host.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
     def start_core() -> None:
         try:
             core.start()
             if source.dynamic:
                 core.pool.follow(source.resolve, source.interval_s)
-            grpc_host.set_serving(True)
+            # gRPC health follows the core from now on: NOT_SERVING while the target is lost or draining.
+            core.on_readiness = grpc_host.set_serving
+            grpc_host.set_serving(core.ready())
             log.info("ready: REST %s://%s:%d, gRPC %s:%d%s, %d draft replica(s) from %s, speculation %s",
                      "https" if public_tls else "http", args.host, args.port, args.host, grpc_host.port,
                      " (TLS)" if public_tls else "", len(drafts), source.describe(), args.speculation)

@@ -14,7 +14,9 @@ gateway/openai_schema.py, responses shaped in gateway/openai_output.py.
 
 Choices we made where OpenAI leaves room:
 - A request the engine ends with finish_reason "abort" (e.g. the gateway is
-  draining) is a 503; in a stream that has started, an error event instead.
+  draining, or the target stayed unreachable past --target-wait) is a 503; in a
+  stream that has started, an error event instead (then `data: [DONE]`). The
+  message is the engine's reason when it gives one.
 - A client that disconnects has its requests aborted in the engine at once.
 - --api-key guards /v1/*; /health stays open for probes, and /metrics for
   scrapers unless `protect_metrics` is set.
@@ -58,6 +60,7 @@ log = logging.getLogger("tandem.gateway.api")
 # How often a request waiting for output checks whether its client is still there.
 DISCONNECT_POLL_S = 0.2
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
+NOT_READY_MESSAGE = "the engine is not ready (loading, draining, or waiting for an unreachable target)"
 ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
 
 
@@ -157,7 +160,7 @@ async def models(request: Request) -> JSONResponse:
 async def health(request: Request) -> Response:
     if _engine(request).ready():
         return JSONResponse({"status": "ok"})
-    return APIError(503, "the engine is not ready (loading or draining)", "server_error",
+    return APIError(503, NOT_READY_MESSAGE, "server_error",
                     code="service_unavailable").response()
 
 
@@ -198,7 +201,7 @@ def _build_job(engine: GenerationEngine, settings: ApiSettings, req: CommonField
 async def _run(request: Request, engine: GenerationEngine, job: Job, streaming: bool) -> Response:
     try:
         if not engine.ready():
-            raise Unavailable("the engine is not ready (loading or draining)")
+            raise Unavailable(NOT_READY_MESSAGE)
         stream = AsyncDeltaStream(engine, job.subrequests)  # submits now: refusals are 4xx/503 here
     except (InvalidArgument, ResourceExhausted, Unavailable) as exc:
         raise api_error_for(exc) from exc
@@ -220,7 +223,7 @@ async def _full_response(request: Request, job: Job, stream: AsyncDeltaStream) -
                 continue
             index, delta = item
             if delta.finish_reason == "abort":
-                raise api_error_for(Unavailable(ABORTED_MESSAGE))
+                raise api_error_for(Unavailable(delta.error or ABORTED_MESSAGE))
             job.choices[index].add(delta)
     return JSONResponse(job.full_response())
 
@@ -240,7 +243,7 @@ async def _events(request: Request, job: Job, stream: AsyncDeltaStream) -> Async
                     continue
                 index, delta = item
                 if delta.finish_reason == "abort":
-                    yield sse(api_error_for(Unavailable(ABORTED_MESSAGE)).body())
+                    yield sse(api_error_for(Unavailable(delta.error or ABORTED_MESSAGE)).body())
                     break
                 choice = job.choices[index]
                 choice.add(delta)

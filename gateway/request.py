@@ -195,11 +195,12 @@ class Request:
         emitted, hit = self._stops.feed(self._detok.flush())
         return (emitted, True) if hit else (emitted + self._stops.flush(), False)
 
-    def finish(self, reason: FinishReason) -> Delta:
+    def finish(self, reason: FinishReason, error: str | None = None) -> Delta:
+        """End the request now; `error` tells the client why an aborted request ended."""
         self.finish_reason = reason
         self.phase = Phase.FINISHED
         return Delta((), self._final_text()[0] if reason != FinishReason.ABORT else "", None, reason,
-                     len(self.prompt), len(self.output), self.stats)
+                     len(self.prompt), len(self.output), self.stats, error)
 
     def reset_for_recompute(self) -> None:
         """Preempted: the target and draft forgot this request; it resumes from its tokens."""

@@ -2,8 +2,9 @@
 
 Start-up order: the target and every draft replica start together (a draft
 reads the target's embeddings from its directory, not from the running
-target), each on a free internal port on 127.0.0.1 that it reports through a
-port file; once all report SERVING on gRPC health, the gateway starts on the
+target), each on an internal port on 127.0.0.1 that we pick free and keep for
+it (a restarted child comes back at the same address, so the gateway finds it
+again); once all report SERVING on gRPC health, the gateway starts on the
 public --host/--port/--grpc-port and we wait for its /health to say 200.
 
 With --tls-cert/--tls-key the gateway serves REST and gRPC over TLS; adding
@@ -19,9 +20,14 @@ child on this machine), and its gRPC health is not probed when it serves TLS
 Children run in sessions of their own so that a terminal's Ctrl-C reaches
 only this supervisor, which stops them in order: the gateway first (it
 drains its running requests), then the drafts and the target. On Linux each
-child also gets SIGTERM if the supervisor itself dies. A child that exits
-while it should be running is reported (which, exit code, last log lines)
-and the rest are stopped; we then exit with status 1.
+child also gets SIGTERM if the supervisor itself dies.
+
+A child that exits once everything is running is reported (which, exit code,
+last log lines) and started again with the same command line after a back-off
+(gateway/restarts.py): the gateway waits for a restarted target (--target-wait)
+and takes a restarted draft back. Past --max-restarts within --restart-window,
+or for a child that dies while starting up, the rest are stopped and we exit
+with status 1.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.restarts import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartPolicy
 from tandem.tls import ClientTLS, ServerTLS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
                    help="seconds each stage may take to become ready (default 900)")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
+                   help="a child that dies once everything runs is started again (same command line, same "
+                        "address) after a back-off of 1, 2, 4, ... s; after N restarts within --restart-window "
+                        "the next death stops everything. 0: a dead child stops everything "
+                        f"(default {DEFAULT_MAX_RESTARTS})")
+    p.add_argument("--restart-window", type=float, default=DEFAULT_WINDOW_S, metavar="S",
+                   help=f"seconds over which --max-restarts counts (default {DEFAULT_WINDOW_S:.0f})")
     return p
 
 
@@ -197,6 +211,10 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise ServeError(f"{flag} {value}: {args.host}:{value} is already in use")
     if args.protect_metrics and not args.api_key:
         raise ServeError("--protect-metrics needs --api-key")
+    try:
+        restart_policy(args)
+    except ValueError as exc:
+        raise ServeError(f"--max-restarts/--restart-window: {exc}") from None
     public_tls, service_tls, gateway_tls = resolve_tls(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -230,11 +248,20 @@ def resolve_tls(args: argparse.Namespace) -> tuple[ServerTLS | None, ServerTLS |
     return public, services, gateway
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, for a child's metrics (a child binds its gRPC port itself)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now, for the children's gRPC and metrics."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:  # held open together, so no port is handed out twice
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -266,8 +293,9 @@ def _service_tls_flags(plan: Plan) -> list[str]:
     return ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.client_ca)]
 
 
-def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0) -> list[str]:
-    cmd = ["target", "--model", str(plan.model), "--port", "0", "--port-file", str(port_file),
+def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0,
+                   port: int = 0) -> list[str]:
+    cmd = ["target", "--model", str(plan.model), "--port", str(port), "--port-file", str(port_file),
            "--tp", str(args.tp), "--device", plan.device]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
@@ -278,9 +306,10 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metric
     return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.target_args)
 
 
-def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0) -> list[str]:
+def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0,
+                  port: int = 0) -> list[str]:
     assert plan.draft is not None
-    cmd = ["draft", "--model", str(plan.draft), "--target-model", str(plan.model), "--port", "0",
+    cmd = ["draft", "--model", str(plan.draft), "--target-model", str(plan.model), "--port", str(port),
            "--port-file", str(port_file), "--device", plan.device]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
@@ -336,24 +365,39 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 class Child:
-    """One service process, its log file and its stop sequence."""
+    """One service process, its log file, its stop sequence and its restarts."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, metrics_port: int = 0):
         self.name = name
+        self.argv = list(argv)
         self.log_path = log_dir / f"{name}.log"
         self.port_file = log_dir / f"{name}.port"
         self.address = ""
         self.metrics_port = metrics_port  # its Prometheus /metrics on 127.0.0.1 (0: none)
+        self.restarts: list[float] = []  # monotonic times it was started again
+        self.restart_at: float | None = None  # it died: when to start it again
+        self.proc = self._launch("wb")
+
+    def _launch(self, log_mode: str) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         # Three or more processes share this machine's cores: left alone, each would
         # start an OpenMP thread per core, and threads spinning against each other
         # make small CPU ops orders of magnitude slower. An explicit setting wins.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 3)))
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([*TANDEM, *argv], stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                         preexec_fn=_die_with_parent())
+        with open(self.log_path, log_mode) as log:
+            return subprocess.Popen([*TANDEM, *self.argv], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_die_with_parent())
+
+    def restart(self) -> None:
+        """Start it again with the same command line (so the same address), its log appended to."""
+        self.kill()  # whatever its process group left behind (a TP target's ranks)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n--- tandem serve: restarting {self.name} ---\n".encode())
+        self.restarts.append(time.monotonic())
+        self.restart_at = None
+        self.proc = self._launch("ab")
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -447,7 +491,7 @@ class Supervisor:
         return child
 
     def check(self) -> None:
-        """Raise Stopped on a signal, Failed when any child has exited."""
+        """Raise Stopped on a signal, Failed when any child has exited (while starting up)."""
         if self.signals:
             raise Stopped()
         for c in self.children:
@@ -477,10 +521,35 @@ class Supervisor:
 
         self.wait_for(f"{child.name} (binding a port)", bound)
 
-    def monitor(self) -> None:
+    def monitor(self, policy: RestartPolicy) -> None:
+        """Watch the running children: restart one that dies, within the policy's limit; raise
+        Stopped on a signal, Failed when a child dies past the limit."""
         while True:
-            self.check()
+            if self.signals:
+                raise Stopped()
+            for child in self.children:
+                self._tend(child, policy)
             time.sleep(POLL_S)
+
+    def _tend(self, child: Child, policy: RestartPolicy) -> None:
+        now = time.monotonic()
+        if child.restart_at is not None:  # dead, waiting out its back-off
+            if now >= child.restart_at:
+                child.restart()
+                _say(f"restarted {child.name}" + (f" on {child.address}" if child.address else ""))
+            return
+        if child.exited() is None:
+            return
+        delay = policy.delay(child.restarts, now)
+        if delay is None:
+            limit = (f"; it was restarted {policy.recent(child.restarts, now)} time(s) in the last "
+                     f"{policy.window_s:.0f} s (--max-restarts {policy.max_restarts})" if policy.max_restarts else "")
+            raise Failed(child.describe_exit() + limit)
+        _say(child.describe_exit())
+        _say(f"restarting {child.name} in {delay:.0f} s (restart "
+             f"{policy.recent(child.restarts, now) + 1} of at most {policy.max_restarts} within "
+             f"{policy.window_s:.0f} s)")
+        child.restart_at = now + delay
 
     def stop_all(self) -> None:
         """Gateway first (it drains), then the services; SIGKILL whatever outlives its grace."""
@@ -506,16 +575,21 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     try:
         _say(f"logs in {plan.log_dir}")
         _say(f"starting target: {plan.model} (device {plan.device}, tp {args.tp})")
-        # Each service serves its own Prometheus metrics on a free port (the gateway's are on REST /metrics).
-        port = free_port()
-        target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", port), port)
+        # Each service gets a gRPC port of its own, kept across restarts, and serves its own
+        # Prometheus metrics on another (the gateway's are on REST /metrics).
+        replicas = args.draft_replicas if plan.draft is not None else 0
+        ports = iter(free_ports(2 * (1 + replicas)))
+        port, metrics_port = next(ports), next(ports)
+        target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", metrics_port, port),
+                           metrics_port)
         drafts = []
         if plan.draft is not None:
-            for i in range(args.draft_replicas):
+            for i in range(replicas):
                 name = f"draft{i}"
                 _say(f"starting {name}: {plan.draft}")
-                port = free_port()
-                drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", port), port))
+                port, metrics_port = next(ports), next(ports)
+                drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", metrics_port,
+                                                            port), metrics_port))
         else:
             _say("no draft: serving without speculation")
         for child in [target, *drafts]:
@@ -541,7 +615,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                  f"  logs           {plan.log_dir}",
                  "Press Ctrl-C to stop."]
         print("tandem serve: " + "\n".join(lines), flush=True)
-        sup.monitor()
+        sup.monitor(restart_policy(args))
     except Stopped:
         sup.stop_all()
         _say("stopped")

@@ -165,6 +165,9 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)
+    # Why an aborted request ended, for its client (e.g. the target stayed unreachable);
+    # None: the API layer's generic message.
+    error: str | None = None
 
 
 DeltaSink = Callable[[Delta], None]

@@ -16,17 +16,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class Service:
-    def __init__(self, args: list[str], tmp: Path, name: str):
+    """One service process; `port` 0 lets it pick a free port (read back from its port file)."""
+
+    def __init__(self, args: list[str], tmp: Path, name: str, port: int = 0):
+        self.args, self.tmp, self.name = list(args), tmp, name
         port_file = tmp / f"{name}.port"
+        port_file.unlink(missing_ok=True)
         self.log_path = tmp / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-        self.log = open(self.log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args, "--port", "0",
+        self.log = open(self.log_path, "a")  # noqa: SIM115 (a restart appends to the same log)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args, "--port", str(port),
                                       "--port-file", str(port_file)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.port = self._wait_port(port_file)
         self.address = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.address)
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, as in a crash."""
+        self.proc.kill()
+        self.proc.wait()
+        self.channel.close()
+        self.log.close()
+
+    def restarted(self) -> Service:
+        """The same service started again at the same address (after kill() or stop())."""
+        return Service(self.args, self.tmp, self.name, port=self.port)
 
     def _wait_port(self, port_file: Path, timeout: float = 120) -> int:
         deadline = time.time() + timeout

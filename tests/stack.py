@@ -20,25 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Stack:
-    def __init__(self, tmp: Path, target_dir: Path, draft_dirs: list[Path], *gateway_args: str,
-                 target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8"),
-                 draft_args: tuple[str, ...] = ()):
-        self.tmp = tmp
-        self.target = Service(["target", "--model", str(target_dir), *target_args], tmp, "target")
-        self.drafts = [Service(["draft", "--model", str(d), "--target-model", str(target_dir), *draft_args], tmp,
-                              f"draft{i}")
-                       for i, d in enumerate(draft_dirs)]
-        self.target.wait_serving()
-        for d in self.drafts:
-            d.wait_serving()
+class Gateway:
+    """A `tandem gateway` process over services that are already running."""
+
+    def __init__(self, tmp: Path, target: str, drafts: list[str], *gateway_args: str, name: str = "gateway"):
         self.port, self.grpc_port = free_port(), free_port()
-        self.gateway_log = tmp / "gateway.log"
-        self._log = open(self.gateway_log, "w")  # noqa: SIM115
-        draft_arg = ",".join(d.address for d in self.drafts)
-        self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "gateway", "--target", self.target.address,
-             "--draft", draft_arg, "--port", str(self.port), "--grpc-port", str(self.grpc_port), *gateway_args],
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "gateway", "--target", target, "--draft", ",".join(drafts),
+             "--port", str(self.port), "--grpc-port", str(self.grpc_port), *gateway_args],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,15 +38,15 @@ class Stack:
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if self.gateway.poll() is not None:
-                raise RuntimeError(f"gateway exited:\n{self.gateway_log.read_text()}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.log_path.read_text()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"gateway not ready:\n{self.gateway_log.read_text()}")
+        raise TimeoutError(f"gateway not ready:\n{self.log_path.read_text()}")
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -71,13 +62,34 @@ class Stack:
         return r.json()
 
     def stop(self) -> None:
-        if self.gateway.poll() is None:
-            self.gateway.terminate()
+        if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                self.gateway.wait(30)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.gateway.kill()
+                self.proc.kill()
         self._log.close()
+
+
+class Stack(Gateway):
+    """Target and draft services, then a gateway over them (the gateway's methods are the stack's)."""
+
+    def __init__(self, tmp: Path, target_dir: Path, draft_dirs: list[Path], *gateway_args: str,
+                 target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8"),
+                 draft_args: tuple[str, ...] = ()):
+        self.tmp = tmp
+        self.target = Service(["target", "--model", str(target_dir), *target_args], tmp, "target")
+        self.drafts = [Service(["draft", "--model", str(d), "--target-model", str(target_dir), *draft_args], tmp,
+                               f"draft{i}")
+                       for i, d in enumerate(draft_dirs)]
+        self.target.wait_serving()
+        for d in self.drafts:
+            d.wait_serving()
+        super().__init__(tmp, self.target.address, [d.address for d in self.drafts], *gateway_args)
+        self.gateway, self.gateway_log = self.proc, self.log_path
+
+    def stop(self) -> None:
+        super().stop()
         for d in self.drafts:
             d.stop()
         self.target.stop()

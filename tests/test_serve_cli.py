@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway import serve
+from gateway.restarts import RestartPolicy
 from tests.services import REPO
 
 DESIGN_FLAGS = ["--model", "--draft", "--speculation", "--tp", "--device", "--dtype", "--host", "--port",
@@ -85,12 +86,12 @@ def test_child_command_lines(dirs, tmp_path):
         "--max-model-len", "4096", "--api-key", "k", "--max-queue", "7", "--speculation", "never",
         "--otlp-endpoint", "http://c:4317", "--host", "0.0.0.0", "--port", "9000", "--grpc-port", "9001"])
     plan = serve.Plan(model=model, draft=draft, device="cuda", log_dir=tmp_path)
-    assert serve.target_command(args, plan, tmp_path / "t.port", 9100) == [
-        "target", "--model", str(model), "--port", "0", "--port-file", str(tmp_path / "t.port"), "--tp", "2",
+    assert serve.target_command(args, plan, tmp_path / "t.port", 9100, 9200) == [
+        "target", "--model", str(model), "--port", "9200", "--port-file", str(tmp_path / "t.port"), "--tp", "2",
         "--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096", "--metrics-port", "9100",
         "--otlp-endpoint", "http://c:4317"]
-    assert serve.draft_command(args, plan, tmp_path / "d.port", 9101) == [
-        "draft", "--model", str(draft), "--target-model", str(model), "--port", "0", "--port-file",
+    assert serve.draft_command(args, plan, tmp_path / "d.port", 9101, 9201) == [
+        "draft", "--model", str(draft), "--target-model", str(model), "--port", "9201", "--port-file",
         str(tmp_path / "d.port"), "--device", "cuda", "--dtype", "bfloat16", "--metrics-port", "9101",
         "--otlp-endpoint", "http://c:4317"]
     assert serve.gateway_command(args, plan, "127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"]) == [
@@ -163,6 +164,8 @@ def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_pat
     argv = {n: s.read(n, "argv") for n in names}
     ports = {n: int((tmp_path / "logs" / f"{n}.port").read_text()) for n in names[:3]}
     assert argv["target"][:3] == ["target", "--model", str(model.resolve())]
+    # serve picks each service's port (kept across restarts), not the service.
+    assert all(argv[n][argv[n].index("--port") + 1] == str(ports[n]) for n in names[:3])
     # Each service gets a metrics port of its own, and serve says where.
     metrics = {n: int(argv[n][argv[n].index("--metrics-port") + 1]) for n in names[:3]}
     assert len(set(metrics.values())) == 3
@@ -188,13 +191,57 @@ def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_pat
 @pytest.mark.parametrize("env, who, code", [({"FAKE_DIE": "draft1"}, "draft1", 3),
                                             ({"FAKE_DIE_AT_START": "target"}, "target", 4),
                                             ({"FAKE_DIE": "gateway"}, "gateway", 3)])
-def test_serve_reports_a_dead_child_and_stops_the_rest(dirs, tmp_path, env, who, code):
+def test_with_restarts_off_serve_reports_a_dead_child_and_stops_the_rest(dirs, tmp_path, env, who, code):
     model, draft = dirs
     s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
-                                "--port", str(free_port()), "--grpc-port", str(free_port())], **env)
+                                "--port", str(free_port()), "--grpc-port", str(free_port()), "--max-restarts", "0"],
+                     **env)
     rc, err = s.finish()
     assert rc == 1, err
     assert f"{who} exited with code {code}" in err
     assert f"fake {who} " in err  # the tail of its log
     pids = [s.read(p.stem, "pid") for p in s.record.glob("*.pid")]
     assert pids and all(_gone(pid) for pid in pids)
+
+
+def wait_for(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_serve_restarts_a_killed_child_at_the_same_address_and_stops_all_past_the_limit(dirs, tmp_path):
+    model, draft = dirs
+    s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--port", str(free_port()),
+                                "--grpc-port", str(free_port()), "--max-restarts", "1"])
+    s.wait_ready()
+    first_pid, port_file = s.read("draft0", "pid"), tmp_path / "logs" / "draft0.port"
+    port, argv = port_file.read_text(), s.read("draft0", "argv")
+    port_file.unlink()
+    os.kill(first_pid, signal.SIGKILL)
+    wait_for(lambda: port_file.exists() and port_file.read_text(), "draft0 to be started again")
+    assert port_file.read_text() == port and s.read("draft0", "argv") == argv  # same address, same command
+    second_pid = s.read("draft0", "pid")
+    assert second_pid != first_pid and s.proc.poll() is None  # serve went on; nothing else was touched
+    assert not (s.record / "target.stopped").exists()
+    others = [s.read(n, "pid") for n in ("target", "gateway")]
+
+    os.kill(second_pid, signal.SIGKILL)  # the limit is one restart: now everything stops
+    code, err = s.finish()
+    assert code == 1, err
+    assert "draft0 was killed by SIGKILL" in err and "restarting draft0 in 1 s" in err
+    assert "restarted 1 time(s) in the last 600 s (--max-restarts 1)" in err
+    assert all(_gone(pid) for pid in others)
+
+
+def test_restart_policy_backs_off_then_gives_up_within_its_window():
+    policy = RestartPolicy(max_restarts=3, window_s=600)
+    assert [policy.delay([0.0] * n, 10.0) for n in range(4)] == [1.0, 2.0, 4.0, None]
+    assert policy.delay([0.0, 0.0, 0.0], 700.0) == 1.0  # restarts older than the window are forgotten
+    assert RestartPolicy(max_restarts=0).delay([], 0.0) is None
+    assert RestartPolicy(max_restarts=9, max_backoff_s=5).delay([0.0] * 8, 1.0) == 5.0
+    with pytest.raises(ValueError):
+        RestartPolicy(max_restarts=-1)
+    with pytest.raises(ValueError):
+        RestartPolicy(window_s=0)
