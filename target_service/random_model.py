@@ -6,6 +6,7 @@ weights are drawn on the model's device as LlamaModel._load asks for them.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +50,23 @@ class RandomInit:
         return cls(**spec)
 
 
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator for one tensor: seeded by (seed, name), so a tensor is the same whichever
+    rank draws it and whatever was drawn before (crc32: Python's str hash is salted)."""
+    return torch.Generator(device=device).manual_seed((seed << 32 | zlib.crc32(name.encode())) % (1 << 63))
+
+
 class RandomWeights:
     """Answers LlamaModel._load's requests the way SafetensorsDir does, with random
-    tensors (norm weights 1, matrices N(0, std)) made directly on `device`."""
+    tensors (norm weights 1, matrices N(0, std)) made directly on `device`.
+
+    Every tensor is drawn whole from its own generator (_generator), then the rank's
+    slice is taken: the model is the same at every tensor-parallel degree."""
 
     def __init__(self, cfg: LlamaConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
                  std: float = 0.02, init: RandomInit | None = None):
         self.init = init or RandomInit(seed=seed, std=std)
         self.cfg, self.device, self.dtype, self.std = cfg, device, dtype, self.init.std
-        self.gen = torch.Generator(device=device).manual_seed(self.init.seed)
         self._embed: torch.Tensor | None = None
 
     def __contains__(self, name: str) -> bool:
@@ -72,22 +81,29 @@ class RandomWeights:
             stop: int | None = None) -> torch.Tensor:
         if name not in self:
             raise KeyError(name)
-        shape = list(shape)
-        if dim is not None:
-            shape[dim] = len(range(shape[dim])[start:stop])
+        whole = self._whole(name, tuple(shape))
+        if dim is None:
+            return whole
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(start, stop)
+        return whole[tuple(index)].contiguous()
+
+    def _whole(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=self.device, dtype=self.dtype)
         init = self.init
         if name == "lm_head.weight" and init.planted_next_token and self._embed is not None:
             # Row j is the embedding of perm^-1(j): after token t the largest logit is perm(t).
-            order = torch.randperm(shape[0], generator=self.gen, device=self.device)
+            order = torch.randperm(shape[0], generator=_generator(init.seed, "planted permutation", self.device),
+                                   device=self.device)
             return self._embed[order]
         std = self.std
         if name.endswith("embed_tokens.weight"):
             std = init.embed_std
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             std = init.residual_out_std
-        out = torch.empty(shape, device=self.device, dtype=self.dtype).normal_(0.0, std, generator=self.gen)
+        out = torch.empty(shape, device=self.device, dtype=self.dtype).normal_(
+            0.0, std, generator=_generator(init.seed, name, self.device))
         if name.endswith("embed_tokens.weight"):
             self._embed = out
         return out

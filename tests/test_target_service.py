@@ -136,3 +136,32 @@ def test_sigterm_stops_gracefully(tiny_llama, tmp_path):
     svc.wait_serving()
     assert svc.stop() == 0
     assert "stopped" in svc.log_path.read_text()
+
+
+def test_the_random_weights_model_is_the_same_at_tp2_and_tp1(tiny_llama, tmp_path):
+    """--random-weights draws each tensor whole from (seed, name) and slices it, so TP=2 serves
+    the TP=1 model (before, each rank drew its shard from one shared stream: another model)."""
+    import json
+    import shutil
+
+    model = tmp_path / "random"
+    model.mkdir()
+    config = json.loads((tiny_llama("gqa") / "config.json").read_text())
+    config["tandem_random_init"] = {"seed": 3}
+    (model / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny_llama("gqa") / name).exists():
+            shutil.copy(tiny_llama("gqa") / name, model / name)
+    outputs = []
+    for tp in ("1", "2"):
+        svc = Service(["target", "--model", str(model), "--random-weights", "--tp", tp, "--num-blocks", "64",
+                       "--block-size", "4"], tmp_path, f"random-tp{tp}")
+        try:
+            svc.wait_serving()
+            outputs.append(run_steps(target_pb2_grpc.TargetServiceStub(svc.channel), "r", 12))
+        finally:
+            assert svc.stop() == 0
+    (tokens1, tops1), (tokens2, tops2) = outputs
+    assert tokens2 == tokens1
+    for a, b in zip(tops1, tops2, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
