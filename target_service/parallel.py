@@ -28,6 +28,7 @@ from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.layers import DTYPES
 from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
+from tandem.v1 import target_pb2
 from target_service.controls import LogitsControls
 from target_service.cuda_graphs import GraphConfig
 from target_service.engine import TargetEngine
@@ -35,6 +36,7 @@ from target_service.model import LlamaModel, ParallelSpec, check_tp
 from target_service.random_model import RandomInit, random_llama_model
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+from target_service.wire import batch_from_proto, batch_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +105,21 @@ def _init_group(rank: int, world: int, rendezvous: str, device: str) -> dist.Pro
     return dist.new_group(backend="gloo")  # control messages travel on the CPU
 
 
-def _send(obj: dict, group) -> None:
-    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    dist.broadcast(torch.tensor([payload.numel()]), 0, group=group)
-    dist.broadcast(payload, 0, group=group)
+def _send(obj: dict, group, packed: bytes = b"") -> None:
+    """A command: a small JSON header, then (for a step) its columns as the wire's packed bytes
+    (target_service.wire), not one JSON object per sequence."""
+    header = json.dumps(obj).encode()
+    dist.broadcast(torch.tensor([len(header), len(packed)]), 0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(header + packed), dtype=torch.uint8), 0, group=group)
 
 
-def _recv(group) -> dict:
-    size = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(size, 0, group=group)
-    payload = torch.empty(int(size), dtype=torch.uint8)
+def _recv(group) -> tuple[dict, bytes]:
+    sizes = torch.zeros(2, dtype=torch.long)
+    dist.broadcast(sizes, 0, group=group)
+    payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
     dist.broadcast(payload, 0, group=group)
-    return json.loads(payload.numpy().tobytes())
+    raw = payload.numpy().tobytes()
+    return json.loads(raw[: int(sizes[0])]), raw[int(sizes[0]):]
 
 
 def _items_to_json(items: list[SequenceStep]) -> list[dict]:
@@ -139,12 +144,16 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec) -> None:
     engine = build_engine(spec, ParallelSpec(rank, world))
     dist.barrier(group=group)
     while True:
-        cmd = _recv(group)
+        cmd, packed = _recv(group)
         if cmd["op"] == "stop":
             break
         try:
             if cmd["op"] == "step":
                 engine.step(_items_from_json(cmd["items"]), tuple(cmd["layers"]))
+            elif cmd["op"] == "run":
+                items = target_pb2.PackedItems()
+                items.ParseFromString(packed)
+                engine.run(batch_from_proto(items), tuple(cmd["layers"]))
             elif cmd["op"] == "release":
                 engine.release(cmd["ids"])
         except (InvalidArgument, ResourceExhausted):
@@ -194,8 +203,8 @@ class ParallelEngine:
         batch = batch.with_seeds(self.engine.draw_seed)
         if self._group is not None:
             self._check_workers()
-            _send({"op": "step", "items": _items_to_json(batch.items()), "layers": list(feature_layers)},
-                  self._group)
+            _send({"op": "run", "layers": list(feature_layers)}, self._group,
+                  batch_to_proto(batch).SerializeToString())
         return self.engine.run(batch, feature_layers)
 
     def release(self, request_ids: list[str]) -> int:

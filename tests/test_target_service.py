@@ -165,3 +165,31 @@ def test_the_random_weights_model_is_the_same_at_tp2_and_tp1(tiny_llama, tmp_pat
     assert tokens2 == tokens1
     for a, b in zip(tops1, tops2, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_tp2_serves_the_step_stream_and_grants_with_packed_broadcasts(tiny_llama, tmp_path, target):
+    """The gateway's path at TP=2: steps over the stream reach the other rank as packed columns,
+    a grant runs step by step on both ranks, and the tokens equal TP=1's."""
+    import numpy as np
+
+    from gateway.clients import TargetClient
+    from target_service.types import SequenceStep
+    from target_service.wire import GrantStops
+
+    want, _ = run_steps(target_pb2_grpc.TargetServiceStub(target.channel), "tp-stream", 10)
+    target_pb2_grpc.TargetServiceStub(target.channel).Release(target_pb2.ReleaseRequest(request_ids=["tp-stream"]))
+    tp2 = Service(["target", "--model", str(tiny_llama("gqa")), "--tp", "2", "--num-blocks", "64",
+                   "--block-size", "4"], tmp_path, "tp2-stream")
+    try:
+        tp2.wait_serving()
+        client = TargetClient(tp2.address)
+        first, _, _ = client.step([SequenceStep.chain("tp-stream", PROMPT, create=True)], ())
+        got = list(first[0].tokens)
+        stops = GrantStops(max_new_tokens=np.array([9], dtype=np.int32), stop_token_ids=(frozenset(),))
+        for results, _, _ in client.grant([SequenceStep.chain("tp-stream", [got[-1]])], (), 8, stops):
+            got += results[0].tokens
+        assert got[:9] == want[:9]
+        client.release(["tp-stream"])
+        client.close()
+    finally:
+        assert tp2.stop() == 0
