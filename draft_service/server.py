@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -197,9 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "this replica's load, read at each scrape (tandem_draft_sequences, what its autoscaler scales "
                    "on, and tandem_draft_kv_cache_usage_ratio), Draft call time, tree nodes and requests per "
                    "call, catch-up time, feature bytes")
-    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), metavar="URL",
-                   help="export OpenTelemetry traces to this OTLP collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
-                   "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL)")
+    telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import tempfile
 import threading
 from pathlib import Path
@@ -20,6 +19,7 @@ from gateway.draft_pool import feature_layers_match
 from gateway.http_guards import DEFAULT_MAX_BODY_BYTES
 from gateway.policy import PolicyConfig
 from gateway.scheduler import SchedulerConfig
+from tandem import telemetry
 from tandem.tls import add_client_tls_arguments, add_server_tls_arguments, client_tls_from_args, server_tls_from_args
 from tandem.v1 import target_pb2
 
@@ -89,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "past it they end with 503 / UNAVAILABLE, and the gateway serves again once the target "
                         f"is back (default {DEFAULT_TARGET_WAIT_S:g})")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
-    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-                   help="OpenTelemetry collector for traces (also OTEL_EXPORTER_OTLP_ENDPOINT; protocol from "
-                   "OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf)")
+    telemetry.add_otlp_argument(p)
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may finish before they are aborted")
     add_server_tls_arguments(p, client_ca_help=None)  # REST and gRPC; TLS to the services below
@@ -137,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.tracing import instrument_app, setup_tracing
     from tandem.grpc_auth import ApiKeyInterceptor
     from tandem.grpc_host import ServiceHost
-    from tandem.telemetry import shutdown_tracing
 
     try:
         public_tls = server_tls_from_args(args, with_client_ca=False)
@@ -212,6 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     grpc_host.stop(grace=2)
     core.shutdown()
-    shutdown_tracing()  # flush the spans still queued
+    telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.restarts import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartPolicy
+from tandem import telemetry
 from tandem.tls import ClientTLS, ServerTLS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,8 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the gateway's certificate towards the services (default: --tls-cert)")
     tls.add_argument("--tls-client-key", metavar="PEM", default=None,
                      help="the private key of --tls-client-cert (default: --tls-key)")
-    p.add_argument("--otlp-endpoint", metavar="URL", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-                   help="OpenTelemetry collector for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    telemetry.add_otlp_argument(p)
     p.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, metavar="N", default=None,

@@ -71,6 +71,14 @@ def make_exporter(endpoint: str, protocol: str):
     return HttpExporter(endpoint=traces_url(endpoint))
 
 
+def add_otlp_argument(parser) -> None:
+    """--otlp-endpoint, the same on every tandem process (tandem serve passes it on to its children)."""
+    parser.add_argument("--otlp-endpoint", metavar="URL", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                        help="export OpenTelemetry traces to this OTLP collector (default: "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; protocol from $OTEL_EXPORTER_OTLP_PROTOCOL: grpc or "
+                        "http/protobuf)")
+
+
 def setup_tracing(service: str, endpoint: str | None) -> bool:
     """Export this process's spans to `endpoint` as service.name tandem-<service>; False (off) without one."""
     global ENABLED, _provider

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import queue
 import threading
 import time
@@ -244,9 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus metrics "
                    "(step time, tokens and sequences per step, acceptance by draft position, KV usage, feature "
                    "bytes) on http://HOST:P/metrics (0 picks a free port; default off)")
-    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"), metavar="URL",
-                   help="export OpenTelemetry traces to this OTLP collector (default: $OTEL_EXPORTER_OTLP_ENDPOINT; "
-                   "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL)")
+    telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
