@@ -18,25 +18,30 @@ def rope_reference(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
-def _rope_kernel(X, Pos, Cos, Sin, Out, sx_t, sx_h, so_t, so_h, sc, ss,
-                 HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Pos + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < HEADS) & (d < HALF)
-    d_ok = d < HALF
-    x1 = tl.load(X + t * sx_t + h * sx_h + d, mask=mask, other=0.0)
-    x2 = tl.load(X + t * sx_t + h * sx_h + HALF + d, mask=mask, other=0.0)
-    # The tables hold both halves (cat(freqs, freqs)); read each as the reference does.
+def _rotate(x1, x2, Cos, Sin, pos, sc, ss, d, d_ok, HALF: tl.constexpr):
+    """Both halves of rotate-half RoPE in float32. The tables hold both halves
+    (cat(freqs, freqs)); each is read as the reference does."""
     c1 = tl.load(Cos + pos * sc + d, mask=d_ok, other=0.0)
     c2 = tl.load(Cos + pos * sc + HALF + d, mask=d_ok, other=0.0)
     s1 = tl.load(Sin + pos * ss + d, mask=d_ok, other=0.0)
     s2 = tl.load(Sin + pos * ss + HALF + d, mask=d_ok, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    out1 = x1f * c1 + (-x2f) * s1
-    out2 = x2f * c2 + x1f * s2
+    return x1f * c1 + (-x2f) * s1, x2f * c2 + x1f * s2
+
+
+@triton.jit
+def _rope_kernel(X, Pos, Cos, Sin, Out, sx_t, sx_h, so_t, so_h, sc, ss,
+                 HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = d < HALF
+    mask = (h < HEADS) & d_ok
+    x1 = tl.load(X + t * sx_t + h * sx_h + d, mask=mask, other=0.0)
+    x2 = tl.load(X + t * sx_t + h * sx_h + HALF + d, mask=mask, other=0.0)
+    out1, out2 = _rotate(x1, x2, Cos, Sin, pos, sc, ss, d, d_ok, HALF)
     tl.store(Out + t * so_t + h * so_h + d, out1.to(Out.dtype.element_ty), mask=mask)
     tl.store(Out + t * so_t + h * so_h + HALF + d, out2.to(Out.dtype.element_ty), mask=mask)
 
@@ -91,14 +96,9 @@ def _rope_qkv_kernel(QKV, Pos, Cos, Sin, QOut, KOut, VOut, s_qkv, s_q, s_k, s_v,
     src = QKV + t * s_qkv + tl.where(g == 0, 0, QH * 2 * HALF) + h * 2 * HALF
     x1 = tl.load(src + d, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + d, mask=mask, other=0.0)
-    c1 = tl.load(Cos + pos * sc + d, mask=d_ok, other=0.0)
-    c2 = tl.load(Cos + pos * sc + HALF + d, mask=d_ok, other=0.0)
-    s1 = tl.load(Sin + pos * ss + d, mask=d_ok, other=0.0)
-    s2 = tl.load(Sin + pos * ss + HALF + d, mask=d_ok, other=0.0)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    out1 = (x1f * c1 + (-x2f) * s1).to(QOut.dtype.element_ty)
-    out2 = (x2f * c2 + x1f * s2).to(QOut.dtype.element_ty)
+    out1, out2 = _rotate(x1, x2, Cos, Sin, pos, sc, ss, d, d_ok, HALF)
+    out1 = out1.to(QOut.dtype.element_ty)
+    out2 = out2.to(QOut.dtype.element_ty)
     if g == 0:
         tl.store(QOut + t * s_q + h * 2 * HALF + d, out1, mask=mask)
         tl.store(QOut + t * s_q + h * 2 * HALF + HALF + d, out2, mask=mask)
