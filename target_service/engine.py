@@ -54,6 +54,15 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEQS = 4096
 
 
+
+def batch_of_items(items: list[SequenceStep]) -> StepBatch:
+    """A step given as items (the unary Step, tests), in columns; checks what columns cannot show."""
+    for it in items:
+        if len(it.tokens) != len(it.parents):
+            raise InvalidStep(f"request {it.request_id!r}: {len(it.tokens)} tokens but {len(it.parents)} parents")
+    return StepBatch.from_items(items)
+
+
 class TargetEngine:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  max_model_len: int | None = None, graphs: GraphConfig | None = None,
@@ -91,17 +100,6 @@ class TargetEngine:
 
     def draw_seed(self) -> int:
         return self._seed_source.getrandbits(63)
-
-    def with_seeds(self, items: list[SequenceStep]) -> list[SequenceStep]:
-        """Give every sampled item without a seed one (done once, on rank 0, before a step is broadcast)."""
-        out = []
-        for it in items:
-            if not it.sampling.greedy and it.sampling.seed is None:
-                sp = it.sampling
-                it = dataclasses.replace(it, sampling=type(sp)(sp.temperature, sp.top_k, sp.top_p,
-                                                               self.draw_seed()))
-            out.append(it)
-        return out
 
     # --- validation -------------------------------------------------------
     def _validate(self, batch: StepBatch) -> np.ndarray:
@@ -166,10 +164,7 @@ class TargetEngine:
 
     # --- the step ---------------------------------------------------------
     def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...] = ()) -> list[SequenceResult]:
-        for it in items:
-            if len(it.tokens) != len(it.parents):
-                raise InvalidStep(f"request {it.request_id!r}: {len(it.tokens)} tokens but {len(it.parents)} parents")
-        return self.run(StepBatch.from_items(items), feature_layers).sequence_results()
+        return self.run(batch_of_items(items), feature_layers).sequence_results()
 
     @torch.inference_mode()
     def run(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()) -> StepResults:

@@ -1,6 +1,6 @@
 """The target service's Prometheus metrics, served on `tandem target --metrics-port`.
 
-The servicer records each Step with one call (`record_step`) after the engine
+The servicer records each step with one call (`record_batch`) after the engine
 has returned, outside its lock; the engine knows nothing of metrics. A step's
 sequences are counted by kind: `verify` (drafted nodes below the fixed chain),
 `prefill` (a new sequence, or more than one fixed token), `decode` (one fixed
@@ -13,14 +13,13 @@ position 1..k, so position k's rate per verified tree is
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem.service_metrics import COUNT_BUCKETS, STEP_SECONDS_BUCKETS, new_registry
 from target_service.step_batch import StepBatch, StepResults
-from target_service.types import KvLoad, SequenceResult, SequenceStep
+from target_service.types import KvLoad
 
 KINDS = ("prefill", "decode", "verify")
 
@@ -59,47 +58,8 @@ class TargetMetrics:
         self.kv_usage.set(1 - load.free_blocks / max(load.total_blocks, 1))
         self.sequences.set(load.num_sequences)
 
-    def record_step(self, items: Sequence[SequenceStep], results: Sequence[SequenceResult], load: KvLoad,
-                    seconds: float) -> None:
-        tokens = 0
-        kinds = dict.fromkeys(KINDS, 0)
-        committed = dict.fromkeys(KINDS, 0)
-        drafted = accepted = feature_bytes = 0
-        accepted_lengths: dict[int, int] = {}
-        for it, res in zip(items, results):
-            n = len(it.tokens)
-            tokens += n
-            if n > it.num_fixed:
-                kind = "verify"
-                a = len(res.accepted_nodes)
-                drafted += n - it.num_fixed
-                accepted += a
-                accepted_lengths[a] = accepted_lengths.get(a, 0) + 1
-            else:
-                kind = "prefill" if it.create or it.num_fixed > 1 else "decode"
-            kinds[kind] += 1
-            committed[kind] += len(res.tokens)
-            if res.features is not None:
-                feature_bytes += res.features.numel() * res.features.element_size()
-        self.step_seconds.observe(seconds)
-        self.step_tokens.observe(tokens)
-        self.step_sequences.observe(len(items))
-        for kind in KINDS:
-            if kinds[kind]:
-                self._kind[kind].inc(kinds[kind])
-                self._committed[kind].inc(committed[kind])
-        if drafted:
-            self.draft_tokens.inc(drafted)
-            self.accepted_tokens.inc(accepted)
-        for length, trees in accepted_lengths.items():
-            for position in range(1, length + 1):
-                self._position(position).inc(trees)
-        if feature_bytes:
-            self.feature_bytes.inc(feature_bytes)
-        self.record_load(load)
-
     def record_batch(self, batch: StepBatch, results: StepResults, load: KvLoad, seconds: float) -> None:
-        """record_step for the stream's columns, with array operations instead of a loop."""
+        """One step (unary or streamed), from its columns, with array operations."""
         n = batch.num_nodes.astype(np.int64)
         nf = batch.num_fixed.astype(np.int64)
         accepted = results.num_accepted.astype(np.int64)

@@ -8,7 +8,6 @@ same acceptance decisions and keeps identical KV bookkeeping.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -29,13 +28,12 @@ from tandem.layers import DTYPES
 from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
 from tandem.v1 import target_pb2
-from target_service.controls import LogitsControls
 from target_service.cuda_graphs import GraphConfig
-from target_service.engine import TargetEngine
+from target_service.engine import TargetEngine, batch_of_items
 from target_service.model import LlamaModel, ParallelSpec, check_tp
 from target_service.random_model import RandomInit, random_llama_model
 from target_service.step_batch import StepBatch, StepResults
-from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
+from target_service.types import KvLoad, SequenceResult, SequenceStep
 from target_service.wire import batch_from_proto, batch_to_proto
 
 log = logging.getLogger(__name__)
@@ -122,21 +120,6 @@ def _recv(group) -> tuple[dict, bytes]:
     return json.loads(raw[: int(sizes[0])]), raw[int(sizes[0]):]
 
 
-def _items_to_json(items: list[SequenceStep]) -> list[dict]:
-    return [dataclasses.asdict(it) for it in items]
-
-
-def _controls_from_json(c: dict) -> LogitsControls:
-    return LogitsControls(**{**c, "stop_ids": tuple(c["stop_ids"]),
-                             "logit_bias": tuple((int(t), float(v)) for t, v in c["logit_bias"])})
-
-
-def _items_from_json(rows: list[dict]) -> list[SequenceStep]:
-    return [SequenceStep(**{**r, "tokens": tuple(r["tokens"]), "parents": tuple(r["parents"]),
-                            "sampling": SamplingParams(**r["sampling"]),
-                            "controls": _controls_from_json(r["controls"])}) for r in rows]
-
-
 def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
     setup_logging(f"target-rank{rank}")  # a spawned process starts with no logging setup
@@ -148,9 +131,7 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec) -> None:
         if cmd["op"] == "stop":
             break
         try:
-            if cmd["op"] == "step":
-                engine.step(_items_from_json(cmd["items"]), tuple(cmd["layers"]))
-            elif cmd["op"] == "run":
+            if cmd["op"] == "run":
                 items = target_pb2.PackedItems()
                 items.ParseFromString(packed)
                 engine.run(batch_from_proto(items), tuple(cmd["layers"]))
@@ -192,11 +173,7 @@ class ParallelEngine:
         return self.engine.load()
 
     def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...] = ()) -> list[SequenceResult]:
-        items = self.engine.with_seeds(items)
-        if self._group is not None:
-            self._check_workers()
-            _send({"op": "step", "items": _items_to_json(items), "layers": list(feature_layers)}, self._group)
-        return self.engine.step(items, feature_layers)
+        return self.run(batch_of_items(items), feature_layers).sequence_results()
 
     def run(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()) -> StepResults:
         """The step in columns (the stream's path); seeds are filled in here, once."""

@@ -22,6 +22,7 @@ from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
+from target_service.engine import batch_of_items
 from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.metrics import TargetMetrics
 from target_service.parallel import EngineSpec, ParallelEngine
@@ -94,17 +95,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @map_errors
     def Step(self, request, context):
         engine = self._ready()
-        items = [item_from_proto(m) for m in request.items]
-        with self._lock:
-            t0 = time.perf_counter()
-            results = engine.step(items, tuple(request.feature_layers))
-            if self.pacing is not None:
-                self.pacing.hold(t0, sum(len(it.tokens) for it in items))
-            load = engine.load()
-            seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
-        if self.metrics is not None:
-            self.metrics.record_step(items, results, load, seconds)
-        return target_pb2.StepResponse(results=[result_to_proto(r) for r in results],
+        batch = batch_of_items([item_from_proto(m) for m in request.items])
+        results, load, seconds = self._run(engine, batch, tuple(request.feature_layers))
+        return target_pb2.StepResponse(results=[result_to_proto(r) for r in results.sequence_results()],
                                        load=load_to_proto(load), step_seconds=seconds)
 
     def _run(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...]

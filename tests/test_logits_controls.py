@@ -9,8 +9,6 @@ sampling (the chi-square test of test_target_verify).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -24,7 +22,8 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from target_service import parallel, processors
+from tandem.v1 import target_pb2
+from target_service import processors
 from target_service.controls import ControlColumns, LogitsControls
 from target_service.engine import TargetEngine
 from target_service.grant import run_grant
@@ -223,9 +222,10 @@ def test_controls_survive_the_wire_and_out_of_range_values_are_refused(model):
                                   SequenceStep.chain("b", PROMPT, create=True)])
     back = batch_from_proto(batch_to_proto(batch))
     assert back.controls.item(0) == c and back.controls.item(1) == LogitsControls()
-    # As rank 0 broadcasts a step to the other tensor-parallel ranks.
+    # As rank 0 broadcasts a step to the other tensor-parallel ranks: the packed bytes.
     items = batch.items()
-    assert parallel._items_from_json(json.loads(json.dumps(parallel._items_to_json(items)))) == items
+    sent = target_pb2.PackedItems.FromString(batch_to_proto(batch).SerializeToString())
+    assert batch_from_proto(sent).items() == items
     assert StepBatch.from_items([SequenceStep.chain("a", PROMPT, create=True)]).controls is None
     engine = new_engine(model)
     for bad in (LogitsControls(repetition_penalty=0.0), LogitsControls(frequency_penalty=2.5),
