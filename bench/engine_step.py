@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, graphs in modes.items():
         engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs)
         if engine.graphs is not None:
-            print(f"captured {len(engine.graphs.buckets)} graphs in {engine.graphs.capture_all():.1f} s", flush=True)
+            print(f"captured {len(engine.graphs.keys)} graphs in {engine.graphs.capture_all():.1f} s", flush=True)
         for b in batches:
             ids = prefill(engine, b, args.prefix)
             for n in nodes:

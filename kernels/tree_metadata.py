@@ -79,10 +79,6 @@ class TreeAttnMetadata:
         return self.block_m // self.group
 
     @property
-    def max_blocks(self) -> int:
-        return self.block_table.shape[1]
-
-    @property
     def seq_info(self) -> torch.Tensor:
         return self.ints[self.info_off: self.info_off + SEQ_INFO_FIELDS * self.batch].view(
             self.batch, SEQ_INFO_FIELDS)

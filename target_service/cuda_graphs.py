@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.tree_metadata import choose_block_m, choose_num_splits
+from kernels.tree_metadata import SEQ_INFO_FIELDS, choose_block_m, choose_num_splits
 from target_service.step_batch import StepBatch
 from target_service.step_inputs import PADDING_ROW, InputLayout, InputShape
 from target_service.step_tail import output_width
@@ -99,7 +99,7 @@ class BucketGraph:
         self.out = torch.zeros(batch, output_width(nodes, 0), dtype=torch.int32, device=model.device)
         self.logits: torch.Tensor | None = None
         self.features: torch.Tensor | None = None
-        self.kept: torch.Tensor | None = None
+        self.committed: torch.Tensor | None = None  # StepTail.committed_rows of the greedy tail
         self.forward_graph: torch.cuda.CUDAGraph | None = None
         self.tail_graph: torch.cuda.CUDAGraph | None = None
 
@@ -107,21 +107,22 @@ class BucketGraph:
     def _forward(self) -> None:
         engine = self.owner.engine
         self.tail.apply_table_updates()
-        self.logits, self.features = engine.forward(self.buffer, self.layout, self.block_m, self.num_splits,
-                                                    self.owner.feature_layers, self.k_scratch, self.v_scratch)
+        self.logits, self.features = engine.forward(self.buffer, self.layout, self.views, self.block_m,
+                                                    self.num_splits, self.owner.feature_layers, self.k_scratch,
+                                                    self.v_scratch)
 
     def _greedy_tail(self) -> None:
-        self.kept = self.tail.pack(self.tail.greedy(self.logits), self.out)
-        self.tail.commit(self.tail.committed_rows(self.kept), self.k_scratch, self.v_scratch)
+        self.committed = self.tail.committed_rows(self.tail.pack(self.tail.greedy(self.logits), self.out))
+        self.tail.commit(self.committed, self.k_scratch, self.v_scratch)
 
     def _fill_padding(self) -> None:
         """A step of padding only: what capture runs over (it writes nothing but trash)."""
         v = self.views
+        table = self.owner.engine.table
         self.buffer[: self.layout.size].zero_()
         v["row_seq"].fill_(-1)
         v["row_tree"].fill_(PADDING_ROW)
-        v["seq_info"].view(-1, 4)[:, 3] = self.owner.engine.table.padding_row
-        table = self.owner.engine.table
+        v["seq_info"].view(-1, SEQ_INFO_FIELDS)[:, 3] = table.padding_row
         v["update_index"].fill_(table.padding_row * table.max_blocks)
         v["row_slot"].fill_(self.owner.engine.kv.trash_slot)
         v["greedy"].fill_(1)
@@ -151,7 +152,7 @@ class BucketGraph:
         self.buffer[: host.numel()].copy_(host, non_blocking=host.is_pinned())
 
     def replay(self, greedy_only: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run the step; with greedy_only also the tail (returns the kept mask and results)."""
+        """Run the step; with greedy_only also the tail (returns the committed rows and results)."""
         self.owner.replays += 1
         if self.forward_graph is None:
             self._forward()
@@ -163,7 +164,7 @@ class BucketGraph:
             self._greedy_tail()
         else:
             self.tail_graph.replay()
-        return self.kept, self.out
+        return self.committed, self.out
 
     def out_buffer(self, top_k: int) -> torch.Tensor:
         return torch.empty(self.shape.seqs, output_width(self.shape.tree, top_k), dtype=torch.int32,
@@ -189,10 +190,18 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if cfg.capture else None
         self._buckets: dict[tuple[int, int], BucketGraph] = {}
         self.replays = 0
+        # A pipelined grant's alternating pinned input and output buffers (pipelined_grant):
+        # a step's are not rewritten while it is in flight. Made on the first grant.
+        self.grant_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    @property
-    def buckets(self) -> list[tuple[int, int]]:
-        return self.keys
+    def grant_buffer_pair(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.grant_buffers:
+            pinned = self.buffer.device.type == "cuda"
+            words_out = max(self.keys)[0] * output_width(1, 0)
+            self.grant_buffers = [(torch.zeros(self.buffer.numel(), dtype=torch.int32, pin_memory=pinned),
+                                   torch.zeros(words_out, dtype=torch.int32, pin_memory=pinned))
+                                  for _ in range(2)]
+        return self.grant_buffers[index]
 
     def bucket_for(self, batch: StepBatch, layers: tuple[int, ...], updates: int) -> BucketGraph | None:
         if layers and tuple(layers) != tuple(self.feature_layers):

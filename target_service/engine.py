@@ -54,7 +54,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEQS = 4096
 
 
-
 def batch_of_items(items: list[SequenceStep]) -> StepBatch:
     """A step given as items (the unary Step, tests), in columns; checks what columns cannot show."""
     for it in items:
@@ -221,10 +220,20 @@ class TargetEngine:
             self._host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
         return self._host_buf.numpy()
 
-    def _execute(self, batch: StepBatch, layers: tuple[int, ...]) -> StepResults:
+    def pack(self, batch: StepBatch, updates: dict[int, int], shape: InputShape, block_m: int,
+             views: dict[str, np.ndarray]) -> np.ndarray:
+        """Pack `batch` into host `views` with this engine's KV facts; returns each sequence's
+        committed length (its prefix)."""
         seqs = [self.kv.seqs[rid] for rid in batch.request_ids]
         prefix = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        pack_step(batch, prefix_lens=prefix, table_rows=rows, updates=updates, shape=shape, views=views,
+                  per_tile=block_m // self.group, padding_row=self.table.padding_row,
+                  padding_update=self.table.padding_row * self.table.max_blocks, host_table=self.table.host,
+                  block_size=self.kv.block_size, trash_slot=self.kv.trash_slot)
+        return prefix
+
+    def _execute(self, batch: StepBatch, layers: tuple[int, ...]) -> StepResults:
         updates = self.table.take_pending()
         top_k = int(batch.top_logprobs.max())
         greedy_only = bool(batch.greedy.all()) and top_k == 0 and batch.controls is None
@@ -236,20 +245,16 @@ class TargetEngine:
             shape = shape_for(batch, max_tree(batch), len(updates), block_m // self.group)
         layout = graph.layout if graph is not None else layout_for(shape)
         host = self._host_buffer(layout.size)
-        packed = pack_step(batch, prefix_lens=prefix, table_rows=rows, updates=updates, shape=shape,
-                           views=layout.host_views(host), per_tile=block_m // self.group,
-                           padding_row=self.table.padding_row,
-                           padding_update=self.table.padding_row * self.table.max_blocks,
-                           host_table=self.table.host, block_size=self.kv.block_size, trash_slot=self.kv.trash_slot)
+        prefix = self.pack(batch, updates, shape, block_m, layout.host_views(host))
         if graph is not None:
             graph.load_inputs(self._host_buf[: layout.size])
-            decided_kept, out = graph.replay(greedy_only)
+            committed, out = graph.replay(greedy_only)
             logits, features = graph.logits, graph.features
             tail = graph.tail
             if not greedy_only:
                 out = graph.out_buffer(top_k)
-                decided_kept = self._decide_eagerly(tail, logits, batch, out, top_k)
-                self._commit(tail, decided_kept, graph.k_scratch, graph.v_scratch)
+                committed = self._decide_eagerly(tail, logits, batch, out, top_k)
+                tail.commit(committed, graph.k_scratch, graph.v_scratch)
         else:
             splits = choose_num_splits(shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
             dev = self._host_buf[: layout.size].to(self.device, non_blocking=self._pinned)
@@ -258,13 +263,13 @@ class TargetEngine:
             if updates:
                 tail.apply_table_updates()
             k_scratch, v_scratch = self.model.new_scratch(shape.rows)
-            torch_layout = None if self.triton else self._torch_layout(batch, prefix, packed)
-            logits, features = self.forward(dev, layout, block_m, splits, layers, k_scratch, v_scratch,
+            torch_layout = None if self.triton else self._torch_layout(batch, prefix)
+            logits, features = self.forward(dev, layout, views, block_m, splits, layers, k_scratch, v_scratch,
                                             torch_layout)
             out = torch.empty(shape.seqs, output_width(shape.tree, top_k), dtype=torch.int32, device=self.device)
-            decided_kept = self._decide_eagerly(tail, logits, batch, out, top_k)
-            self._commit(tail, decided_kept, k_scratch, v_scratch)
-        return self._read_results(batch, packed, out, top_k, tail, decided_kept, features, layers)
+            committed = self._decide_eagerly(tail, logits, batch, out, top_k)
+            tail.commit(committed, k_scratch, v_scratch)
+        return self._read_results(batch, shape.tree, out, top_k, tail, committed, features, layers)
 
     # --- device work ----------------------------------------------------------
     def new_tail(self, views: dict[str, torch.Tensor], shape: InputShape) -> StepTail:
@@ -274,12 +279,12 @@ class TargetEngine:
                         trash_slot=kv.trash_slot, block_table=self.table.table, k_cache=kv.k_all.view(flat),
                         v_cache=kv.v_all.view(flat), use_triton=self.triton)
 
-    def forward(self, buffer: torch.Tensor, layout: InputLayout, block_m: int, splits: int,
-                layers: tuple[int, ...], k_scratch: torch.Tensor, v_scratch: torch.Tensor,
+    def forward(self, buffer: torch.Tensor, layout: InputLayout, views: dict[str, torch.Tensor], block_m: int,
+                splits: int, layers: tuple[int, ...], k_scratch: torch.Tensor, v_scratch: torch.Tensor,
                 torch_layout: StepLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model over the step's rows (inputs in `buffer`, laid out by `layout`);
-        logits [B * M, V] for the tree rows, and features [R, F] when layers are asked."""
-        views = layout.device_views(buffer)
+        """The model over the step's rows (inputs in `buffer`, laid out by `layout`, `views`
+        its device views); logits [B * M, V] for the tree rows, and features [R, F] when
+        layers are asked."""
         shape = layout.shape
         if self.triton:
             plan = TreeAttnMetadata(ints=buffer, info_off=layout.spans["seq_info"][0],
@@ -295,9 +300,9 @@ class TargetEngine:
                                  scratch=(k_scratch, v_scratch))
         return out.logits, out.features
 
-    def _torch_layout(self, batch: StepBatch, prefix: np.ndarray, packed) -> StepLayout:
+    def _torch_layout(self, batch: StepBatch, prefix: np.ndarray) -> StepLayout:
         """The reference attention's per-sequence description (CPU path)."""
-        starts = packed.starts
+        starts = batch.starts
         slots, masks = [], []
         for b, rid in enumerate(batch.request_ids):
             slots.append(torch.from_numpy(self.kv.host_slots(rid, 0, int(prefix[b]))))
@@ -306,14 +311,15 @@ class TargetEngine:
         return StepLayout(tuple(int(s) for s in starts[:-1]), counts, tuple(slots), tuple(masks))
 
     def _decide_eagerly(self, tail: StepTail, logits: torch.Tensor, batch: StepBatch, out: torch.Tensor,
-                        top_k: int) -> torch.Tensor:
+                        top_k: int) -> torch.Tensor | None:
+        """Acceptance and results into `out`; returns the committed rows (StepTail.committed_rows)."""
         if batch.controls is None:
             if logits.device.type == "cpu" and top_k == 0 and batch.greedy.all():
-                return tail.greedy_on_host(logits, out)
+                return tail.committed_rows(tail.greedy_on_host(logits, out))
             decided = tail.greedy(logits)
             if not batch.greedy.all():
                 decided = tail.sampled(logits, decided)
-            return tail.pack(decided, out, top_k, logits)
+            return tail.committed_rows(tail.pack(decided, out, top_k, logits))
         # Logits controls: every tree row processed from its own path, then the same rules.
         slots = self.penalty_history.slot_array(batch.request_ids, tail.B)
         ctl = StepControls.build(batch.controls, slots, tail.B, tail.M, self.device)
@@ -321,9 +327,9 @@ class TargetEngine:
         decided = tail.greedy(logits, processed)
         if not batch.greedy.all():
             decided = tail.sampled(logits, decided, processed, ctl.min_p if ctl.any_min_p else None)
-        kept = tail.pack(decided, out, top_k, logits)
-        record_committed(self.penalty_history, tail.v, ctl, tail.committed_rows(kept))
-        return kept
+        committed = tail.committed_rows(tail.pack(decided, out, top_k, logits))
+        record_committed(self.penalty_history, tail.v, ctl, committed)
+        return committed
 
     def _validate_controls(self, batch: StepBatch) -> None:
         """Logits controls in range, and penalties only for sequences whose counts are kept
@@ -339,9 +345,6 @@ class TargetEngine:
                 raise InvalidStep(f"request {batch.request_ids[b]!r}: penalties must be asked for from the "
                                   "sequence's first step (the target counts its tokens from there)")
 
-    def _commit(self, tail: StepTail, kept: torch.Tensor, k_scratch: torch.Tensor, v_scratch: torch.Tensor) -> None:
-        tail.commit(tail.committed_rows(kept), k_scratch, v_scratch)
-
     # --- results --------------------------------------------------------------
     def _out_buffer(self, words: int) -> torch.Tensor:
         if self._out_host.numel() < words:
@@ -349,15 +352,15 @@ class TargetEngine:
                                          pin_memory=self._pinned)
         return self._out_host[:words]
 
-    def _read_results(self, batch: StepBatch, packed, out: torch.Tensor, top_k: int, tail: StepTail,
-                      kept: torch.Tensor, features: torch.Tensor | None, layers: tuple[int, ...]) -> StepResults:
-        B, M = batch.size, packed.shape.tree
+    def _read_results(self, batch: StepBatch, M: int, out: torch.Tensor, top_k: int, tail: StepTail,
+                      committed: torch.Tensor | None, features: torch.Tensor | None,
+                      layers: tuple[int, ...]) -> StepResults:
+        B = batch.size
         host = self._out_buffer(out.numel()).view(out.shape)
         host.copy_(out, non_blocking=self._pinned)
         feature_rows = None
         if layers:
             # Committed rows of the sequences that asked, in row order, gathered on the device.
-            committed = tail.committed_rows(kept)
             want = tail.v["row_seq"].ge(0) if committed is None else committed & tail.v["row_seq"].ge(0)
             asked = torch.from_numpy(batch.return_features).to(self.device, non_blocking=False)
             want &= asked[tail.v["row_seq"].long().clamp(min=0)]

@@ -46,9 +46,6 @@ def check_tp(cfg: LlamaConfig, tp: int) -> None:
 
 @dataclass
 class StepOutput:
-    # Per layer, the step nodes' new K and V: [T, kv_heads_local, head_dim].
-    new_k: list[torch.Tensor]
-    new_v: list[torch.Tensor]
     # float32 logits [len(logit_rows), vocab].
     logits: torch.Tensor
     # [T, len(feature_layers) * hidden] or None.
@@ -187,15 +184,14 @@ class LlamaModel:
                 kv: PagedKVCache, logit_rows: torch.Tensor,
                 feature_layers: tuple[int, ...] = (),
                 scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
-        """Run every node of the step. KV of the step's nodes is returned, not written:
-        the caller commits only the accepted ones. With `scratch` (new_scratch) the
-        nodes' K/V are written there, rows 0..T-1, and new_k/new_v are views of it."""
+        """Run every node of the step. The cache is not written: with `scratch`
+        (new_scratch) each layer's K/V of the nodes lands there, rows 0..T-1, and the
+        caller commits only the accepted ones."""
         cfg = self.cfg
         D, hq, hkv = cfg.head_dim, self.heads_local, self.kv_heads_local
         T = tokens.shape[0]
         x = F.embedding(tokens, self.embed)
         captured: dict[int, torch.Tensor] = {}
-        new_k, new_v = [], []
         # Packed once per step, read by every layer.
         attn_plan = self.attention.plan(layout, block_size=kv.block_size, num_q_heads=hq,
                                         num_kv_heads=hkv, device=self.device)
@@ -208,8 +204,6 @@ class LlamaModel:
                 captured[i] = x
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = self._qkv_heads(qkv, positions, i, scratch)
-            new_k.append(k)
-            new_v.append(v)
             attn = self.attention(q, k, v, kv.k[i], kv.v[i], attn_plan, self.scale)
             o = self._all_reduce(F.linear(attn.reshape(T, hq * D), layer["o"]))
             if layer["o_bias"] is not None:
@@ -227,4 +221,4 @@ class LlamaModel:
         h = self._norm(x[logit_rows], self.norm)
         logits = F.linear(h, self.lm_head).float()
         features = torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
-        return StepOutput(new_k, new_v, logits, features)
+        return StepOutput(logits, features)

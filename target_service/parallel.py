@@ -86,7 +86,7 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
         graphs = GraphConfig(max_batch=spec.graph_max_batch)
     engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs)
     if engine.graphs is not None:
-        log.info("capturing %d CUDA graphs (batch up to %d)", len(engine.graphs.buckets), spec.graph_max_batch)
+        log.info("capturing %d CUDA graphs (batch up to %d)", len(engine.graphs.keys), spec.graph_max_batch)
         log.info("CUDA graphs captured in %.1f s", engine.graphs.capture_all())
     return engine
 

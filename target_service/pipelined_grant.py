@@ -25,7 +25,6 @@ import torch
 
 from target_service.grant import GrantStep
 from target_service.step_batch import StepBatch, StepResults
-from target_service.step_inputs import pack_step
 from target_service.types import OutOfCapacity
 from target_service.wire import GrantStops
 
@@ -62,16 +61,9 @@ class PipelinedGrant:
         self._flip = 0
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Alternating pinned input and output buffers: a step's are not rewritten while in flight."""
-        engine, graphs = self.engine, self.engine.graphs
-        if not hasattr(engine, "_grant_buffers"):
-            words_in = graphs.buffer.numel()
-            words_out = max(graphs.keys)[0] * 5
-            engine._grant_buffers = [(torch.zeros(words_in, dtype=torch.int32, pin_memory=self.cuda),
-                                      torch.zeros(words_out, dtype=torch.int32, pin_memory=self.cuda))
-                                     for _ in range(2)]
+        """The other pair of pinned input and output buffers than the last step's."""
         self._flip ^= 1
-        return engine._grant_buffers[self._flip]
+        return self.engine.graphs.grant_buffer_pair(self._flip)
 
     def _launch(self, active: np.ndarray, previous: _Launched | None) -> _Launched | None:
         """Pack and start one plain step of the items `active`; None when the KV cache cannot take it."""
@@ -96,15 +88,8 @@ class PipelinedGrant:
             updates = {}
             bucket = engine.graphs.bucket_for(part, (), 0)
         host_in, host_out = self._buffers()
-        prefix = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
-        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
-        layout = bucket.layout
-        pack_step(part, prefix_lens=prefix, table_rows=rows, updates=updates, shape=bucket.shape,
-                  views=layout.host_views(host_in.numpy()), per_tile=bucket.block_m // engine.group,
-                  padding_row=engine.table.padding_row,
-                  padding_update=engine.table.padding_row * engine.table.max_blocks,
-                  host_table=engine.table.host, block_size=kv.block_size, trash_slot=kv.trash_slot)
-        bucket.load_inputs(host_in[: layout.size])
+        prefix = engine.pack(part, updates, bucket.shape, bucket.block_m, bucket.layout.host_views(host_in.numpy()))
+        bucket.load_inputs(host_in[: bucket.layout.size])
         if previous is not None:  # each item's token: the bonus the previous step sampled for it
             into = bucket.views["tokens"][: len(active)]
             into.copy_(previous.bucket.out[:, 1][into.long()])

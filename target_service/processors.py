@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.tree_metadata import SEQ_INFO_FIELDS
 from target_service.controls import ControlColumns
 
 
@@ -115,16 +116,17 @@ class StepControls:
                    bias_values=b_val.view(torch.float32), any_min_p=bool((cols.min_p > 0).any()))
 
 
-def _node_context_counts(views: dict[str, torch.Tensor], ctl: StepControls, seqs: np.ndarray,
+def _node_context_counts(views: dict[str, torch.Tensor], ctl: StepControls, seqs: torch.Tensor,
                          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the tree rows of sequences `seqs`: counts [P * M, V] of each token among the
-    step's nodes on the row's path (ancestors and itself), all of them and output only."""
+    """For the tree rows of sequences `seqs` ([P], on the device): counts [P * M, V] of each
+    token among the step's nodes on the row's path (ancestors and itself), all of them and
+    output only."""
     M = ctl.tree
     device = views["tokens"].device
-    b = torch.from_numpy(seqs).to(device).repeat_interleave(M)  # [N]
+    b = seqs.repeat_interleave(M)  # [N]
     m = torch.arange(M, device=device).repeat(len(seqs))
     step_row = views["tree_row"].view(-1, M).long()[b, m]  # the node's row in the step
-    info = views["seq_info"].view(-1, 4).long()
+    info = views["seq_info"].view(-1, SEQ_INFO_FIELDS).long()
     first, count = info[b, 1], info[b, 2]
     words = views["mask"][step_row]  # [N, W] int64: bit j of the row = local node j is on its path
     shifts = torch.arange(64, device=device)
@@ -163,9 +165,8 @@ def apply_controls(logits: torch.Tensor, views: dict[str, torch.Tensor], ctl: St
         suppress = short.reshape(-1)[rows]
         out[rows, ids] = torch.where(suppress, float("-inf"), out[rows, ids])
     if len(ctl.penalized):
-        seqs = ctl.penalized
-        all_counts, out_counts = _node_context_counts(views, ctl, seqs, V)
-        seq_t = torch.from_numpy(seqs).to(device)
+        seq_t = torch.from_numpy(ctl.penalized).to(device)
+        all_counts, out_counts = _node_context_counts(views, ctl, seq_t, V)
         hist = history.counts[ctl.slot[seq_t]].repeat_interleave(M, 0)  # [N, 2, V]
         seen = (all_counts + hist[:, 0] + hist[:, 1]) > 0
         output = (out_counts + hist[:, 1]).float()

@@ -9,7 +9,7 @@ want it (tests, tools).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ class StepBatch:
             return self
         seed = self.seed.copy()
         seed[missing] = [draw() for _ in range(int(missing.sum()))]
-        return _replace(self, seed=seed, has_seed=self.has_seed | missing)
+        return replace(self, seed=seed, has_seed=self.has_seed | missing)
 
 
     def take(self, rows: np.ndarray, tokens: np.ndarray) -> StepBatch:
@@ -123,11 +123,6 @@ class StepBatch:
                          create=np.zeros(len(rows), dtype=bool), tokens=tokens.astype(np.int32),
                          parents=np.full(len(rows), -1, dtype=np.int32),
                          controls=None if self.controls is None else self.controls.take(rows), **pick)
-
-
-def _replace(batch: StepBatch, **changes) -> StepBatch:
-    fields = {name: getattr(batch, name) for name in batch.__dataclass_fields__}
-    return StepBatch(**{**fields, **changes})
 
 
 @dataclass(kw_only=True, eq=False)

@@ -75,8 +75,6 @@ class InputLayout:
             at += n
         self.size = at
 
-        self._views: tuple[int, dict] | None = None  # (data_ptr, views) of the last buffer viewed
-
     def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         views = {}
         for name, (at, n) in self.spans.items():
@@ -89,9 +87,6 @@ class InputLayout:
         return views
 
     def device_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        key = (buf.data_ptr(), buf.device)
-        if self._views is not None and self._views[0] == key:
-            return self._views[1]
         views = {}
         for name, (at, n) in self.spans.items():
             part = buf[at: at + n]
@@ -100,23 +95,12 @@ class InputLayout:
             elif name == "mask":
                 part = part.view(torch.int64).view(self.shape.rows, self.shape.words)
             views[name] = part
-        self._views = (key, views)
         return views
 
 
 @functools.lru_cache(maxsize=256)
 def layout_for(shape: InputShape) -> InputLayout:
     return InputLayout(shape)
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class PackedStep:
-    """Host facts about a packed step that reading its results needs."""
-
-    shape: InputShape
-    starts: np.ndarray  # int64 [B + 1]: first row of each sequence
-    tree_size: np.ndarray  # int32 [B]
-    max_tree: int  # largest tree part in the step (M may be padded beyond it)
 
 
 def tree_part_parents(parents: np.ndarray, num_fixed: int) -> tuple[int, ...]:
@@ -173,7 +157,7 @@ def max_tree(batch: StepBatch) -> int:
 
 def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarray, updates: dict[int, int],
               shape: InputShape, views: dict[str, np.ndarray], per_tile: int, padding_row: int,
-              padding_update: int, host_table: np.ndarray, block_size: int, trash_slot: int) -> PackedStep:
+              padding_update: int, host_table: np.ndarray, block_size: int, trash_slot: int) -> None:
     """Write `batch` into host views of a buffer laid out for `shape` (>= the batch's own
     shape). prefix_lens / table_rows: per sequence, its committed length and its row of
     the block table (host_table: its host copy, blocks already reserved for the step);
@@ -273,4 +257,3 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     views["seed_hi"][B:] = 0
     views["greedy"][:B] = batch.temperature <= 0
     views["greedy"][B:] = 1
-    return PackedStep(shape=shape, starts=starts, tree_size=tree_size, max_tree=int(tree_size.max(initial=1)))
