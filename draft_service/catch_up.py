@@ -19,6 +19,7 @@ import torch
 
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
+from tandem.graph_capture import capture_graphs
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +129,5 @@ class BatchCatchUp:
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile the kernels outside the capture (padding: writes only trash)
-            self._compute()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._compute()
+        [self.graph] = capture_graphs(self._compute)  # the warm-up runs padding only: it writes nothing but trash
         log.info("captured the draft catch-up graph for batch %d in %.2f s", self.batch, time.perf_counter() - t0)

@@ -32,6 +32,7 @@ import torch
 from draft_service.types import DraftBudget
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
+from tandem.graph_capture import capture_graphs
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,6 @@ class BatchTreeGrowth:
         self.v_scratch = torch.zeros_like(self.k_scratch)
         self.out = torch.zeros(B, 5 * max(shape.kept, 1), dtype=torch.int32, device=dev)
         self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
-        self.host_layouts: list[StepLayout] | None = None  # the torch backend's per-run layouts (CPU)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_seconds = 0.0
         if capture:
@@ -139,7 +139,6 @@ class BatchTreeGrowth:
         self.lengths[n:] = 0
         if self.model.attention.name == "torch":
             self.host_slots = host_slots or [np.zeros(0, dtype=np.int64)] * n
-            self.real = n
 
     # --- the growth ---------------------------------------------------------------
     def _plan(self, run: int):
@@ -155,8 +154,8 @@ class BatchTreeGrowth:
         # The reference attends every row; rows of later runs see only themselves (their bit).
         bits = (self.words.view(B, R, 1) >> torch.arange(R, device=self.words.device)) & 1
         masks = bits.bool()
-        n = self.real
-        slots = [torch.from_numpy(s) for s in self.host_slots] + [torch.zeros(0, dtype=torch.long)] * (B - n)
+        slots = [torch.from_numpy(s) for s in self.host_slots]
+        slots += [torch.zeros(0, dtype=torch.long)] * (B - len(slots))  # the padding requests
         return StepLayout(tuple(range(0, B * R, R)), (R,) * B, tuple(slots), tuple(masks[b] for b in range(B)))
 
     def run(self) -> None:
@@ -243,15 +242,7 @@ class BatchTreeGrowth:
         padding_row = self.kv.block_table.padding_row
         self.load(torch.zeros(0, self.model.cfg.hidden_size, dtype=self.model.dtype, device=self.model.device),
                   [], [], padding_row)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile the kernels outside the capture
-            self._grow()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._grow()
-        self.graph = graph
+        [self.graph] = capture_graphs(self._grow)
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured the draft tree graph for batch %d, budget %d/%d/%d in %.2f s", self.shape.batch,
                  self.shape.budget.steps, self.shape.budget.topk, self.shape.budget.num_draft_tokens,

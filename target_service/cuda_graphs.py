@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.tree_metadata import SEQ_INFO_FIELDS, choose_block_m, choose_num_splits
+from tandem.graph_capture import capture_graphs
 from target_service.step_batch import StepBatch
 from target_service.step_inputs import PADDING_ROW, InputLayout, InputShape
 from target_service.step_tail import output_width
@@ -133,18 +134,7 @@ class BucketGraph:
         if not self.owner.cfg.capture:
             return
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile and autotune outside the capture
-            self._forward()
-            self._greedy_tail()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=pool):
-            self._forward()
-        self.tail_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.tail_graph, pool=pool):
-            self._greedy_tail()
+        self.forward_graph, self.tail_graph = capture_graphs(self._forward, self._greedy_tail, pool=pool)
         log.info("captured CUDA graphs for batch %d x %d nodes in %.2f s", *self.key, time.perf_counter() - t0)
 
     # --- a step -----------------------------------------------------------
