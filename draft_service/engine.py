@@ -242,9 +242,11 @@ class DraftEngine:
                    np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch]),
                    [self.kv.seqs[rid].row for rid, _, _ in batch], self.table.padding_row, host_prefix)
         catch.run()
+        # One copy for the batch: the next call overwrites catch.last_h, and nothing writes into a last_h.
+        last_hs = catch.last_h[: len(batch)].clone()
         for i, (st, (rid, a, b)) in enumerate(zip(reqs, batch)):
             self.kv.seqs[rid].length = b
-            st.last_h = catch.last_h[i].clone()
+            st.last_h = last_hs[i]
             for p in range(a, b):
                 st.features.pop(p, None)
 

@@ -46,9 +46,6 @@ class DraftMetrics:
         if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
             r.register(DraftLoadCollector(load))
 
-    def record_load(self, load: DraftLoad) -> None:
-        """Load is read at scrape time (DraftLoadCollector); nothing to record per call."""
-
     def _record_ingest(self, items: Sequence[IngestItem]) -> None:
         if items:
             self.ingested_tokens.inc(sum(len(it.tokens) for it in items))
@@ -57,7 +54,7 @@ class DraftMetrics:
                 self.feature_bytes.inc(feature_bytes)
 
     def record_draft(self, ingest: Sequence[IngestItem], items: Sequence[DraftItem], trees: Sequence[DraftTree],
-                     load: DraftLoad, seconds: float) -> None:
+                     seconds: float) -> None:
         nodes = sum(len(t.tokens) for t in trees)
         self.step_seconds.observe(seconds)
         self.step_tokens.observe(nodes)
@@ -65,10 +62,8 @@ class DraftMetrics:
         if nodes:
             self.draft_tokens.inc(nodes)
         self._record_ingest(ingest)
-        self.record_load(load)
 
-    def record_ingest(self, items: Sequence[IngestItem], catch_up: bool, load: DraftLoad, seconds: float) -> None:
+    def record_ingest(self, items: Sequence[IngestItem], catch_up: bool, seconds: float) -> None:
         if catch_up:
             self.catch_up_seconds.observe(seconds)
         self._record_ingest(items)
-        self.record_load(load)

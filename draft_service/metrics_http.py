@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from draft_service.types import DraftLoad
@@ -38,10 +37,3 @@ class DraftLoadCollector:
         yield GaugeMetricFamily(KV_USAGE, "Share of this draft replica's KV blocks in use",
                                 value=load.used_blocks / max(load.total_blocks, 1))
 
-
-def serve_load_metrics(host: str, port: int, load: Callable[[], DraftLoad | None]) -> int:
-    """Serve the collector in a daemon thread; returns the bound port (port 0 picks one)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DraftLoadCollector(load))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server.server_port

@@ -108,7 +108,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             load = engine.load()
             seconds = engine.last_call_seconds
         if self.metrics is not None:
-            self.metrics.record_ingest(items, request.catch_up, load, seconds)
+            self.metrics.record_ingest(items, request.catch_up, seconds)
         return draft_pb2.IngestResponse(requests=[status_to_proto(s) for s in statuses], load=load_to_proto(load))
 
     def _draft(self, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
@@ -126,7 +126,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
         if self.metrics is not None:
-            self.metrics.record_draft(ingest, items, trees, load, seconds)
+            self.metrics.record_draft(ingest, items, trees, seconds)
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
                                        load=load_to_proto(load), draft_seconds=seconds)
 
@@ -154,8 +154,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             if self.forcing is not None:
                 self.forcing.release(list(request.request_ids))
             load = engine.load()
-        if self.metrics is not None:
-            self.metrics.record_load(load)
         return draft_pb2.DraftReleaseResponse(released=n, load=load_to_proto(load))
 
     @map_errors
