@@ -20,6 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text endpoint's samples, by name with labels."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 class Gateway:
     """A `tandem gateway` process over services that are already running."""
 
@@ -49,12 +59,7 @@ class Gateway:
         raise TimeoutError(f"gateway not ready:\n{self.log_path.read_text()}")
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return scrape(f"{self.url}/metrics")
 
     def complete(self, prompt: str, **body) -> dict:
         r = httpx.post(f"{self.url}/v1/completions", json={"prompt": prompt, **body}, timeout=120)

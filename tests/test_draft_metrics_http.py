@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import urllib.request
 
-from draft_service.metrics_http import KV_USAGE, SEQUENCES, serve_load_metrics
+from draft_service.metrics import DraftMetrics
+from draft_service.metrics_http import KV_USAGE, SEQUENCES
 from draft_service.server import build_parser
 from draft_service.types import DraftLoad
+from tandem.service_metrics import serve_metrics
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -19,7 +21,8 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_the_endpoint_reports_the_engine_load_at_each_scrape_and_nothing_while_loading():
     current: list[DraftLoad | None] = [None]
-    port = serve_load_metrics("127.0.0.1", 0, lambda: current[0])
+    m = DraftMetrics(load=lambda: current[0])
+    port = serve_metrics(m.registry, "127.0.0.1", 0)  # as `tandem draft --metrics-port` serves it
     assert SEQUENCES not in scrape(port)  # still loading: no value rather than a false zero
     current[0] = DraftLoad(num_sequences=3, block_size=16, total_blocks=100, free_blocks=75)
     got = scrape(port)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.faults import draft_load, target_load
 from tests.stack import Stack
 from tests.tiny_draft import make_tiny_eagle3
 from tests.tiny_models import make_tiny_llama
@@ -48,22 +48,13 @@ def stack_k1(pair, tmp_path_factory):
 BOTH_GRANTS = pytest.mark.parametrize("which", ["stack", "stack_k1"], ids=["grant8", "grant1"])
 
 
-def target_load(st: Stack) -> common_pb2.KvLoad:
-    return target_pb2_grpc.TargetServiceStub(st.target.channel).GetLoad(target_pb2.GetLoadRequest())
-
-
-def draft_load(st: Stack, i: int = 0) -> common_pb2.KvLoad:
-    return draft_pb2_grpc.DraftServiceStub(st.drafts[i].channel).GetLoad(draft_pb2.DraftLoadRequest())
-
-
 def wait_idle(st: Stack, timeout: float = 20) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if target_load(st).num_sequences == 0 and all(draft_load(st, i).num_sequences == 0
-                                                       for i in range(len(st.drafts))):
+        if target_load(st.target).num_sequences == 0 and all(draft_load(d).num_sequences == 0 for d in st.drafts):
             return
         time.sleep(0.1)
-    raise AssertionError(f"KV still held: target {target_load(st)}, draft {draft_load(st)}")
+    raise AssertionError(f"KV still held: target {target_load(st.target)}, draft {draft_load(st.drafts[0])}")
 
 
 def greedy(st: Stack, prompt: str, mode: str, n: int = 24) -> tuple[str, dict]:
@@ -170,7 +161,7 @@ def test_a_client_that_disconnects_during_a_grant_frees_its_kv(stack):
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 20:
-                assert target_load(stack).num_sequences == 1
+                assert target_load(stack.target).num_sequences == 1
                 break  # leaving the block closes the connection mid-grant
     assert stack.metrics()["tandem_granted_steps_total"] > granted_before
     wait_idle(stack)
@@ -182,7 +173,7 @@ def test_client_disconnect_frees_kv_on_target_and_draft(stack):
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 6:
-                assert target_load(stack).num_sequences == 1
+                assert target_load(stack.target).num_sequences == 1
                 break  # leaving the block closes the connection mid-stream
     wait_idle(stack)
 

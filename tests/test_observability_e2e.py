@@ -20,7 +20,7 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
 from tests.services import REPO
-from tests.stack import Stack, free_port
+from tests.stack import Stack, free_port, scrape
 
 DEMO_TARGET, DEMO_DRAFT = REPO / "demo" / "target", REPO / "demo" / "draft"
 SERVICES = {"tandem-gateway", "tandem-target", "tandem-draft"}
@@ -132,15 +132,6 @@ def test_rest_and_grpc_requests_each_make_one_trace_across_gateway_draft_and_tar
 
 
 # ---------------------------------------------------------------------------- metrics
-
-def scrape(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
 
 GATEWAY_METRICS = ["tandem_requests_running", "tandem_requests_waiting", "tandem_spec_decode_num_drafts_total",
                    "tandem_spec_decode_num_draft_tokens_total", "tandem_spec_decode_num_accepted_tokens_total",

@@ -16,6 +16,7 @@ import pytest
 
 from gateway import serve
 from gateway.restarts import RestartPolicy
+from tests.faults import wait_for
 from tests.services import REPO
 
 DESIGN_FLAGS = ["--model", "--draft", "--speculation", "--tp", "--device", "--dtype", "--host", "--port",
@@ -204,13 +205,6 @@ def test_with_restarts_off_serve_reports_a_dead_child_and_stops_the_rest(dirs, t
     assert pids and all(_gone(pid) for pid in pids)
 
 
-def wait_for(condition, what: str, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_serve_restarts_a_killed_child_at_the_same_address_and_stops_all_past_the_limit(dirs, tmp_path):
     model, draft = dirs
     s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--port", str(free_port()),
@@ -220,7 +214,7 @@ def test_serve_restarts_a_killed_child_at_the_same_address_and_stops_all_past_th
     port, argv = port_file.read_text(), s.read("draft0", "argv")
     port_file.unlink()
     os.kill(first_pid, signal.SIGKILL)
-    wait_for(lambda: port_file.exists() and port_file.read_text(), "draft0 to be started again")
+    wait_for(lambda: port_file.exists() and bool(port_file.read_text()), "draft0 to be started again", timeout=30)
     assert port_file.read_text() == port and s.read("draft0", "argv") == argv  # same address, same command
     second_pid = s.read("draft0", "pid")
     assert second_pid != first_pid and s.proc.poll() is None  # serve went on; nothing else was touched
