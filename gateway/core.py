@@ -91,13 +91,15 @@ class StepOutcome:
 
 class GatewayCore:
     def __init__(self, target: TargetClient, drafts: list[DraftClient], tokenizer, cfg: CoreConfig,
-                 model_name: str, metrics: GatewayMetrics | None = None, pool: DraftPool | None = None):
+                 model_name: str, metrics: GatewayMetrics | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.cfg = cfg
+        # cfg is frozen: the mode of requests that name none is fixed, and asked several times per step.
+        self._default_mode = SpecMode(cfg.policy.mode)
         self.model_name = model_name
         self.metrics = metrics or GatewayMetrics()
-        self.pool = pool if pool is not None else DraftPool(drafts, on_lost=lambda _r: self._wake.set())
+        self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set())
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate()
@@ -333,7 +335,7 @@ class GatewayCore:
         return plan
 
     def _mode(self, req: Request) -> SpecMode:
-        return req.params.speculation or SpecMode(self.cfg.policy.mode)
+        return req.params.speculation or self._default_mode
 
     def _draft_ready(self, req: Request) -> bool:
         link = req.draft
@@ -531,9 +533,7 @@ class GatewayCore:
 
     # --- update ------------------------------------------------------------------------
     def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
-        self._free_blocks = outcome.load.free_blocks
-        self.metrics.kv_usage.labels(service="target").set(
-            1 - outcome.load.free_blocks / max(outcome.load.total_blocks, 1))
+        self._target_usage(outcome.load)
         for it, res in zip(outcome.items, outcome.results, strict=True):
             self._apply(it, res, outcome.trees.get(res.request_id), plan.budgets.get(res.request_id, NO_SPEC))
         if outcome.granted:  # the target still feeds the grant's requests: release them after it
@@ -731,6 +731,11 @@ class GatewayCore:
     def _draft_usage(self, load: KvLoad) -> None:
         self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
 
+    def _target_usage(self, load: KvLoad) -> None:
+        """The target's KV load as it last reported it: what the scheduler plans with, and the gauge."""
+        self._free_blocks = load.free_blocks
+        self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
+
     def _ingest_failed(self, replica: DraftReplica, exc: BaseException) -> None:
         if isinstance(exc, (InvalidArgument, ResourceExhausted)):
             log.warning("draft %s refused an ingest: %s", replica.client.address, exc)
@@ -761,9 +766,7 @@ class GatewayCore:
         ids = [req.request_id for req in done if req.target_created]
         if ids:
             try:
-                load = self.target.release(ids)
-                self._free_blocks = load.free_blocks
-                self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
+                self._target_usage(self.target.release(ids))
             except TargetUnavailable as exc:
                 self._unreleased += ids
                 log.warning("target release failed: %s", exc)
@@ -866,9 +869,7 @@ class GatewayCore:
             except (InvalidArgument, ResourceExhausted) as exc:
                 log.warning("releasing the lost requests on the target failed: %s", exc)
         self.target.reconnect()
-        load = self.target.info().load
-        self._free_blocks = load.free_blocks
-        self.metrics.kv_usage.labels(service="target").set(1 - load.free_blocks / max(load.total_blocks, 1))
+        self._target_usage(self.target.info().load)
         self._target_down = False
         self._readiness_changed()
         log.info("target %s is back: serving; re-prefilling %d request(s)", self.target.address, len(self.waiting))

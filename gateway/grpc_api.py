@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 from gateway.prompts import check_token_ids, fit_max_tokens, text_prompt_ids
-from gateway.streams import iter_deltas
+from gateway.streams import NOT_READY_MESSAGE, RETRY_AFTER_S, aborted_error, iter_deltas
 from gateway.types import Delta, GenerationEngine, GenerationParams, TokenLogprob
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_host import ServiceHost, status_for
@@ -34,9 +34,6 @@ log = logging.getLogger("tandem.gateway.grpc")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 DEFAULT_MAX_TOKENS = 16  # as REST /v1/completions
-NOT_READY_MESSAGE = "the engine is not ready (loading, draining, or waiting for an unreachable target)"
-ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
-RETRY_AFTER_S = 1  # what RESOURCE_EXHAUSTED asks a client to wait (REST's 429 says the same)
 
 
 def retry_trailers(code: grpc.StatusCode, message: str, seconds: int) -> tuple[tuple[str, str | bytes], ...]:
@@ -127,11 +124,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: GenerationEngine):
         self.engine = engine
 
-    def Generate(self, request: bytes | generation_pb2.GenerateRequest, context):
+    def Generate(self, raw: bytes, context):
         request_id = None
         try:
-            if isinstance(request, bytes):  # as the service registers it: parsed here, see the module doc
-                request = parse_request(request)
+            request = parse_request(raw)  # _add_to_server registers no deserializer: see the module doc
             request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
             yield from self._generate(request_id, request, context)
         except Exception as exc:  # the one place service errors reach the wire
@@ -147,8 +143,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not context.add_callback(stream.cancel):
             stream.cancel()
         for delta in stream:
-            if delta.finish_reason == "abort":
-                raise Unavailable(delta.error or ABORTED_MESSAGE)
+            if (aborted := aborted_error(delta)) is not None:
+                raise aborted
             if delta.token_ids or delta.text or delta.finish_reason is not None:
                 yield delta_to_proto(request_id, delta)
 

@@ -7,6 +7,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class _VerifySeries:
+    """One model's children of the vLLM-named verify counters, looked up once: record_verify
+    runs per verified request per step, and each `.labels()` takes a lock and builds a key.
+    Per-position children are made on first use, when `.labels()` would have made them."""
+
+    def __init__(self, metrics: GatewayMetrics, model_name: str):
+        self._labels = {"model_name": model_name, "engine": "0"}
+        self.drafts = metrics.vllm_num_drafts.labels(**self._labels)
+        self.draft_tokens = metrics.vllm_num_draft_tokens.labels(**self._labels)
+        self.accepted_tokens = metrics.vllm_num_accepted_tokens.labels(**self._labels)
+        self._per_position = metrics.vllm_accepted_per_pos
+        self._accepted_at: dict[int, Counter] = {}
+
+    def accepted_at(self, position: int) -> Counter:
+        child = self._accepted_at.get(position)
+        if child is None:
+            child = self._accepted_at[position] = self._per_position.labels(**self._labels, position=str(position))
+        return child
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -58,6 +78,7 @@ class GatewayMetrics:
                                           "name)", labels, registry=r)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Output tokens of finished requests "
                                               "(vLLM's name)", labels, registry=r)
+        self._verify_series: dict[str, _VerifySeries] = {}  # model name -> its children
 
     def record_finished(self, model_name: str, prompt_tokens: int, completion_tokens: int) -> None:
         labels = {"model_name": model_name, "engine": "0"}
@@ -69,9 +90,11 @@ class GatewayMetrics:
         self.num_drafts.inc()
         self.num_draft_tokens.inc(drafted)
         self.num_accepted_tokens.inc(accepted)
-        labels = {"model_name": model_name, "engine": "0"}
-        self.vllm_num_drafts.labels(**labels).inc()
-        self.vllm_num_draft_tokens.labels(**labels).inc(drafted)
-        self.vllm_num_accepted_tokens.labels(**labels).inc(accepted)
+        series = self._verify_series.get(model_name)
+        if series is None:
+            series = self._verify_series[model_name] = _VerifySeries(self, model_name)
+        series.drafts.inc()
+        series.draft_tokens.inc(drafted)
+        series.accepted_tokens.inc(accepted)
         for position in range(accepted):
-            self.vllm_accepted_per_pos.labels(**labels, position=str(position)).inc()
+            series.accepted_at(position).inc()

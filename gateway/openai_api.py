@@ -51,17 +51,15 @@ from gateway.openai_schema import (
     sampling_kwargs,
 )
 from gateway.prompts import fit_max_tokens
-from gateway.streams import AsyncDeltaStream, SubRequest
+from gateway.streams import NOT_READY_MESSAGE, AsyncDeltaStream, SubRequest, aborted_error
 from gateway.types import GenerationEngine, GenerationParams
-from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
+from tandem.errors import Unavailable
 
 log = logging.getLogger("tandem.gateway.api")
 
 # How often a request waiting for output checks whether its client is still there.
 DISCONNECT_POLL_S = 0.2
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
-NOT_READY_MESSAGE = "the engine is not ready (loading, draining, or waiting for an unreachable target)"
-ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,26 +125,20 @@ def _settings(request: Request) -> ApiSettings:
 async def completions(request: Request) -> Response:
     engine, settings = _engine(request), _settings(request)
     req: CompletionRequest = await parse_body(request, CompletionRequest, settings.model_names)
-    try:
-        logprobs = check_logprobs(req)
-        prompts = completion_prompts(engine.tokenizer, req.prompt, req.add_special_tokens is not False)
-        echo = prompt_texts(engine.tokenizer, req.prompt, prompts) if req.echo else None
-        job = _build_job(engine, settings, req, False, prompts, logprobs, req.max_tokens, echo)
-    except InvalidArgument as exc:
-        raise api_error_for(exc) from exc
+    logprobs = check_logprobs(req)
+    prompts = completion_prompts(engine.tokenizer, req.prompt, req.add_special_tokens is not False)
+    echo = prompt_texts(engine.tokenizer, req.prompt, prompts) if req.echo else None
+    job = _build_job(engine, settings, req, False, prompts, logprobs, req.max_tokens, echo)
     return await _run(request, engine, job, req.stream)
 
 
 async def chat_completions(request: Request) -> Response:
     engine, settings = _engine(request), _settings(request)
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, settings.model_names)
-    try:
-        logprobs = check_logprobs(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_special_tokens)
-        job = _build_job(engine, settings, req, True, [prompt], logprobs, max_tokens)
-    except InvalidArgument as exc:
-        raise api_error_for(exc) from exc
+    logprobs = check_logprobs(req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_special_tokens)
+    job = _build_job(engine, settings, req, True, [prompt], logprobs, max_tokens)
     return await _run(request, engine, job, req.stream)
 
 
@@ -199,12 +191,9 @@ def _build_job(engine: GenerationEngine, settings: ApiSettings, req: CommonField
 
 
 async def _run(request: Request, engine: GenerationEngine, job: Job, streaming: bool) -> Response:
-    try:
-        if not engine.ready():
-            raise Unavailable(NOT_READY_MESSAGE)
-        stream = AsyncDeltaStream(engine, job.subrequests)  # submits now: refusals are 4xx/503 here
-    except (InvalidArgument, ResourceExhausted, Unavailable) as exc:
-        raise api_error_for(exc) from exc
+    if not engine.ready():
+        raise Unavailable(NOT_READY_MESSAGE)
+    stream = AsyncDeltaStream(engine, job.subrequests)  # submits now: refusals are 4xx/503 here
     if streaming:
         return _SSEResponse(_events(request, job, stream), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -222,8 +211,8 @@ async def _full_response(request: Request, job: Job, stream: AsyncDeltaStream) -
             if item is None:
                 continue
             index, delta = item
-            if delta.finish_reason == "abort":
-                raise api_error_for(Unavailable(delta.error or ABORTED_MESSAGE))
+            if (aborted := aborted_error(delta)) is not None:
+                raise aborted
             job.choices[index].add(delta)
     return JSONResponse(job.full_response())
 
@@ -242,8 +231,8 @@ async def _events(request: Request, job: Job, stream: AsyncDeltaStream) -> Async
                 if item is None:
                     continue
                 index, delta = item
-                if delta.finish_reason == "abort":
-                    yield sse(api_error_for(Unavailable(delta.error or ABORTED_MESSAGE)).body())
+                if (aborted := aborted_error(delta)) is not None:
+                    yield sse(api_error_for(aborted).body())
                     break
                 choice = job.choices[index]
                 choice.add(delta)

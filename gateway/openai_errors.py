@@ -18,11 +18,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.streams import RETRY_AFTER_S
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger("tandem.gateway.api")
-
-RETRY_AFTER_S = 1  # what a 429 or 503 asks a client to wait before retrying
 
 
 class APIError(Exception):
@@ -115,6 +114,10 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
+    # The service errors a route lets through (a bad prompt, a full queue, an engine not ready)
+    # are refusals like an APIError, answered through the same mapping; not unexpected errors.
+    for service_error in (InvalidArgument, ResourceExhausted, Unavailable):
+        app.add_exception_handler(service_error, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,8 +1,9 @@
 """A request as the gateway owns it: the source of truth for everything else.
 
-Target KV, draft KV and step plans are all derived from `tokens` and the
-counters here, so a request can be rebuilt anywhere from this object alone
-(preemption re-prefills from it; a new draft replica catches up from it).
+Target KV, draft KV and step plans are all derived from its tokens (`prompt`
+then `output`) and the counters here, so a request can be rebuilt anywhere
+from this object alone (preemption re-prefills from it; a new draft replica
+catches up from it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from draft_service.types import DraftBudget, IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecMode, SpecStats, TokenLogprob
+from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecStats, TokenLogprob
 from target_service.controls import LogitsControls
 
 
@@ -101,13 +102,8 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt then output: every token known for this request (a new list: use sparingly)."""
-        return self.prompt + self.output
-
     def token_slice(self, start: int, stop: int | None = None) -> list[int]:
-        """tokens[start:stop] without building the whole list."""
+        """(prompt + output)[start:stop], without building that whole list."""
         n = len(self.prompt)
         stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
         if start >= n:
@@ -115,17 +111,9 @@ class Request:
         return self.prompt[start: stop] + self.output[: max(0, stop - n)]
 
     @property
-    def prefilling(self) -> bool:
-        return self.target_len < len(self.prompt) + max(len(self.output) - 1, 0)
-
-    @property
     def unsent(self) -> list[int]:
         """Tokens the target has not written KV for (prefill remainder, or the pending token)."""
         return self.token_slice(self.target_len)
-
-    @property
-    def spec_mode(self) -> SpecMode | None:
-        return self.params.speculation
 
     @property
     def target_stop_ids(self) -> frozenset[int]:

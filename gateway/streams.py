@@ -9,6 +9,9 @@ have finished on its own.
 Submission happens when a stream is created, not on its first read, so that
 InvalidArgument / ResourceExhausted / Unavailable surface before a response
 has started (a 400/429/503 instead of a broken stream).
+
+The words and the retry delay both edges answer with live here too, so that
+REST and gRPC say the same.
 """
 
 from __future__ import annotations
@@ -20,6 +23,20 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.types import Delta, GenerationEngine, GenerationParams
+from tandem.errors import Unavailable
+
+NOT_READY_MESSAGE = "the engine is not ready (loading, draining, or waiting for an unreachable target)"
+ABORTED_MESSAGE = "the server ended the request before it finished (it may be shutting down); retry"
+RETRY_AFTER_S = 1  # what REST's 429 and 503, and gRPC's RESOURCE_EXHAUSTED, ask a client to wait before retrying
+
+
+def aborted_error(delta: Delta) -> Unavailable | None:
+    """What a client is told of a request the engine ended with "abort" (draining, or a target
+    lost past --target-wait): UNAVAILABLE, with the engine's reason when it gave one. None for
+    any other delta."""
+    if delta.finish_reason != "abort":
+        return None
+    return Unavailable(delta.error or ABORTED_MESSAGE)
 
 
 @dataclass(frozen=True)
