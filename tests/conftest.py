@@ -6,6 +6,8 @@ import os
 
 import torch
 
+import tandem  # noqa: F401 (turns gRPC's fork support off before any test loads grpc)
+
 # Triton kernels run on the CPU through the interpreter when no GPU is present.
 # It must be set before triton is first imported.
 if not torch.cuda.is_available():
