@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree size for `always`, root included (default 8)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="target KV cache per GPU/rank in GiB (default: the target's)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the target's batch-invariant mode: greedy output with speculation is bitwise the output "
+                        "without it, on a GPU in bf16 too; slower (see tandem target --help)")
     p.add_argument("--target-args", metavar="ARGS", default="",
                    help="more arguments for each `tandem target` child, as one quoted string "
                         "(e.g. \"--no-cuda-graphs --num-blocks 4096\"; see tandem target --help)")
@@ -303,6 +306,8 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metric
         cmd += ["--max-model-len", str(args.max_model_len)]
     if args.kv_cache_gb:
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    if args.deterministic:
+        cmd.append("--deterministic")
     return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.target_args)
 
 

@@ -6,6 +6,10 @@
 - "flashinfer": reserved. It needs the step's tree K/V in the paged cache
   (scratch slots) before attention, which the engine does not do yet.
 
+With batch_invariant=True the "triton" backend runs
+kernels.invariant_attention instead: the same metadata, each node's result
+independent of the rest of the step (slower; the --deterministic mode).
+
 A backend has two calls: plan(), once per step, turns the StepLayout into
 whatever the kernel reads (shared by every layer), and __call__ per layer.
 """
@@ -18,6 +22,7 @@ from typing import Protocol
 import torch
 
 from kernels._triton import HAS_TRITON, interpreting
+from kernels.invariant_attention import InvariantPlan, plan_invariant, tree_attention_invariant
 from kernels.tree_attention import StepLayout, tree_attention_reference, tree_attention_triton
 from kernels.tree_metadata import TreeAttnMetadata, metadata_from_layout
 
@@ -65,25 +70,44 @@ class TritonAttention:
         return tree_attention_triton(q, k, v, cache_k, cache_v, plan, scale)
 
 
+class InvariantAttention(TritonAttention):
+    """The triton backend's metadata, read by the batch-invariant kernel."""
+
+    def plan(self, layout: StepLayout | TreeAttnMetadata, **kwargs: object) -> InvariantPlan:
+        # Ancestor lists from the packed masks with device ops: also inside a captured graph.
+        return plan_invariant(super().plan(layout, **kwargs))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                 cache_v: torch.Tensor, plan: InvariantPlan, scale: float) -> torch.Tensor:
+        return tree_attention_invariant(q, k, v, cache_k, cache_v, plan, scale)
+
+
 def default_attention_backend(device: torch.device | str) -> str:
     return "triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch"
 
 
-def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(name: str | None, device: torch.device | str,
+                          batch_invariant: bool = False) -> AttentionBackend:
     """The backend called `name` (None: the device's default), or BackendUnavailable."""
     device = torch.device(device)
+    if batch_invariant:
+        if name not in (None, "triton"):
+            raise BackendUnavailable(f"the batch-invariant mode runs Triton kernels; attention backend "
+                                     f"{name!r} cannot be used with it")
+        name = "triton"
     name = name or default_attention_backend(device)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
     if name == "torch":
         return TorchAttention()
     if name == "triton":
+        what = "the batch-invariant mode (--deterministic)" if batch_invariant else "attention backend 'triton'"
         if not HAS_TRITON:
-            raise BackendUnavailable("attention backend 'triton' selected, but triton is not installed")
+            raise BackendUnavailable(f"{what} runs Triton kernels, but triton is not installed")
         if device.type != "cuda" and not interpreting():
-            raise BackendUnavailable("attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1, "
+            raise BackendUnavailable(f"{what} needs a CUDA device (or TRITON_INTERPRET=1, "
                                      "set before triton is imported, to run it slowly on CPU)")
-        return TritonAttention()
+        return InvariantAttention() if batch_invariant else TritonAttention()
     if importlib.util.find_spec("flashinfer") is None:
         raise BackendUnavailable("attention backend 'flashinfer' selected, but flashinfer not installed")
     raise BackendUnavailable("attention backend 'flashinfer': flashinfer is installed, but tandem has no "

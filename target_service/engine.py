@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from kernels.invariant_attention import MAX_TAIL
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.tree import ancestor_mask, validate_tree
@@ -154,7 +155,11 @@ class TargetEngine:
         depth = nf - 1
         for b in np.flatnonzero(n > nf).tolist():  # drafted trees: few, shapes cached
             parents = tree_part_parents(batch.parents[starts[b]: starts[b + 1]], int(nf[b]))
-            depth[b] += int(tree_depths(parents).max())
+            tree_depth = int(tree_depths(parents).max())
+            if self.model.batch_invariant and tree_depth > MAX_TAIL:
+                raise InvalidStep(f"request {batch.request_ids[b]!r}: a drafted tree {tree_depth} deep; the "
+                                  f"batch-invariant mode takes trees up to {MAX_TAIL} deep")
+            depth[b] += tree_depth
         end = prefix + depth + 1
         for b in np.flatnonzero(end > self.max_model_len).tolist():
             raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_mul_reference, silu_mul_triton
 from kernels.backend import get_attention_backend
+from kernels.matmul import linear_invariant
 from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from kernels.rope import rope_qkv_reference, rope_qkv_triton
 from kernels.tree_attention import StepLayout
@@ -55,7 +56,7 @@ class StepOutput:
 class LlamaModel:
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", tp: ParallelSpec | None = None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, batch_invariant: bool = False):
         self.cfg = cfg = load_llama_config(model_dir)
         self.tp = tp = tp or ParallelSpec()
         check_tp(cfg, tp.size)
@@ -70,9 +71,17 @@ class LlamaModel:
             kv_start = tp.rank * cfg.num_kv_heads // tp.size
         self.scale = cfg.head_dim ** -0.5
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position, self.device)
-        # "torch" | "triton" | "flashinfer"; None picks the device's default (kernels.backend).
-        self.attention = get_attention_backend(attention_backend, self.device)
+        self.choose_kernels(attention_backend, batch_invariant)
         self._load(SafetensorsDir(model_dir), kv_start)
+
+    def choose_kernels(self, attention_backend: str | None, batch_invariant: bool) -> None:
+        """attention_backend: "torch" | "triton" | "flashinfer"; None picks the device's default
+        (kernels.backend). batch_invariant: every row's result independent of the rest of the
+        step (Triton matmuls, tree attention and norms; all-reduces in rank order), so that
+        speculation and batching cannot change greedy output in bf16 (--deterministic)."""
+        self.batch_invariant = batch_invariant
+        self.attention = get_attention_backend(attention_backend, self.device, batch_invariant=batch_invariant)
+        self.linear = linear_invariant if batch_invariant else F.linear
 
     # --- weights ----------------------------------------------------------
     def _load(self, w: SafetensorsDir, kv_start: int) -> None:
@@ -142,9 +151,19 @@ class LlamaModel:
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size > 1:
+        if self.tp.size == 1:
+            return x
+        if not self.batch_invariant:
             dist.all_reduce(x)
-        return x
+            return x
+        # NCCL picks its reduction algorithm (ring, tree; the chunking) by message size,
+        # which follows the batch: gather every rank's part and add them in rank order.
+        parts = [torch.empty_like(x) for _ in range(self.tp.size)]
+        dist.all_gather(parts, x)
+        total = parts[0]
+        for part in parts[1:]:
+            total += part
+        return total
 
     # --- forward ----------------------------------------------------------
     def _qkv_heads(self, qkv: torch.Tensor, positions: torch.Tensor, layer: int,
@@ -202,15 +221,15 @@ class LlamaModel:
                 x, h = self._add_norm(x, residual, layer["input_norm"])
             if i in feature_layers:
                 captured[i] = x
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = self.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = self._qkv_heads(qkv, positions, i, scratch)
             attn = self.attention(q, k, v, kv.k[i], kv.v[i], attn_plan, self.scale)
-            o = self._all_reduce(F.linear(attn.reshape(T, hq * D), layer["o"]))
+            o = self._all_reduce(self.linear(attn.reshape(T, hq * D), layer["o"]))
             if layer["o_bias"] is not None:
                 o = o + layer["o_bias"]
             x, h = self._add_norm(x, o, layer["post_norm"])
-            m = self._all_reduce(F.linear(self._act(F.linear(h, layer["gate_up"], layer["gate_up_bias"])),
-                                          layer["down"]))
+            m = self._all_reduce(self.linear(self._act(self.linear(h, layer["gate_up"], layer["gate_up_bias"])),
+                                             layer["down"]))
             if layer["down_bias"] is not None:
                 m = m + layer["down_bias"]
             residual = m
@@ -219,6 +238,6 @@ class LlamaModel:
         if cfg.num_layers in feature_layers:
             captured[cfg.num_layers] = x
         h = self._norm(x[logit_rows], self.norm)
-        logits = F.linear(h, self.lm_head).float()
+        logits = self.linear(h, self.lm_head).float()
         features = torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
         return StepOutput(logits, features)

@@ -53,6 +53,7 @@ class EngineSpec:
     random_weights: bool = False  # benchmarks: draw weights for model_dir's config.json
     cuda_graphs: bool = True  # on CUDA with TP=1: decode/verify steps replay captured graphs
     graph_max_batch: int = 128
+    batch_invariant: bool = False  # --deterministic: kernels whose rows do not depend on the step
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,9 +72,9 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
     if spec.random_weights:
         raw = json.loads((Path(spec.model_dir) / "config.json").read_text())
         model = random_llama_model(load_llama_config(spec.model_dir), DTYPES[spec.dtype], device, tp,
-                                   init=RandomInit.from_config_json(raw))
+                                   init=RandomInit.from_config_json(raw), batch_invariant=spec.batch_invariant)
     else:
-        model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp)
+        model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp, batch_invariant=spec.batch_invariant)
     num_blocks = spec.num_blocks or max(
         1, int(spec.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * spec.block_size)))
     if model.device.type == "cuda" and model.attention.name == "triton":

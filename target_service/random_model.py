@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import get_attention_backend
 from tandem.layers import Rotary
 from tandem.model_config import LlamaConfig, RopeConfig
 from target_service.model import LlamaModel, ParallelSpec, check_tp
@@ -111,7 +110,8 @@ class RandomWeights:
 
 def random_llama_model(cfg: LlamaConfig, dtype: torch.dtype = torch.bfloat16,
                        device: str | torch.device = "cpu", tp: ParallelSpec | None = None, seed: int = 0,
-                       attention_backend: str | None = None, init: RandomInit | None = None) -> LlamaModel:
+                       attention_backend: str | None = None, init: RandomInit | None = None,
+                       batch_invariant: bool = False) -> LlamaModel:
     """LlamaModel(...) for `cfg` with random weights; same attributes as a loaded one."""
     model = LlamaModel.__new__(LlamaModel)
     # Mirrors LlamaModel.__init__ (tests/test_random_model.py checks they agree),
@@ -130,6 +130,6 @@ def random_llama_model(cfg: LlamaConfig, dtype: torch.dtype = torch.bfloat16,
         kv_start = tp.rank * cfg.num_kv_heads // tp.size
     model.scale = cfg.head_dim ** -0.5
     model.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position, model.device)
-    model.attention = get_attention_backend(attention_backend, model.device)
+    model.choose_kernels(attention_backend, batch_invariant)
     model._load(RandomWeights(cfg, model.device, dtype, seed, init=init), kv_start)
     return model

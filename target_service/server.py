@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "CUDA with --tp 1, decode and verify steps replay CUDA graphs captured at start-up)")
     p.add_argument("--graph-max-batch", type=int, default=128, help="largest batch captured in a CUDA "
                    "graph; larger steps run eagerly (default 128)")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a token's logits "
+                   "do not depend on what else is in the step (other requests, a drafted tree around it), so "
+                   "greedy output with speculation is bitwise the output without it, in bf16 too; needs CUDA "
+                   "(Triton); slower (BENCHMARKS.md); default off")
     p.add_argument("--random-weights", action="store_true", help="benchmarks only: draw random weights "
                    "for --model's config.json instead of loading any (realistic step costs, no checkpoint)")
     add_pacing_argument(p, "step", "its tokens")
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                       device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
-                      graph_max_batch=args.graph_max_batch)
+                      graph_max_batch=args.graph_max_batch, batch_invariant=args.deterministic)
     servicer = TargetServicer(Path(args.model).resolve(), pacing, metrics)
     if metrics is not None:
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
