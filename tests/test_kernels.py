@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from kernels.activation import silu_mul_reference, silu_mul_triton
-from kernels.backend import BackendUnavailable, TorchAttention, TritonAttention, get_attention_backend
+from kernels.backend import (
+    BackendUnavailable,
+    InvariantAttention,
+    TorchAttention,
+    TritonAttention,
+    get_attention_backend,
+)
 from kernels.kv_write import kv_commit_reference, kv_commit_triton, kv_write_reference, kv_write_triton
 from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 from kernels.rope import rope_qkv_reference, rope_qkv_triton, rope_reference, rope_triton
@@ -395,8 +401,13 @@ def test_backend_selection(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendUnavailable, match="needs a CUDA device"):
         get_attention_backend("triton", "cpu")
+    with pytest.raises(BackendUnavailable, match=r"batch-invariant mode \(--deterministic\) needs a CUDA device"):
+        get_attention_backend(None, "cpu", batch_invariant=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert isinstance(get_attention_backend("triton", "cpu"), TritonAttention)
+    assert isinstance(get_attention_backend(None, "cpu", batch_invariant=True), InvariantAttention)
+    with pytest.raises(BackendUnavailable, match="'torch' cannot be used with it"):
+        get_attention_backend("torch", "cpu", batch_invariant=True)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(BackendUnavailable, match="flashinfer not installed"):
         get_attention_backend("flashinfer", "cpu")

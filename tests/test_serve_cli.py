@@ -106,6 +106,10 @@ def test_child_command_lines(dirs, tmp_path):
                                             "--draft-args", "--force-record 'a b.jsonl'"])
     assert serve.target_command(args, plan, tmp_path / "t.port")[-3:] == ["--random-weights", "--num-blocks", "9"]
     assert serve.draft_command(args, plan, tmp_path / "d.port")[-2:] == ["--force-record", "a b.jsonl"]
+    # The batch-invariant mode is the target's.
+    args = serve.build_parser().parse_args(["--model", str(model), "--deterministic"])
+    assert serve.target_command(args, plan, tmp_path / "t.port")[-1] == "--deterministic"
+    assert "--deterministic" not in serve.draft_command(args, plan, tmp_path / "d.port")
 
 
 class ServeProcess:
