@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--grant", type=int, default=0, metavar="K",
                     help="also time plain-decode grants of K steps per batch (engines that have them)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the batch-invariant kernels (tandem target --deterministic); on CPU needs TRITON_INTERPRET=1")
+    ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (default both; --tiny: eager)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
@@ -137,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         args.grant = args.grant and 4
     batches = [int(b) for b in args.batches.split(",")]
     nodes = [int(n) for n in args.nodes.split(",")]
-    model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device,
+                               batch_invariant=args.deterministic)
     blocks = max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
-    modes = {"eager": None} if args.tiny else {"graphs": GraphConfig(max_batch=max(batches), max_nodes=max(nodes)),
-                                               "eager": None}
+    wanted = ["eager"] if args.tiny else args.modes.split(",")
+    modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes)) if mode == "graphs" else None
+             for mode in wanted}
     rows = []
     for mode, graphs in modes.items():
         engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs)
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
-                                        "prefix": args.prefix, "rows": rows}, indent=2))
+                                        "prefix": args.prefix, "deterministic": args.deterministic, "rows": rows},
+                                       indent=2))
     return 0
 
 

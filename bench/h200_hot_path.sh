@@ -13,6 +13,10 @@
 #   drafttests  the draft's tree-growth tests on the GPU (captured graphs)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
+#   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU,
+#            bench/engine_step.py (decode and verify 8, batch 1/8/64), and bench/greedy_equality.py
+#            (64 held-out prompts: always vs never at 1 and 8 requests, never alone vs among 8),
+#            demo pair in bf16, then the scale track
 # Carried wheels (.whl: grpcio 1.85, FastAPI, ...) are installed into /tmp/site first.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -72,6 +76,30 @@ for stage in "$@"; do
         "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
       run spec_demo after 200 env SERVE_PORT=8300 bash "$root/bench/serve_and_bench.sh" "$OUT/spec_demo" \
         "1,4" never,always 128 --device cuda ;;
+    deterministic)
+      run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
+      for mode in off on; do
+        flag=(); [[ $mode == on ]] && flag=(--deterministic)
+        run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+          --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
+      done
+      scale=/tmp/tandem-scale
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
+      port=8400
+      for track in demo scale; do
+        for mode in off on; do
+          serve=(--device cuda --dtype bfloat16); [[ $mode == on ]] && serve+=(--deterministic)
+          [[ $track == scale ]] && serve+=(--model $scale/target --draft $scale/draft --max-model-len 4096 \
+            --kv-cache-gb 24 --target-args=--random-weights \
+            "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8")
+          port=$((port + 10))
+          run "equality_${track}_$mode" after 400 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
+            "$OUT/equality_${track}_$mode" \
+            "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT --prompts 64 \
+              --max-tokens 96 --out $OUT/equality_${track}_$mode.json" "${serve[@]}"
+        done
+      done ;;
     stack)
       scale=/tmp/tandem-scale
       [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \

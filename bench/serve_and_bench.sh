@@ -9,20 +9,11 @@
 set -uo pipefail
 out=${1:?usage: serve_and_bench.sh OUT CONCURRENCY MODES MAX_TOKENS [serve flags]}
 conc=$2; modes=$3; max_tokens=$4; shift 4
-port=${SERVE_PORT:-8123}
-mkdir -p "$out"
-python3 -m tandem.cli serve --port "$port" --grpc-port $((port + 1)) --log-dir "$out/logs" "$@" &
-serve=$!
-trap 'kill -TERM $serve 2>/dev/null; wait $serve 2>/dev/null || true' EXIT
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-  kill -0 $serve 2>/dev/null || { echo "tandem serve exited"; tail -n 30 "$out"/logs/*.log; exit 1; }
-  sleep 1
-done
 # One bench per mode, the gateway's metrics scraped after each (their differences say where a round's
 # time went: tandem_step_phase_seconds).
+exec bash "$(dirname "$0")/serve_and_run.sh" "$out" "
 for mode in ${modes//,/ }; do
-  python3 -m tandem.cli bench --url "http://127.0.0.1:$port" --concurrency "$conc" --modes "$mode" \
-    --max-tokens "$max_tokens" --out "$out/$mode" --title "tandem: $mode"
-  curl -sf "http://127.0.0.1:$port/metrics" > "$out/metrics_after_$mode.txt" || true
-done
+  python3 -m tandem.cli bench --url http://127.0.0.1:\$SERVE_PORT --concurrency $conc --modes \$mode \
+    --max-tokens $max_tokens --out $out/\$mode --title \"tandem: \$mode\"
+  curl -sf http://127.0.0.1:\$SERVE_PORT/metrics > $out/metrics_after_\$mode.txt || true
+done" "$@"
