@@ -46,6 +46,8 @@ class TargetMetrics:
                                         registry=r)
         self.feature_bytes = Counter("tandem_target_feature_bytes", "Bytes of EAGLE-3 features returned for the "
                                      "draft", registry=r)
+        self.held_feature_bytes = Counter("tandem_target_held_feature_bytes", "Bytes of EAGLE-3 features held "
+                                          "for draft replicas to read (hold_features), not returned", registry=r)
         self.kv_usage = Gauge("tandem_target_kv_cache_usage_ratio", "Share of the target's KV blocks in use",
                               registry=r)
         self.sequences = Gauge("tandem_target_sequences", "Sequences holding KV on the target", registry=r)

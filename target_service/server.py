@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from tandem import telemetry
-from tandem.errors import Unavailable
+from tandem.errors import InvalidArgument, Unavailable
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
@@ -23,6 +23,7 @@ from tandem.tensors import tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import batch_of_items
+from target_service.feature_store import FeatureStore
 from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.metrics import TargetMetrics
 from target_service.parallel import EngineSpec, ParallelEngine
@@ -33,6 +34,7 @@ from target_service.wire import GrantStops, batch_from_proto, results_to_proto
 log = logging.getLogger("tandem.target")
 STEP_CALL = "tandem.v1.TargetService/StepStream.call"  # one call on the stream, in traces
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+DEFAULT_HELD_FEATURES = 16384  # rows: 384 MiB at Llama-3.1-8B's 3 x 4096 bf16 features per token
 
 
 def item_from_proto(m: target_pb2.SequenceStep) -> SequenceStep:
@@ -67,8 +69,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, model_dir: Path, pacing: StepPacing | None = None, metrics: TargetMetrics | None = None):
+    def __init__(self, model_dir: Path, pacing: StepPacing | None = None, metrics: TargetMetrics | None = None,
+                 max_held_features: int = DEFAULT_HELD_FEATURES):
         self.model_dir = model_dir
+        # Features of hold_features steps, until a draft replica reads them (ReadFeatures).
+        self.held_features = FeatureStore(max_held_features)
         self.pacing = pacing
         self.metrics = metrics  # None: --metrics-port is off, nothing is recorded
         self.model_name = model_dir.name
@@ -96,15 +101,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Step(self, request, context):
         engine = self._ready()
         batch = batch_of_items([item_from_proto(m) for m in request.items])
-        results, load, seconds = self._run(engine, batch, tuple(request.feature_layers))
+        results, load, seconds = self._run(engine, batch, tuple(request.feature_layers), request.hold_features)
         return target_pb2.StepResponse(results=[result_to_proto(r) for r in results.sequence_results()],
                                        load=load_to_proto(load), step_seconds=seconds)
 
-    def _run(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...]
+    def _run(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], hold: bool = False
              ) -> tuple[StepResults, KvLoad, float]:
         with self._lock:
             t0 = time.perf_counter()
             results = engine.run(batch, layers)
+            if hold and results.features is not None:  # before the reply leaves: a reader told of them finds them
+                if self.metrics is not None:
+                    self.metrics.held_feature_bytes.inc(results.features.numel() * results.features.element_size())
+                results = self.held_features.hold_results(results)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
             load = engine.load()
@@ -165,7 +174,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             batch = batch_from_proto(call.items)
             layers = tuple(call.feature_layers)
             if call.grant_steps <= 1:
-                results, load, seconds = self._run(engine, batch, layers)
+                results, load, seconds = self._run(engine, batch, layers, call.hold_features)
                 yield _reply(results, np.arange(batch.size), load, seconds, 1, True)
                 return
             stops = GrantStops.from_proto(call.stops, batch.size)
@@ -190,9 +199,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self._lock:
             n = engine.release(list(request.request_ids))
             load = engine.load()
+        self.held_features.release(list(request.request_ids))
         if self.metrics is not None:
             self.metrics.record_load(load)
         return target_pb2.ReleaseResponse(released=n, load=load_to_proto(load))
+
+    @map_errors
+    def ReadFeatures(self, request, context):
+        self._ready()
+        out = target_pb2.ReadFeaturesResponse()
+        for wanted in request.ranges:
+            if wanted.end_position < wanted.start_position:
+                raise InvalidArgument(f"request {wanted.request_id!r}: feature range ends ({wanted.end_position}) "
+                                      f"before it starts ({wanted.start_position})")
+        for wanted in request.ranges:
+            start, rows = self.held_features.read(wanted.request_id, wanted.start_position, wanted.end_position)
+            found = out.rows.add(request_id=wanted.request_id, start_position=start)
+            if rows is not None:
+                found.features.CopyFrom(tensor_to_proto(rows))
+        return out
 
     @map_errors
     def GetLoad(self, request, context):
@@ -236,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(Triton); slower (BENCHMARKS.md); default off")
     p.add_argument("--random-weights", action="store_true", help="benchmarks only: draw random weights "
                    "for --model's config.json instead of loading any (realistic step costs, no checkpoint)")
+    p.add_argument("--max-held-features", type=int, default=DEFAULT_HELD_FEATURES, metavar="ROWS",
+                   help="feature rows (one per token) held for draft replicas to read (ReadFeatures) before the "
+                        f"oldest are dropped; a dropped row costs the draft some acceptance, never output "
+                        f"(default {DEFAULT_HELD_FEATURES})")
     add_pacing_argument(p, "step", "its tokens")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P", help="serve Prometheus metrics "
                    "(step time, tokens and sequences per step, acceptance by draft position, KV usage, feature "
@@ -259,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch, batch_invariant=args.deterministic)
-    servicer = TargetServicer(Path(args.model).resolve(), pacing, metrics)
+    if args.max_held_features < 1:
+        raise SystemExit("error: --max-held-features must be >= 1")
+    servicer = TargetServicer(Path(args.model).resolve(), pacing, metrics, args.max_held_features)
     if metrics is not None:
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
                                                                             args.metrics_port))

@@ -70,12 +70,14 @@ class SequenceStep(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., create: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., num_fixed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("items", "feature_layers")
+    __slots__ = ("items", "feature_layers", "hold_features")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FEATURES_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[SequenceStep]
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, items: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    hold_features: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., hold_features: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -130,6 +132,38 @@ class ReleaseResponse(_message.Message):
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FeatureRange(_message.Message):
+    __slots__ = ("request_id", "start_position", "end_position")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start_position: int
+    end_position: int
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
+
+class ReadFeaturesRequest(_message.Message):
+    __slots__ = ("ranges",)
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    ranges: _containers.RepeatedCompositeFieldContainer[FeatureRange]
+    def __init__(self, ranges: _Optional[_Iterable[_Union[FeatureRange, _Mapping]]] = ...) -> None: ...
+
+class FeatureRows(_message.Message):
+    __slots__ = ("request_id", "start_position", "features")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start_position: int
+    features: _common_pb2.Tensor
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ReadFeaturesResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[FeatureRows]
+    def __init__(self, rows: _Optional[_Iterable[_Union[FeatureRows, _Mapping]]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
@@ -207,18 +241,20 @@ class GrantStops(_message.Message):
     def __init__(self, max_new_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PackedStep(_message.Message):
-    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent")
+    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent", "hold_features")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     GRANT_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FEATURES_FIELD_NUMBER: _ClassVar[int]
     items: PackedItems
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     grant_steps: int
     stops: GrantStops
     traceparent: str
-    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    hold_features: bool
+    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ..., hold_features: _Optional[bool] = ...) -> None: ...
 
 class Interrupt(_message.Message):
     __slots__ = ()

@@ -65,6 +65,11 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.TokenizerFiles.FromString,
                 _registered_method=True)
+        self.ReadFeatures = channel.unary_unary(
+                '/tandem.v1.TargetService/ReadFeatures',
+                request_serializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -122,6 +127,18 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadFeatures(self, request, context):
+        """Features held by steps with hold_features, read by whoever needs them
+        (a draft replica), so that they never travel through the gateway. A read
+        returns the rows held from each range's start on, and frees every row of
+        that sequence below the range's end. Rows that are not held (never asked
+        for, freed, or dropped to keep within the target's bound) are simply
+        absent: features are a cache for the reader, never needed for output.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +171,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.TokenizerFiles.SerializeToString,
+            ),
+            'ReadFeatures': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadFeatures,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +340,33 @@ class TargetService:
             '/tandem.v1.TargetService/GetTokenizer',
             tandem_dot_v1_dot_target__pb2.GetTokenizerRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.TokenizerFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFeatures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.TargetService/ReadFeatures',
+            tandem_dot_v1_dot_target__pb2.ReadFeaturesRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.ReadFeaturesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,133 @@
+"""Features the target holds for a reader, so that they never pass through the gateway.
+
+A step with hold_features puts the features of each asking sequence's newly
+committed tokens here instead of in its reply; a draft replica reads them with
+ReadFeatures (DESIGN: "the draft pulls the positions it needs"). The target
+still knows nothing of drafts: it keeps rows per sequence and position, and a
+read frees what it has passed.
+
+Rows are a cache: the store is bounded (max_rows in all), and when it is full
+the sequences written longest ago lose their rows first. A reader then finds
+fewer rows and computes those positions without target features (the draft's
+approximate catch-up); output never depends on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from target_service.step_batch import StepResults
+
+
+@dataclass(eq=False)
+class _Held:
+    start: int  # position of the first held row
+    chunks: list[torch.Tensor] = field(default_factory=list)  # contiguous rows, in order
+    rows: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+
+class FeatureStore:
+    """Held feature rows per sequence, each run contiguous in position. Thread-safe: the
+    step thread writes, ReadFeatures calls read."""
+
+    def __init__(self, max_rows: int):
+        if max_rows < 1:
+            raise ValueError(f"the feature store needs room for at least one row, got {max_rows}")
+        self.max_rows = max_rows
+        self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently written first
+        self._rows = 0
+        self._lock = threading.Lock()
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def hold(self, request_id: str, start: int, rows: torch.Tensor) -> None:
+        """Keep `rows` ([n, F], host) as the features of positions start.., after what is held
+        when contiguous with it, otherwise instead of it."""
+        n = int(rows.shape[0])
+        if n == 0:
+            return
+        with self._lock:
+            held = self._held.pop(request_id, None)
+            if held is None or held.end != start or (held.chunks and held.chunks[0].shape[1:] != rows.shape[1:]):
+                if held is not None:
+                    self._rows -= held.rows
+                held = _Held(start)
+            held.chunks.append(rows)
+            held.rows += n
+            self._rows += n
+            self._held[request_id] = held
+            self._evict()
+
+    def hold_results(self, results: StepResults) -> StepResults:
+        """Hold the features a step returned, per sequence, and give back its results without them."""
+        counts = results.feature_counts
+        if results.features is None or counts is None:
+            return results
+        host = results.features.cpu()  # one copy for the step; rows are views of it
+        ends = np.cumsum(counts)
+        for b, rid in enumerate(results.request_ids):
+            count = int(counts[b])
+            if count:
+                # The rows are the tokens this step committed: the last `count` positions. A copy,
+                # so that rows left unread do not keep the whole step's features alive.
+                rows = host[int(ends[b]) - count: int(ends[b])].clone()
+                self.hold(rid, int(results.num_committed[b]) - count, rows)
+        return _without_features(results)
+
+    def read(self, request_id: str, start: int, end: int) -> tuple[int, torch.Tensor | None]:
+        """(first position, rows) of what is held in [start, end); frees the sequence's rows below end."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                return start, None
+            lo, hi = max(start, held.start), min(end, held.end)
+            found = None
+            if lo < hi:
+                every = held.chunks[0] if len(held.chunks) == 1 else torch.cat(held.chunks)
+                found = every[lo - held.start: hi - held.start]
+                held.chunks = [every]
+            self._drop_below(request_id, held, end)
+            return (lo if found is not None else start), found
+
+    def release(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                held = self._held.pop(rid, None)
+                if held is not None:
+                    self._rows -= held.rows
+
+    def _drop_below(self, request_id: str, held: _Held, position: int) -> None:
+        if position >= held.end:
+            del self._held[request_id]
+            self._rows -= held.rows
+            return
+        gone = position - held.start
+        if gone > 0:
+            every = held.chunks[0] if len(held.chunks) == 1 else torch.cat(held.chunks)
+            held.chunks, held.start, held.rows = [every[gone:].clone()], position, held.rows - gone
+            self._rows -= gone
+
+    def _evict(self) -> None:
+        while self._rows > self.max_rows and self._held:
+            rid, held = next(iter(self._held.items()))
+            if len(self._held) == 1:  # one sequence over the bound: keep its newest rows
+                self._drop_below(rid, held, held.end - self.max_rows)
+                return
+            del self._held[rid]
+            self._rows -= held.rows
+
+
+def _without_features(results: StepResults) -> StepResults:
+    return dataclasses.replace(results, features=None, feature_counts=None)
