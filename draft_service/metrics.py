@@ -43,6 +43,9 @@ class DraftMetrics:
                                        "the ingest part of Draft calls)", registry=r)
         self.feature_bytes = Counter("tandem_draft_feature_bytes", "Bytes of target features received",
                                      registry=r)
+        self.feature_read_seconds = Histogram("tandem_draft_feature_read_seconds", "Time of one ReadFeatures "
+                                              "call to the target (--target), for the features it held",
+                                              buckets=STEP_SECONDS_BUCKETS, registry=r)
         if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
             r.register(DraftLoadCollector(load))
 
@@ -62,6 +65,9 @@ class DraftMetrics:
         if nodes:
             self.draft_tokens.inc(nodes)
         self._record_ingest(ingest)
+
+    def record_feature_read(self, seconds: float) -> None:
+        self.feature_read_seconds.observe(seconds)
 
     def record_ingest(self, items: Sequence[IngestItem], catch_up: bool, seconds: float) -> None:
         if catch_up:

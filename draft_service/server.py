@@ -15,6 +15,7 @@ from draft_service.engine import DraftEngine
 from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
 from draft_service.metrics import DraftMetrics
 from draft_service.model import Eagle3Draft
+from draft_service.target_features import TargetFeatureReader
 from draft_service.types import (
     MAX_DRAFT_TOKENS,
     MAX_STEPS,
@@ -34,7 +35,7 @@ from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
 from tandem.tensors import tensor_from_proto, tensor_to_proto
-from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
+from tandem.tls import SERVICE_CA_HELP, ClientTLS, add_server_tls_arguments, service_credentials
 from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("tandem.draft")
@@ -45,7 +46,8 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 def ingest_from_proto(m: draft_pb2.IngestItem) -> IngestItem:
     features = tensor_from_proto(m.features) if m.HasField("features") else None
-    return IngestItem(m.request_id, m.start_position, tuple(m.tokens), features)
+    return IngestItem(m.request_id, m.start_position, tuple(m.tokens), features,
+                      target_feature_rows=m.target_feature_rows)
 
 
 def item_from_proto(m: draft_pb2.DraftItem) -> DraftItem:
@@ -78,6 +80,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.target_model_name = target_model_name
         self.engine: DraftEngine | None = None
         self.forcing: ForcedProposals | None = None  # benchmarks' scale track only
+        # --target: where features held at the target are read (IngestItem.target_feature_rows).
+        self.target_features: TargetFeatureReader | None = None
         # One engine call at a time: requests' state and the KV cache are shared.
         self._lock = threading.Lock()
 
@@ -97,12 +101,25 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             feature_layers=list(info.feature_layers), feature_width=info.feature_width,
             max_tokens=info.max_tokens, max_steps=MAX_STEPS, max_topk=min(MAX_TOPK, info.draft_vocab_size),
             max_draft_tokens=MAX_DRAFT_TOKENS, dtype=info.dtype, device=info.device,
-            load=load_to_proto(engine.load()))
+            load=load_to_proto(engine.load()), reads_target_features=self.target_features is not None)
+
+    def _with_features(self, items: list[IngestItem]) -> list[IngestItem]:
+        """Items whose features the target holds, with those features read (outside the lock:
+        the engine's state does not change until the items are applied, in order)."""
+        if self.target_features is None:
+            return items
+        if not any(it.target_feature_rows for it in items):
+            return items
+        t0 = time.perf_counter()
+        items = self.target_features.fill(items)
+        if self.metrics is not None:
+            self.metrics.record_feature_read(time.perf_counter() - t0)
+        return items
 
     @map_errors
     def Ingest(self, request, context):
         engine = self._ready()
-        items = [ingest_from_proto(m) for m in request.items]
+        items = self._with_features([ingest_from_proto(m) for m in request.items])
         with self._lock:
             statuses = engine.ingest(items, catch_up=request.catch_up)
             load = engine.load()
@@ -113,7 +130,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def _draft(self, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
         engine = self._ready()
-        ingest = [ingest_from_proto(m) for m in request.ingest]
+        ingest = self._with_features([ingest_from_proto(m) for m in request.ingest])
         items = [item_from_proto(m) for m in request.items]
         with self._lock:
             t0 = time.perf_counter()
@@ -194,10 +211,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "this replica's load, read at each scrape (tandem_draft_sequences, what its autoscaler scales "
                    "on, and tandem_draft_kv_cache_usage_ratio), Draft call time, tree nodes and requests per "
                    "call, catch-up time, feature bytes")
+    p.add_argument("--target", metavar="HOST:PORT", default=None,
+                   help="the target service, to read the features it holds for this replica (ReadFeatures) "
+                        "so that they never pass through the gateway; the gateway then sends only tokens. "
+                        "With --tls-ca this replica connects over TLS and presents --tls-cert/--tls-key. "
+                        "Default: features come from the gateway")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
+
+
+def target_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """This replica's TLS towards the target: the service CA verifies it, its own certificate
+    identifies it (mutual TLS)."""
+    if args.tls_ca is None:
+        return None
+    return ClientTLS(ca=Path(args.tls_ca), cert=Path(args.tls_cert) if args.tls_cert else None,
+                     key=Path(args.tls_key) if args.tls_key else None)
 
 
 def build_engine(args: argparse.Namespace) -> DraftEngine:
@@ -221,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("draft", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)
+    if args.target:
+        try:
+            servicer.target_features = TargetFeatureReader(args.target, target_tls(args))
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     metrics = None
     if args.metrics_port is not None:
         metrics = servicer.metrics = DraftMetrics(load=lambda: servicer.engine and servicer.engine.load())

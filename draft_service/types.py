@@ -47,6 +47,9 @@ class IngestItem:
     normal (the last token is usually the pending one, with no feature yet), and
     None means the target sent none (speculation was off). Positions that never
     receive features are caught up from the draft's own hidden state.
+    target_feature_rows instead says that the target holds that many rows for
+    positions start_position.. (a step with hold_features): the draft service
+    reads them from the target before the engine sees the item.
     An item with start_position 0 for an unknown request starts it.
     """
 
@@ -54,6 +57,7 @@ class IngestItem:
     start_position: int
     tokens: tuple[int, ...]
     features: torch.Tensor | None = None  # [rows, feature_width], any float dtype
+    target_feature_rows: int = 0
 
     @property
     def num_feature_rows(self) -> int:
