@@ -174,11 +174,11 @@ class TargetClient:
         self._drop_stream()
 
     def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
-              stops: GrantStops | None = None) -> TargetGrant:
+              stops: GrantStops | None = None, hold_features: bool = False) -> TargetGrant:
         batch = StepBatch.from_items(items)
         span, traceparent = stream_call_span(STEP_CALL)
         call = target_pb2.PackedStep(items=batch_to_proto(batch), feature_layers=list(feature_layers),
-                                     grant_steps=grant_steps, traceparent=traceparent)
+                                     grant_steps=grant_steps, traceparent=traceparent, hold_features=hold_features)
         if stops is not None:
             call.stops.CopyFrom(stops.to_proto())
         stream = self._open_stream()
@@ -197,10 +197,11 @@ class TargetClient:
         return TargetInfo(m.model_name, m.vocab_size, m.hidden_size, m.max_model_len,
                           tuple(m.eos_token_ids), tuple(m.default_feature_layers), _load(m.load))
 
-    def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...]
+    def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...], hold_features: bool = False
              ) -> tuple[list[SequenceResult], KvLoad, float]:
-        """One step over the stream (packed columns both ways)."""
-        return next(iter(self._call(items, feature_layers)))
+        """One step over the stream (packed columns both ways). hold_features: the target keeps
+        the features asked for, for the draft replicas to read, instead of returning them."""
+        return next(iter(self._call(items, feature_layers, hold_features=hold_features)))
 
     def grant(self, items: list[SequenceStep], feature_layers: tuple[int, ...], steps: int,
               stops: GrantStops) -> TargetGrant:
@@ -226,6 +227,7 @@ class DraftInfo:
     max_topk: int
     max_draft_tokens: int
     load: KvLoad
+    reads_target_features: bool = False  # it reads features the target holds (IngestItem.target_feature_rows)
 
 
 class DraftClient:
@@ -237,6 +239,9 @@ class DraftClient:
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
+        # Learnt from info() (the pool's admission check asks it of every replica); until then
+        # the gateway sends it features itself.
+        self.reads_target_features = False
 
     def healthy(self) -> bool:
         return _health_status(self.channel, 2) == health_pb2.HealthCheckResponse.SERVING
@@ -246,12 +251,14 @@ class DraftClient:
             m = self.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
             _raise_mapped(e, f"draft {self.address}")
+        self.reads_target_features = m.reads_target_features
         return DraftInfo(tuple(m.feature_layers), m.max_tokens, m.max_steps, m.max_topk,
-                         m.max_draft_tokens, _load(m.load))
+                         m.max_draft_tokens, _load(m.load), m.reads_target_features)
 
     @staticmethod
     def _ingest_proto(it: IngestItem) -> draft_pb2.IngestItem:
-        m = draft_pb2.IngestItem(request_id=it.request_id, start_position=it.start_position, tokens=it.tokens)
+        m = draft_pb2.IngestItem(request_id=it.request_id, start_position=it.start_position, tokens=it.tokens,
+                                 target_feature_rows=it.target_feature_rows)
         if it.features is not None and it.features.shape[0]:
             m.features.CopyFrom(tensor_to_proto(it.features))
         return m

@@ -87,6 +87,12 @@ class StepOutcome:
     seconds: float  # wall time at the gateway, from sending (or the previous reply) to this reply
     trees: dict[str, DraftTree]
     granted: int  # 0: a plain call; k >= 1: the k-th step of a grant
+    held_features: bool = False  # the target kept the features asked for, for the replicas to read
+
+
+def _feature_rows(item: IngestItem) -> int:
+    """Rows of features an ingest item brings, sent or held at the target."""
+    return item.num_feature_rows or item.target_feature_rows
 
 
 class GatewayCore:
@@ -466,6 +472,13 @@ class GatewayCore:
     def _wants_features(self, req: Request) -> bool:
         return self._replica(req) is not None and self._mode(req) != SpecMode.NEVER and not self._dormant(req)
 
+    def _hold_features(self, plan: StepPlan, steps: list[SequenceStep]) -> bool:
+        """Whether the target should keep this step's features for the replicas to read
+        (never through the gateway): when every request that asks has a replica that reads."""
+        asking = [it.request for it, step in zip(plan.items, steps, strict=True) if step.return_features]
+        return bool(asking) and all((replica := self._replica(req)) is not None
+                                    and replica.client.reads_target_features for req in asking)
+
     def _execute(self, plan: StepPlan, trees: dict[str, DraftTree]) -> Iterator[StepOutcome]:
         """The target's step(s) for the plan: one call, or a grant of plain steps."""
         steps = [self._sequence_step(it, trees.get(it.request.request_id)) for it in plan.items]
@@ -473,9 +486,10 @@ class GatewayCore:
         t0 = time.perf_counter()
         try:
             if grant <= 1:
-                results, load, _ = self.target.step(steps, self.feature_layers)
+                hold = self._hold_features(plan, steps)
+                results, load, _ = self.target.step(steps, self.feature_layers, hold_features=hold)
                 yield StepOutcome(items=plan.items, results=results, load=load,
-                                  seconds=time.perf_counter() - t0, trees=trees, granted=0)
+                                  seconds=time.perf_counter() - t0, trees=trees, granted=0, held_features=hold)
                 return
             yield from self._run_grant(plan, steps, grant, t0)
         except ResourceExhausted:
@@ -535,7 +549,8 @@ class GatewayCore:
     def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
         self._target_usage(outcome.load)
         for it, res in zip(outcome.items, outcome.results, strict=True):
-            self._apply(it, res, outcome.trees.get(res.request_id), plan.budgets.get(res.request_id, NO_SPEC))
+            self._apply(it, res, outcome.trees.get(res.request_id), plan.budgets.get(res.request_id, NO_SPEC),
+                        outcome.held_features)
         if outcome.granted:  # the target still feeds the grant's requests: release them after it
             self._retire_finished()
         else:
@@ -543,7 +558,8 @@ class GatewayCore:
         # The ingests queued here go out with the next step's (one call per replica per step),
         # while the target runs that step.
 
-    def _apply(self, it: PlannedItem, res: SequenceResult, tree: DraftTree | None, budget: DraftBudget) -> None:
+    def _apply(self, it: PlannedItem, res: SequenceResult, tree: DraftTree | None, budget: DraftBudget,
+               held: bool = False) -> None:
         req = it.request
         if req.phase == Phase.FINISHED:
             return
@@ -551,7 +567,7 @@ class GatewayCore:
         req.target_created = True
         req.target_len = res.num_committed
         if not it.reaches_end:  # a prefill chunk that is not the last: its sample is not output
-            self._feed_draft(req, old_len, res, defer=False)
+            self._feed_draft(req, old_len, res, defer=False, held=held)
             return
         stats = req.stats
         if tree is not None:
@@ -576,7 +592,7 @@ class GatewayCore:
                 self.metrics.itl.observe(gap)
         self._emit(req, delta)
         if req.phase != Phase.FINISHED:
-            self._feed_draft(req, old_len, res, defer=tree is not None)
+            self._feed_draft(req, old_len, res, defer=tree is not None, held=held)
 
     def _emit(self, req: Request, delta) -> None:
         try:
@@ -656,14 +672,17 @@ class GatewayCore:
             if req.draft is None and req.phase == Phase.RUNNING and self._mode(req) != SpecMode.NEVER:
                 self._attach_draft(req)
 
-    def _feed_draft(self, req: Request, old_len: int, res: SequenceResult, defer: bool) -> None:
-        """Pass the request's new tokens (and features) to its replica.
+    def _feed_draft(self, req: Request, old_len: int, res: SequenceResult, defer: bool, held: bool = False) -> None:
+        """Pass the request's new tokens (and features, or word that the target holds them) to
+        its replica.
 
         defer: the request just drafted and will likely draft again, so the
         ingest waits to ride in its next draft call (one round trip, not two).
         Otherwise it goes now, without waiting: the replica's worker applies it
         before any later draft call, and the replica computes the KV while the
         target runs the next step.
+        held: the step's features stayed at the target (hold_features); the
+        replica reads the rows of the tokens the step committed from there.
         """
         link = req.draft
         if link is None or self._replica(req) is None or self._dormant(req):
@@ -672,20 +691,28 @@ class GatewayCore:
         # position it computes without the target's features is only approximate.
         known_len = min(req.target_len + 1, req.num_tokens)
         feats = res.features
+        held_rows = res.num_committed - old_len if held and feats is None else 0
+        rows = held_rows or (0 if feats is None else int(feats.shape[0]))
         pending = link.pending
-        if feats is not None and link.feature_len == old_len and link.sent >= old_len:
+        if rows and link.feature_len == old_len and link.sent >= old_len:
             start = old_len  # contiguous: these features belong to positions old_len..
-            link.feature_len = old_len + feats.shape[0]
-            if pending is not None and pending.features is not None and \
-                    pending.start_position + pending.features.shape[0] == old_len:
-                start, feats = pending.start_position, torch.cat((pending.features, feats))
+            link.feature_len = old_len + rows
+            # A deferred item whose features (of the same kind: sent, or held) end where these begin.
+            joins = pending is not None and pending.start_position + _feature_rows(pending) == old_len and (
+                (pending.features is not None and feats is not None) or (pending.target_feature_rows and held_rows))
+            if joins:
+                start = pending.start_position
+                if feats is not None:
+                    feats = torch.cat((pending.features, feats))
+                held_rows += pending.target_feature_rows
             elif pending is not None:
                 self._send_ingest(req)
         else:
             if pending is not None:
                 self._send_ingest(req)
-            start, feats = link.sent, None  # tokens only: the draft catches up from its own states
-        link.pending = IngestItem(req.request_id, start, tuple(req.token_slice(start, known_len)), feats)
+            start, feats, held_rows = link.sent, None, 0  # tokens only: the draft catches up from its own states
+        link.pending = IngestItem(req.request_id, start, tuple(req.token_slice(start, known_len)), feats,
+                                  target_feature_rows=held_rows)
         link.sent = known_len
         if not defer or not link.caught_up:
             self._send_ingest(req)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree size for `always`, root included (default 8)")
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="target KV cache per GPU/rank in GiB (default: the target's)")
+    p.add_argument("--features-through-gateway", action="store_true",
+                   help="feed the drafts the target's features through the gateway instead of letting them read "
+                        "the features from the target (benchmarks: the path before ReadFeatures)")
     p.add_argument("--deterministic", action="store_true",
                    help="the target's batch-invariant mode: greedy output with speculation is bitwise the output "
                         "without it, on a GPU in bf16 too; slower (see tandem target --help)")
@@ -312,10 +315,13 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metric
 
 
 def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0,
-                  port: int = 0) -> list[str]:
+                  port: int = 0, target: str | None = None) -> list[str]:
+    """target: the target's address, where the draft reads the features it holds (never via the gateway)."""
     assert plan.draft is not None
     cmd = ["draft", "--model", str(plan.draft), "--target-model", str(plan.model), "--port", str(port),
            "--port-file", str(port_file), "--device", plan.device]
+    if target:
+        cmd += ["--target", target]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
     return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.draft_args)
@@ -587,6 +593,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         port, metrics_port = next(ports), next(ports)
         target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", metrics_port, port),
                            metrics_port)
+        # Drafts read held features from the target there (target_command sets no --host).
+        target_address = None if args.features_through_gateway else f"127.0.0.1:{port}"
         drafts = []
         if plan.draft is not None:
             for i in range(replicas):
@@ -594,7 +602,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                 _say(f"starting {name}: {plan.draft}")
                 port, metrics_port = next(ports), next(ports)
                 drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", metrics_port,
-                                                            port), metrics_port))
+                                                            port, target_address), metrics_port))
         else:
             _say("no draft: serving without speculation")
         for child in [target, *drafts]:

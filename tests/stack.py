@@ -81,9 +81,12 @@ class Stack(Gateway):
 
     def __init__(self, tmp: Path, target_dir: Path, draft_dirs: list[Path], *gateway_args: str,
                  target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8"),
-                 draft_args: tuple[str, ...] = ()):
+                 draft_args: tuple[str, ...] = (), drafts_read_target: bool = False):
+        """drafts_read_target: the drafts get --target, and read the features the target holds."""
         self.tmp = tmp
         self.target = Service(["target", "--model", str(target_dir), *target_args], tmp, "target")
+        if drafts_read_target:  # the target's address is known once its port is bound
+            draft_args = (*draft_args, "--target", self.target.address)
         self.drafts = [Service(["draft", "--model", str(d), "--target-model", str(target_dir), *draft_args], tmp,
                                f"draft{i}")
                        for i, d in enumerate(draft_dirs)]

@@ -43,6 +43,7 @@ class FakeTarget:
         self.steps: list[list[SequenceStep]] = []
         self.exhaust_next = 0  # the next n steps fail with ResourceExhausted
         self.grants = 0
+        self.held: list[bool] = []  # per step: whether the gateway asked the target to hold features
 
     def info(self) -> TargetInfo:
         return TargetInfo("fake", VOCAB, 8, 4096, (), (1, 2, 3), self.load())
@@ -51,11 +52,12 @@ class FakeTarget:
         used = sum(-(-n // self.block_size) for n in self.lengths.values())
         return KvLoad(len(self.lengths), self.block_size, self.blocks, self.blocks - used)
 
-    def step(self, items, feature_layers):
+    def step(self, items, feature_layers, hold_features=False):
         if self.exhaust_next:
             self.exhaust_next -= 1
             raise ResourceExhausted("target: step needs more KV blocks")
         self.steps.append(list(items))
+        self.held.append(hold_features)
         results = []
         for it in items:
             length = 0 if it.create else self.lengths[it.request_id]
@@ -72,7 +74,7 @@ class FakeTarget:
                 node = hit
             committed = it.num_fixed + len(accepted)
             self.lengths[it.request_id] = length + committed
-            feats = torch.zeros(committed, FEATURE_WIDTH) if it.return_features else None
+            feats = torch.zeros(committed, FEATURE_WIDTH) if it.return_features and not hold_features else None
             results.append(SequenceResult(it.request_id, accepted, [it.tokens[n] for n in accepted] + [want],
                                           [-0.5] * (len(accepted) + 1), [], feats, length + committed))
         return results, self.load(), 0.001
@@ -128,6 +130,8 @@ class FakeDraft:
         self.ingest_calls: list[list[str]] = []
         self.draft_calls = 0
         self.fail = False
+        self.reads_target_features = False  # fed by the gateway, as a DraftClient before info()
+        self.ingested: list[IngestItem] = []
         self.lock = threading.Lock()
 
     def healthy(self) -> bool:
@@ -140,6 +144,7 @@ class FakeDraft:
         return KvLoad(len(self.known), 4, 256, 256)
 
     def _apply(self, items: list[IngestItem]) -> None:
+        self.ingested.extend(items)
         for item in items:
             known = self.known.setdefault(item.request_id, [])
             del known[item.start_position:]
@@ -246,6 +251,28 @@ def test_each_step_sends_at_most_one_ingest_call_per_replica(tokenizer):
     for i, out in enumerate(outs):
         assert tokens_of(out) == expected([5 + i, 11, 13], 12)
         assert out[-1].finish_reason == "length" and out[-1].spec.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("reads_target", [False, True], ids=["fed", "reads_target"])
+def test_features_reach_a_replica_that_reads_the_target_as_row_counts_never_through_the_gateway(
+        tokenizer, reads_target):
+    core, target, drafts = new_core(tokenizer, mode="always")
+    drafts[0].reads_target_features = reads_target
+    outs = [submit(core, f"r{i}", [5 + i, 11, 13], max_tokens=20) for i in range(3)]
+    run_until_idle(core)
+    for i, out in enumerate(outs):
+        assert tokens_of(out) == expected([5 + i, 11, 13], 20)
+    assert any(target.held) == reads_target
+    items = drafts[0].ingested
+    rows = [it.target_feature_rows if reads_target else it.num_feature_rows for it in items]
+    assert sum(rows) > 0
+    if reads_target:
+        assert all(it.features is None for it in items)
+    # Each request's feature rows cover its positions in order, with no gap and no overlap.
+    for rid in ("r0", "r1", "r2"):
+        spans = [(it.start_position, n) for it, n in zip(items, rows, strict=True) if it.request_id == rid and n]
+        assert spans[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
 
 
 def test_a_lost_draft_falls_back_to_plain_decode_with_the_same_output(tokenizer):

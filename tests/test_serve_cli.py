@@ -110,6 +110,9 @@ def test_child_command_lines(dirs, tmp_path):
     args = serve.build_parser().parse_args(["--model", str(model), "--deterministic"])
     assert serve.target_command(args, plan, tmp_path / "t.port")[-1] == "--deterministic"
     assert "--deterministic" not in serve.draft_command(args, plan, tmp_path / "d.port")
+    # Each draft reads the target's held features from the target itself.
+    assert serve.draft_command(args, plan, tmp_path / "d.port", target="127.0.0.1:9200")[-2:] == [
+        "--target", "127.0.0.1:9200"]
 
 
 class ServeProcess:
