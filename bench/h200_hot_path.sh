@@ -13,6 +13,8 @@
 #   drafttests  the draft's tree-growth tests on the GPU (captured graphs)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
+#   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
+#            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU,
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64), and bench/greedy_equality.py
 #            (64 held-out prompts: always vs never at 1 and 8 requests, never alone vs among 8),
@@ -76,6 +78,20 @@ for stage in "$@"; do
         "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
       run spec_demo after 200 env SERVE_PORT=8300 bash "$root/bench/serve_and_bench.sh" "$OUT/spec_demo" \
         "1,4" never,always 128 --device cuda ;;
+    features)
+      scale=/tmp/tandem-scale
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
+      port=8500
+      for path in gateway target; do
+        flag=(); [[ $path == gateway ]] && flag=(--features-through-gateway)
+        port=$((port + 10))
+        run "features_$path" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
+          "$OUT/features_$path" "${SPEC_CONCURRENCY:-1,8,64}" always 128 \
+          --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
+          --target-args=--random-weights "${flag[@]}" \
+          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+      done ;;
     deterministic)
       run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
       for mode in off on; do
