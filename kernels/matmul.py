@@ -17,14 +17,20 @@ import torch.nn.functional as F
 
 from kernels._triton import interpreting, tl, triton
 
-# One configuration for every shape; changing any of these changes results
-# (bitwise), never their invariance. BLOCK_M stays the same at M = 1 and at a
-# 2k-token prefill: on Hopper a smaller M tile would switch the instruction.
+# The configuration never depends on M (the rows): BLOCK_M stays the same at
+# M = 1 and at a 2k-token prefill (on Hopper a smaller M tile would switch the
+# instruction). It may depend on the weight's shape, which is fixed per layer:
+# narrow weights (o_proj, down_proj: N = 4096) get narrower column tiles so that
+# more programs share the memory bandwidth at small M.
 BLOCK_M = 64
-BLOCK_N = 64
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
+MIN_PROGRAMS = 256  # column tiles wanted per row tile before BLOCK_N drops to 32
+
+
+def block_n_for(n: int) -> int:
+    return 64 if triton.cdiv(n, 64) >= MIN_PROGRAMS else 32
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,10 +84,11 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if M:
         # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
         f32_dot = x.dtype == torch.float32 or interpreting()
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+        block_n = block_n_for(N)
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
         _linear_kernel[grid](x2, weight, bias if bias is not None else weight, out, M, N, K,
                              x2.stride(0), weight.stride(0), out.stride(0),
                              HAS_BIAS=bias is not None, F32_DOT=f32_dot,
-                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out.view(*x.shape[:-1], N)
