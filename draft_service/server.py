@@ -16,6 +16,7 @@ from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
 from draft_service.metrics import DraftMetrics
 from draft_service.model import Eagle3Draft
 from draft_service.target_features import TargetFeatureReader
+from draft_service.tree_wire import trees_to_proto
 from draft_service.types import (
     MAX_DRAFT_TOKENS,
     MAX_STEPS,
@@ -40,6 +41,7 @@ from tandem.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("tandem.draft")
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+DRAFT_CALL = "tandem.v1.DraftService/DraftStream.call"  # one call on the stream, in traces
 
 
 # --- conversions ------------------------------------------------------------------------------
@@ -144,6 +146,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
         if self.metrics is not None:
             self.metrics.record_draft(ingest, items, trees, seconds)
+        if request.packed_trees:
+            return draft_pb2.DraftResponse(packed=trees_to_proto(trees), load=load_to_proto(load),
+                                           draft_seconds=seconds)
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
                                        load=load_to_proto(load), draft_seconds=seconds)
 
@@ -155,7 +160,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         # map_errors covers unary calls; a stream maps its error the same way and ends.
         for request in request_iterator:
             try:
-                response = self._draft(request)
+                with telemetry.continued_span(DRAFT_CALL, request.traceparent):
+                    response = self._draft(request)
             except Exception as exc:
                 code, message = status_for(exc)
                 if code == grpc.StatusCode.INTERNAL:

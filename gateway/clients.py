@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from draft_service.tree_wire import trees_from_proto
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from tandem.channels import open_channel
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -74,25 +76,71 @@ class TargetInfo:
 _END_OF_CALLS = object()
 # The name of one call on the step stream, in traces (the gateway's CLIENT span, the target's SERVER span).
 STEP_CALL = "tandem.v1.TargetService/StepStream.call"
+DRAFT_CALL = "tandem.v1.DraftService/DraftStream.call"
 
 
-class _StepStream:
-    """The gateway's end of TargetService/StepStream: calls go out in order, replies come
-    back in order. Used by one thread (the step loop) only."""
+class _CallStream:
+    """The gateway's end of a bidirectional stream (TargetService/StepStream,
+    DraftService/DraftStream): calls go out in order, replies come back in order.
+    Used by one thread only (the step loop; a draft replica's worker)."""
 
-    def __init__(self, stub: target_pb2_grpc.TargetServiceStub):
+    def __init__(self, open_stream):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._replies = stub.StepStream(iter(self._calls.get, _END_OF_CALLS))
+        self._replies = open_stream(iter(self._calls.get, _END_OF_CALLS))
 
-    def send(self, call: target_pb2.StepCall) -> None:
+    def send(self, call) -> None:
         self._calls.put(call)
 
-    def reply(self) -> target_pb2.StepReply:
+    def reply(self):
         return next(self._replies)
+
+    def cancel(self) -> None:
+        """Ends the stream from any thread; a reply() waiting raises CANCELLED."""
+        self._replies.cancel()
 
     def close(self) -> None:
         self._calls.put(_END_OF_CALLS)
         self._replies.cancel()
+
+
+class _Deadline:
+    """Cancels a stream whose reply is later than its deadline. One thread per client, woken
+    only when armed: a timer thread per call would cost a thread start on the hot path."""
+
+    def __init__(self, name: str):
+        self._cond = threading.Condition()
+        self._stream: _CallStream | None = None
+        self._at: float | None = None
+        self._closed = False
+        self.fired = False  # the last armed wait was cut short
+        threading.Thread(target=self._watch, name=name, daemon=True).start()
+
+    def arm(self, stream: _CallStream, seconds: float) -> None:
+        with self._cond:
+            self._stream, self._at, self.fired = stream, time.monotonic() + seconds, False
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._stream, self._at = None, None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._at is None:
+                    self._cond.wait()
+                    continue
+                left = self._at - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._stream.cancel()
+                self._stream, self._at, self.fired = None, None, True
 
 
 _STEP_ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "RESOURCE_EXHAUSTED": ResourceExhausted}
@@ -110,7 +158,7 @@ class TargetGrant:
     """A grant of plain-decode steps in flight: iterate for each step's (results, load,
     step seconds); interrupt() ends it after the step the target is running."""
 
-    def __init__(self, stream: _StepStream, request_ids: tuple[str, ...], on_broken, span=None):
+    def __init__(self, stream: _CallStream, request_ids: tuple[str, ...], on_broken, span=None):
         self._stream = stream
         self._ids = request_ids
         self._on_broken = on_broken
@@ -156,11 +204,11 @@ class TargetClient:
         self.address = address
         self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(instrument_channel(self.channel))  # trace context out
-        self._stream: _StepStream | None = None
+        self._stream: _CallStream | None = None
 
-    def _open_stream(self) -> _StepStream:
+    def _open_stream(self) -> _CallStream:
         if self._stream is None:
-            self._stream = _StepStream(self.stub)
+            self._stream = _CallStream(self.stub.StepStream)
         return self._stream
 
     def _drop_stream(self) -> None:
@@ -239,6 +287,10 @@ class DraftClient:
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
+        # Draft calls go over one DraftStream (a unary call costs about twice a message on an open
+        # stream), opened on first use and again after a failure; each call carries its traceparent.
+        self._stream: _CallStream | None = None
+        self._deadline = _Deadline(f"draft-deadline-{address}")  # a replica that hangs is a lost replica
         # Learnt from info() (the pool's admission check asks it of every replica); until then
         # the gateway sends it features itself.
         self.reads_target_features = False
@@ -272,18 +324,42 @@ class DraftClient:
 
     def draft(self, ingest: list[IngestItem], items: list[tuple[str, DraftBudget, int]]
               ) -> tuple[list[DraftTree], KvLoad]:
-        """items: (request_id, budget, known tokens). Ingest is applied first, in the same call."""
-        req = draft_pb2.DraftRequest(ingest=[self._ingest_proto(it) for it in ingest])
+        """items: (request_id, budget, known tokens). Ingest is applied first, in the same call.
+        One message on the replica's DraftStream, trees back as packed columns."""
+        span, traceparent = stream_call_span(DRAFT_CALL)
+        req = draft_pb2.DraftRequest(ingest=[self._ingest_proto(it) for it in ingest], packed_trees=True,
+                                     traceparent=traceparent)
         for rid, b, n in items:
             req.items.add(request_id=rid, num_tokens=n).budget.CopyFrom(
                 draft_pb2.DraftBudget(steps=b.steps, topk=b.topk, num_draft_tokens=b.num_draft_tokens))
+        if self._stream is None:
+            self._stream = _CallStream(self.stub.DraftStream)
+        stream = self._stream
+        stream.send(req)
+        self._deadline.arm(stream, self.timeout)
         try:
-            resp = self.stub.Draft(req, timeout=self.timeout)
+            resp = stream.reply()
+            self._deadline.disarm()
+            trees = trees_from_proto(resp.packed)
         except grpc.RpcError as e:
+            self._deadline.disarm()
+            self._drop_stream()
+            if e.code() == grpc.StatusCode.CANCELLED and self._deadline.fired:
+                raise Unavailable(f"draft {self.address}: no answer in {self.timeout:g} s") from None
             _raise_mapped(e, f"draft {self.address}")
-        trees = [DraftTree(t.request_id, t.root_token, t.root_position, list(t.tokens), list(t.parents),
-                           list(t.depths), list(t.logprobs), list(t.scores)) for t in resp.trees]
+        except (StopIteration, ValueError, InvalidArgument) as e:
+            self._deadline.disarm()
+            self._drop_stream()
+            raise Unavailable(f"draft {self.address}: {e or 'the draft stream ended'}") from None
+        finally:
+            if span is not None:
+                span.end()
         return trees, _load(resp.load)
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def release(self, request_ids: list[str]) -> None:
         try:
@@ -292,4 +368,6 @@ class DraftClient:
             _raise_mapped(e, f"draft {self.address}")
 
     def close(self) -> None:
+        self._drop_stream()
+        self._deadline.close()
         self.channel.close()

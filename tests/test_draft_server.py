@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -13,6 +16,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget, DraftItem, IngestItem
+from gateway.clients import DraftClient
+from tandem.errors import InvalidArgument, Unavailable
 from tandem.tensors import tensor_from_proto, tensor_to_proto
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.services import Service
@@ -154,3 +159,63 @@ def test_bad_checkpoint_stops_the_process_with_the_tensor_name(pair, tmp_path):
     assert "tensor 'midlayer.self_attn.k_proj.weight' has shape [32, 64], expected [32, 128]" in \
         svc.log_path.read_text()
     svc.stop()
+
+
+def test_the_gateways_client_drafts_over_the_stream_with_packed_trees_as_unary_calls_do(draft, stub):
+    """DraftClient.draft sends one DraftStream message and reads packed columns: the same trees as
+    unary calls with one DraftTree message per tree, and errors mapped as before."""
+
+    tokens, feats = history(12, seed=5)
+    budget = DraftBudget(4, 3, 10)
+    client = DraftClient(draft.address)
+    try:
+        items = [IngestItem("p", 0, tuple(tokens[:8]), feats[:7]), IngestItem("q", 0, tuple(tokens[2:9]), feats[2:8]),
+                 IngestItem("r", 0, tuple(tokens[:3]))]
+        packed, _ = client.draft(items, [("p", budget, 8), ("q", budget, 7), ("r", DraftBudget(0, 0, 0), 3)])
+        for rid, first, n in (("p", 0, 8), ("q", 2, 7)):
+            stub.Release(draft_pb2.DraftReleaseRequest(request_ids=[rid]))
+            stub.Ingest(draft_pb2.IngestRequest(items=[ingest_msg(rid, 0, tokens[first:first + n],
+                                                                  feats[first:first + n - 1])]))
+        unary = stub.Draft(draft_pb2.DraftRequest(items=[
+            draft_pb2.DraftItem(request_id=rid, budget=draft_pb2.DraftBudget(steps=4, topk=3, num_draft_tokens=10))
+            for rid in ("p", "q")])).trees
+        for got, want in zip(packed[:2], unary, strict=True):
+            assert (got.request_id, got.root_token, got.root_position) == (want.request_id, want.root_token,
+                                                                           want.root_position)
+            assert got.tokens == list(want.tokens) and got.parents == list(want.parents)
+            assert got.depths == list(want.depths)
+            assert got.scores == pytest.approx(list(want.scores), abs=1e-6)
+            assert got.logprobs == pytest.approx(list(want.logprobs), abs=1e-6)
+        assert packed[2].request_id == "r" and packed[2].tokens == []  # an empty budget: an empty tree
+        # An error ends the stream with the unary call's status; the next call opens a new one.
+        with pytest.raises(InvalidArgument, match="unknown request 'ghost'"):
+            client.draft([], [("ghost", budget, 3)])
+        again, _ = client.draft([], [("p", budget, 8)])
+        assert again[0].tokens
+    finally:
+        stub.Release(draft_pb2.DraftReleaseRequest(request_ids=["p", "q", "r"]))
+        client.close()
+
+
+def test_a_draft_stream_that_does_not_answer_is_a_lost_replica_after_the_timeout():
+    class Silent(draft_pb2_grpc.DraftServiceServicer):
+        def DraftStream(self, request_iterator, context):
+            ended = threading.Event()
+            context.add_callback(ended.set)  # the client's cancel ends the wait
+            next(request_iterator)
+            ended.wait(30)
+            return iter(())
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(Silent(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = DraftClient(f"127.0.0.1:{port}", timeout=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="no answer in 0.5 s"):
+            client.draft([], [("a", DraftBudget(2, 2, 4), 2)])
+        assert time.monotonic() - t0 < 5
+    finally:
+        client.close()
+        server.stop(0)

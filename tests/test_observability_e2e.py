@@ -98,7 +98,7 @@ def check_trace(spans: list[ReceivedSpan], trace_id: str, caller_span: str, edge
     steps = [s for s in mine if s.name == "tandem.step"]
     assert steps and all((trace_id, request.span_id) in s.links for s in steps)
     for service, rpc in (("tandem-target", "tandem.v1.TargetService/StepStream.call"),
-                         ("tandem-draft", "tandem.v1.DraftService/Draft")):
+                         ("tandem-draft", "tandem.v1.DraftService/DraftStream.call")):
         served = [s for s in mine if s.service == service and s.name == rpc]
         assert served and all(s.kind == SERVER for s in served)
         callers = [by_id[s.parent_span_id] for s in served]

@@ -112,14 +112,18 @@ class DraftItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., budget: _Optional[_Union[DraftBudget, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("ingest", "items", "return_ancestor_mask")
+    __slots__ = ("ingest", "items", "return_ancestor_mask", "traceparent", "packed_trees")
     INGEST_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RETURN_ANCESTOR_MASK_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TREES_FIELD_NUMBER: _ClassVar[int]
     ingest: _containers.RepeatedCompositeFieldContainer[IngestItem]
     items: _containers.RepeatedCompositeFieldContainer[DraftItem]
     return_ancestor_mask: bool
-    def __init__(self, ingest: _Optional[_Iterable[_Union[IngestItem, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., return_ancestor_mask: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    packed_trees: bool
+    def __init__(self, ingest: _Optional[_Iterable[_Union[IngestItem, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., return_ancestor_mask: _Optional[bool] = ..., traceparent: _Optional[str] = ..., packed_trees: _Optional[bool] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("request_id", "root_token", "root_position", "tokens", "parents", "depths", "logprobs", "scores", "ancestor_mask")
@@ -144,14 +148,38 @@ class DraftTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., depths: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., scores: _Optional[_Iterable[float]] = ..., ancestor_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("trees", "load", "draft_seconds")
+    __slots__ = ("trees", "load", "draft_seconds", "packed")
     TREES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
     load: _common_pb2.KvLoad
     draft_seconds: float
-    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    packed: PackedTrees
+    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., draft_seconds: _Optional[float] = ..., packed: _Optional[_Union[PackedTrees, _Mapping]] = ...) -> None: ...
+
+class PackedTrees(_message.Message):
+    __slots__ = ("request_ids", "num_nodes", "root_tokens", "root_positions", "tokens", "parents", "depths", "logprobs", "scores")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_nodes: _common_pb2.Tensor
+    root_tokens: _common_pb2.Tensor
+    root_positions: _common_pb2.Tensor
+    tokens: _common_pb2.Tensor
+    parents: _common_pb2.Tensor
+    depths: _common_pb2.Tensor
+    logprobs: _common_pb2.Tensor
+    scores: _common_pb2.Tensor
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_nodes: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_positions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parents: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., scores: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
