@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts-file", type=Path, default=PROMPTS, help="JSON lines with a 'prompt' field")
     ap.add_argument("--out", type=Path, default=None, help="also write the counts and texts here (JSON)")
+    ap.add_argument("--against", type=Path, default=None, metavar="JSON",
+                    help="another run's --out (e.g. the same model at another --tp): also count the prompts "
+                         "whose texts equal that run's, mode by mode")
     args = ap.parse_args(argv)
     rows = [json.loads(line) for line in args.prompts_file.read_text().splitlines() if line.strip()]
     prompts = [row["prompt"] for row in rows][: args.prompts]
@@ -54,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     counts = {"always_vs_never_at_1": same(("always", 1), ("never", 1)),
               "always_vs_never_at_8": same(("always", 8), ("never", 8)),
               "never_alone_vs_among_8": same(("never", 1), ("never", 8))}
+    if args.against:
+        other = json.loads(args.against.read_text())["texts"]
+        for (mode, c), texts_here in runs.items():
+            there = other[f"{mode}@{c}"]
+            counts[f"{mode}@{c}_vs_other_run"] = sum(x == y for x, y in zip(texts_here, there, strict=True))
     print(f"{len(prompts)} prompts x {args.max_tokens} greedy tokens; identical texts:")
     for name, count in counts.items():
-        print(f"  {name:>24}: {count}/{len(prompts)}")
+        print(f"  {name:>28}: {count}/{len(prompts)}")
     if args.out:
         args.out.write_text(json.dumps({"prompts": len(prompts), "max_tokens": args.max_tokens, "identical": counts,
                                         "texts": {f"{m}@{c}": t for (m, c), t in runs.items()}}, indent=1))

@@ -15,6 +15,9 @@
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
+#   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
+#            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
+#            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8)
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU,
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64), and bench/greedy_equality.py
 #            (64 held-out prompts: always vs never at 1 and 8 requests, never alone vs among 8),
@@ -90,6 +93,33 @@ for stage in "$@"; do
           "$OUT/features_$path" "${SPEC_CONCURRENCY:-1,8,64}" always 128 \
           --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
           --target-args=--random-weights "${flag[@]}" \
+          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+      done ;;
+    tp)
+      scale=/tmp/tandem-scale
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
+      port=8600
+      for tp in 1 2; do
+        against=(); [[ $tp == 2 ]] && against=(--against "$OUT/tp_equal_demo_1.json")
+        port=$((port + 10))
+        run "tp_equal_demo_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
+          "$OUT/tp_equal_demo_$tp" "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT \
+          --prompts 32 --max-tokens 96 --out $OUT/tp_equal_demo_$tp.json ${against[*]}" \
+          --device cuda --dtype float32 --tp $tp
+        against=(); [[ $tp == 2 ]] && against=(--against "$OUT/tp_equal_scale_1.json")
+        port=$((port + 10))
+        run "tp_equal_scale_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
+          "$OUT/tp_equal_scale_$tp" "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT \
+          --prompts 32 --max-tokens 96 --out $OUT/tp_equal_scale_$tp.json ${against[*]}" \
+          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
+          --kv-cache-gb 24 --target-args=--random-weights \
+          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+        port=$((port + 10))
+        run "tp_stack_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
+          "$OUT/tp_stack_$tp" 1,64 never,always 128 \
+          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
+          --kv-cache-gb 24 --target-args=--random-weights \
           "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
       done ;;
     deterministic)

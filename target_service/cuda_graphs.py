@@ -168,8 +168,6 @@ class StepGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         if model.attention.name != "triton":
             raise ValueError(f"CUDA graphs need the triton attention backend, not {model.attention.name!r}")
-        if model.tp.size > 1:
-            raise ValueError("CUDA graphs are not supported with tensor parallelism yet")
         self.engine, self.cfg = engine, cfg
         self.keys = cfg.buckets()
         self.feature_layers = model.cfg.default_feature_layers

@@ -83,7 +83,10 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
                     model.device)
         log.info("compiled %d tree-attention variants in %.1f s", n, time.perf_counter() - t0)
     graphs = None
-    if spec.cuda_graphs and model.device.type == "cuda" and model.attention.name == "triton" and tp.size == 1:
+    if spec.cuda_graphs and model.device.type == "cuda" and model.attention.name == "triton":
+        # At TP > 1 every rank captures the same buckets in the same order, the all-reduces
+        # inside (NCCL collectives can be captured); ranks then replay in lockstep, since each
+        # runs the same step sequence rank 0 broadcasts.
         graphs = GraphConfig(max_batch=spec.graph_max_batch)
     engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs)
     if engine.graphs is not None:

@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="longest sequence accepted "
                    "(default: the model's max_position_embeddings)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly (by default, on "
-                   "CUDA with --tp 1, decode and verify steps replay CUDA graphs captured at start-up)")
+                   "CUDA, decode and verify steps replay CUDA graphs captured at start-up, at any --tp)")
     p.add_argument("--graph-max-batch", type=int, default=128, help="largest batch captured in a CUDA "
                    "graph; larger steps run eagerly (default 128)")
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a token's logits "
