@@ -38,6 +38,7 @@ from gateway.policy import (
     LoadGate,
     PolicyConfig,
     choose_budgets,
+    predicted_rates,
     predicts_trees,
 )
 from gateway.request import DraftLink, Phase, Request
@@ -109,6 +110,7 @@ class GatewayCore:
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate()
+        self.metrics.watch_policy(self.gate.audit)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()
         self.eos_ids: frozenset[int] = frozenset()
@@ -378,6 +380,9 @@ class GatewayCore:
         def model_prefers_spec() -> bool:
             return predicts_trees(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
 
+        if any(c.mode == SpecMode.AUTO for c in cands):  # the audit: what the figures predict for each arm
+            self.gate.predict(len(plan.items), predicted_rates(self.cfg.policy, self.costs, self.book, cands,
+                                                               *other_work(cands)))
         if cands and not self.gate.allow_spec(len(plan.items), model_prefers_spec):
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
         probe = bool(cands) and self.gate.probing_spec(len(plan.items))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -25,6 +28,30 @@ class _VerifySeries:
         if child is None:
             child = self._accepted_at[position] = self._per_position.labels(**self._labels, position=str(position))
         return child
+
+
+Audit = list[tuple[str, bool, float | None, float | None]]  # LoadGate.audit()
+
+
+class _PolicyAudit:
+    """`tandem_policy_goodput_tokens_per_second{arm, sequences, figure}`, read from the load gate
+    at each scrape: per batch bucket and arm (trees or plain), what the cost model predicted
+    and what the gate measured (committed tokens per second of step time, decayed means)."""
+
+    def __init__(self, audit: Callable[[], Audit]):
+        self.audit = audit
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("tandem_policy_goodput_tokens_per_second",
+                                   "auto's decisions against what followed: goodput per batch bucket and arm, "
+                                   "as the cost model predicted it and as the load gate measured it",
+                                   labels=["arm", "sequences", "figure"])
+        for sequences, trees, predicted, measured in self.audit():
+            arm = "trees" if trees else "plain"
+            for figure, value in (("predicted", predicted), ("measured", measured)):
+                if value is not None:
+                    family.add_metric([arm, sequences, figure], value)
+        yield family
 
 
 class GatewayMetrics:
@@ -79,6 +106,15 @@ class GatewayMetrics:
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Output tokens of finished requests "
                                               "(vLLM's name)", labels, registry=r)
         self._verify_series: dict[str, _VerifySeries] = {}  # model name -> its children
+        self._audit: _PolicyAudit | None = None
+
+    def watch_policy(self, audit: Callable[[], Audit]) -> None:
+        """Export the policy's audit (LoadGate.audit) at every scrape; once per registry."""
+        if self._audit is None:
+            self._audit = _PolicyAudit(audit)
+            self.registry.register(self._audit)
+        else:
+            self._audit.audit = audit
 
     def record_finished(self, model_name: str, prompt_tokens: int, completion_tokens: int) -> None:
         labels = {"model_name": model_name, "engine": "0"}

@@ -46,6 +46,11 @@ class PolicyConfig:
         return list(dict.fromkeys(opts))
 
 
+def bucket_range(bucket: int) -> str:
+    """The sequence counts a batch bucket holds, as "lo-hi"."""
+    return f"{1 << (bucket - 1)}-{(1 << bucket) - 1}"
+
+
 def batch_bucket(seqs: int) -> int:
     """Batch sizes 1, 2-3, 4-7, 8-15, ... share a correction factor."""
     return max(seqs, 1).bit_length()
@@ -151,11 +156,27 @@ class Candidate:
     mode: str  # the request's effective mode
 
 
+class Rates(NamedTuple):
+    """A step's predicted goodput (committed tokens per second of step time) for its auto
+    requests decoding plainly, and with the best trees the figures give them (None: no
+    auto request could speculate)."""
+
+    plain: float
+    trees: float | None
+
+
+class _Search(NamedTuple):
+    out: dict[str, DraftBudget]  # the budgets of non-auto candidates (auto: NO_SPEC)
+    auto: list[Candidate]
+    best: tuple[DraftBudget, list[Candidate]] | None  # the best (option, requests); None: no tree pays
+    single: tuple[float, DraftBudget, Candidate] | None  # the best one-tree choice
+    every: tuple[float, DraftBudget] | None  # the best option given to every auto candidate
+    rates: Rates
+
+
 def _search(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-            other_tokens: int, other_seqs: int):
-    """The budgets of non-auto candidates, the auto candidates, and for auto the best (option,
-    requests) by predicted goodput (None: no tree pays), the best single tree, and the best option
-    given to every auto candidate."""
+            other_tokens: int, other_seqs: int) -> _Search:
+    """Every (option, k best requests) for the auto candidates, by predicted goodput."""
     out = {c.key: NO_SPEC for c in candidates}
     auto = []
     for c in candidates:
@@ -164,35 +185,41 @@ def _search(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidate
         elif c.mode == "auto":
             auto.append(c)
     best: tuple[DraftBudget, list[Candidate]] | None = None
-    single: tuple[float, DraftBudget, Candidate] | None = None  # the best one-tree choice
-    every: tuple[float, DraftBudget] | None = None  # the best option given to every auto candidate
-    if not auto:
-        return out, auto, best, single, every
+    single: tuple[float, DraftBudget, Candidate] | None = None
+    every: tuple[float, DraftBudget] | None = None
     fixed = [b for b in out.values() if not b.empty]
     base_tokens = other_tokens + len(candidates) + sum(b.max_nodes for b in fixed)
     base_seqs = other_seqs + len(candidates)
     base_committed = float(len(candidates))  # + the fixed-budget requests' acceptance, same for all choices
-    best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed)
-    for o in cfg.auto_options():
+    plain_rate = best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed) if candidates else 0.0
+    top_tree_rate: float | None = None
+    for o in cfg.auto_options() if auto else ():
         ranked = sorted(auto, key=lambda c: -book.expected(o, c.own_stats.get(o)))
         committed, tokens = base_committed, base_tokens
         for k, c in enumerate(ranked, start=1):
             committed += book.expected(o, c.own_stats.get(o))
             tokens += o.max_nodes
             rate = committed / costs.step_time(tokens, base_seqs, fixed + [o] * k)
+            top_tree_rate = rate if top_tree_rate is None else max(top_tree_rate, rate)
             if k == 1 and (single is None or rate > single[0]):
                 single = (rate, o, c)
             if k == len(ranked) and (every is None or rate > every[0]):
                 every = (rate, o)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
-    return out, auto, best, single, every
+    return _Search(out, auto, best, single, every, Rates(plain_rate, top_tree_rate))
 
 
 def predicts_trees(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
                    other_tokens: int, other_seqs: int) -> bool:
     """Whether the figures alone (no probe, no exploration) give any auto candidate a tree."""
-    return _search(cfg, costs, book, candidates, other_tokens, other_seqs)[2] is not None
+    return _search(cfg, costs, book, candidates, other_tokens, other_seqs).best is not None
+
+
+def predicted_rates(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
+                    other_tokens: int, other_seqs: int) -> Rates:
+    """What the figures predict for this step, plain and with trees: the policy's side of its audit."""
+    return _search(cfg, costs, book, candidates, other_tokens, other_seqs).rates
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -208,7 +235,7 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     probe the figures decline would measure nothing), and the best single tree
     is taken after `book.explore_after` steps without one.
     """
-    out, auto, best, single, every = _search(cfg, costs, book, candidates, other_tokens, other_seqs)
+    out, auto, best, single, every, _ = _search(cfg, costs, book, candidates, other_tokens, other_seqs)
     if not auto:
         return out
     if best is None and probe and every is not None:
@@ -228,6 +255,7 @@ class Arm:
     seconds: float = 0.0  # wall time of a step (decayed mean)
     samples: int = 0
     since: int = 0  # steps of this bucket since the arm was last measured
+    predicted: float | None = None  # what the cost model predicted for this arm (decayed mean), for the audit
 
 
 class Probe(NamedTuple):
@@ -335,6 +363,23 @@ class LoadGate:
         probe = self._probing.get(batch_bucket(seqs))
         return seqs >= self.min_batch and probe is not None and probe.spec
 
+    def predict(self, seqs: int, rates: Rates) -> None:
+        """Keeps what the cost model predicts for each arm at this load, next to what the arms
+        measure (describe, audit): the policy's decisions can be checked against what followed."""
+        b = batch_bucket(seqs)
+        for spec, rate in ((False, rates.plain), (True, rates.trees)):
+            if rate is None or rate <= 0:
+                continue
+            arm = self.arms.setdefault((b, spec), Arm())
+            arm.predicted = rate if arm.predicted is None else 0.7 * arm.predicted + 0.3 * rate
+
+    def audit(self) -> list[tuple[str, bool, float | None, float | None]]:
+        """(sequences, trees?, predicted tok/s, measured tok/s) per bucket and arm seen so far; a
+        figure is None where nothing was predicted or measured (below min_batch nothing is measured)."""
+        arms = list(self.arms.items())  # one snapshot: the loop thread adds arms while a scrape reads
+        return [(bucket_range(b), spec, arm.predicted, arm.goodput if arm.samples else None)
+                for (b, spec), arm in sorted(arms)]
+
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
         """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
         if seconds <= 0:
@@ -370,9 +415,12 @@ class LoadGate:
         return self._verdict[b]
 
     def describe(self, seqs: int) -> str:
-        """The measured arms of this load's bucket, for logs."""
+        """The arms of this load's bucket, measured and predicted, for logs."""
         b = batch_bucket(seqs)
-        lo, hi = 1 << (b - 1), (1 << b) - 1
         s, p = self.arms.get((b, True), Arm()), self.arms.get((b, False), Arm())
-        return (f"{lo}-{hi} sequences: trees {s.goodput:.1f} tok/s ({s.samples} steps), "
-                f"plain {p.goodput:.1f} tok/s ({p.samples} steps)")
+
+        def predicted(arm: Arm) -> str:
+            return "" if arm.predicted is None else f", predicted {arm.predicted:.1f}"
+
+        return (f"{bucket_range(b)} sequences: trees {s.goodput:.1f} tok/s ({s.samples} steps{predicted(s)}), "
+                f"plain {p.goodput:.1f} tok/s ({p.samples} steps{predicted(p)})")

@@ -394,3 +394,15 @@ def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_ar
     assert target.grants > 0, "dormant plain steps were never granted"
     fed = [any(it.return_features for it in step) for step in target.steps]
     assert not any(fed[core.QUIET_STEPS + 4: core.WAKE_EVERY - 4]), "features kept flowing while dormant"
+
+
+def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(tokenizer):
+    core, _, _ = new_core(tokenizer, mode="auto")
+    for i in range(6):  # from the gate's min_batch on, the arms are measured too
+        submit(core, f"r{i}", [5 + i, 11, 13], max_tokens=40)
+    run_until_idle(core)
+    samples = {(s.labels["arm"], s.labels["sequences"], s.labels["figure"]): s.value
+               for family in core.metrics.registry.collect()
+               if family.name == "tandem_policy_goodput_tokens_per_second" for s in family.samples}
+    assert samples[("plain", "4-7", "predicted")] > 0 and samples[("trees", "4-7", "predicted")] > 0
+    assert any(figure == "measured" and value > 0 for (_, _, figure), value in samples.items())

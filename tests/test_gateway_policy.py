@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
+
 from draft_service.types import DraftBudget
-from gateway.policy import NO_SPEC, AcceptanceBook, Candidate, CostModel, LoadGate, PolicyConfig, choose_budgets
+from gateway.policy import (
+    NO_SPEC,
+    AcceptanceBook,
+    Candidate,
+    CostModel,
+    LoadGate,
+    PolicyConfig,
+    Rates,
+    choose_budgets,
+    predicted_rates,
+)
 from gateway.request import Phase, Request
 from gateway.scheduler import SchedulerConfig, plan_step
 from gateway.types import GenerationParams
@@ -246,3 +258,25 @@ def test_a_first_bucket_measures_first_the_arm_the_cost_model_prefers():
     assert asked == [False, True]
     gate = LoadGate()
     assert gate.allow_spec(2, prefers(False)) and len(asked) == 2  # below min_batch: not even asked
+
+
+def test_the_predicted_rates_rank_the_arms_as_the_budgets_chosen_do():
+    """The audit's prediction agrees with the decision: quiet, trees predicted faster and chosen;
+    busy, plain predicted faster and no tree chosen. The plain figure is the step's own arithmetic."""
+    costs = gpu_like_costs()
+    quiet = predicted_rates(CFG, costs, AcceptanceBook(), candidates(1), 0, 0)
+    assert quiet.trees > quiet.plain == pytest.approx(1 / costs.step_time(1, 1, []))
+    busy = predicted_rates(CFG, costs, AcceptanceBook(), candidates(512), 0, 0)
+    assert busy.plain > busy.trees
+    assert predicted_rates(CFG, costs, AcceptanceBook(), candidates(3, "always"), 0, 0).trees is None
+
+
+def test_the_gate_keeps_predictions_next_to_measurements_for_the_audit():
+    gate = LoadGate()
+    gate.predict(9, Rates(plain=900.0, trees=1500.0))
+    gate.predict(9, Rates(plain=1000.0, trees=None))
+    assert gate.audit() == [("8-15", False, pytest.approx(930.0), None), ("8-15", True, 1500.0, None)]
+    gate.record(9, False, 9, 0.01)  # a measured plain step: 900 tok/s
+    assert gate.audit()[0][3] == pytest.approx(900.0)
+    assert "plain 900.0 tok/s (1 steps, predicted 930.0)" in gate.describe(9)
+    assert "trees 0.0 tok/s (0 steps, predicted 1500.0)" in gate.describe(12)
