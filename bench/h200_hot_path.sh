@@ -18,6 +18,9 @@
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
 #            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
 #            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8)
+#   auto     after only: never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
+#            and 0.6 (AUTO_CONCURRENCY overrides the levels); each mode's metrics scraped after it hold
+#            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU,
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64), and bench/greedy_equality.py
 #            (64 held-out prompts: always vs never at 1 and 8 requests, never alone vs among 8),
@@ -121,6 +124,19 @@ for stage in "$@"; do
           --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
           --kv-cache-gb 24 --target-args=--random-weights \
           "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+      done ;;
+    auto)
+      scale=/tmp/tandem-scale
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
+      port=8700
+      for acceptance in 0.8 0.6; do
+        port=$((port + 10))
+        run "auto_scale_$acceptance" after 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
+          "$OUT/auto_scale_$acceptance" "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" never,always,auto 128 \
+          --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
+          --target-args=--random-weights \
+          "--draft-args=--force-record $scale/record.jsonl --force-acceptance $acceptance"
       done ;;
     deterministic)
       run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
