@@ -112,12 +112,17 @@ def _invariant_attention_kernel(
             within = pos % PAGE
             c_mask = cached[:, None] & d_ok[None, :]
             s_mask = (ok & ~cached)[:, None] & d_ok[None, :]
-            k = tl.load(KC + (block * skc_b + within * skc_s + kvh * skc_h)[:, None] + offs_d[None, :],
-                        mask=c_mask, other=0.0)
-            k += tl.load(K + own_row[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=s_mask, other=0.0)
-            v = tl.load(VC + (block * svc_b + within * svc_s + kvh * svc_h)[:, None] + offs_d[None, :],
-                        mask=c_mask, other=0.0)
-            v += tl.load(V + own_row[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=s_mask, other=0.0)
+            # Each position's key and value come from the cache or from the step, never both.
+            k = tl.where(cached[:, None],
+                         tl.load(KC + (block * skc_b + within * skc_s + kvh * skc_h)[:, None] + offs_d[None, :],
+                                 mask=c_mask, other=0.0),
+                         tl.load(K + own_row[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=s_mask,
+                                 other=0.0))
+            v = tl.where(cached[:, None],
+                         tl.load(VC + (block * svc_b + within * svc_s + kvh * svc_h)[:, None] + offs_d[None, :],
+                                 mask=c_mask, other=0.0),
+                         tl.load(V + own_row[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=s_mask,
+                                 other=0.0))
             s = _logits(q, k, qk_scale, F32_DOT)
             s = tl.where(ok[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
