@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         servicer.forcing = ForcedProposals(forcing, records, info.target_vocab_size)
         log.info("forcing proposals to %d recorded outputs at acceptance %.2f (benchmark scale track)",
                  len(records), forcing.acceptance)
-    log.info("ready: target feature layers %s, %d KV blocks of %d tokens", list(info.feature_layers),
+    log.info("ready: target feature layers %s (%s), %d KV blocks of %d tokens", list(info.feature_layers),
+             f"read from the target at {args.target}" if args.target else "sent by the gateway",
              load.total_blocks, load.block_size)
     if pacing is not None:
         log.warning("emulating call cost: every Draft call lasts at least %g ms + %g ms per tree node "
