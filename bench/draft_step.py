@@ -34,6 +34,9 @@ SHAPES = {
     # Llama-3.1-8B target; the draft head as SpecForge trains it (32k draft vocabulary).
     "8b": dict(vocab=128256, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, layers=32,
                draft_vocab=32000),
+    # Llama-3.1-70B target and a head of its width (the TP=8 scale track).
+    "70b": dict(vocab=128256, hidden=8192, heads=64, kv_heads=8, head_dim=128, inter=28672, layers=80,
+                draft_vocab=32000),
     "tiny": dict(vocab=512, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, layers=4, draft_vocab=128),
 }
 

@@ -18,6 +18,9 @@
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
 #            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
 #            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8)
+#   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
+#            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
+#            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
 #   auto     after only: never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
 #            and 0.6 (AUTO_CONCURRENCY overrides the levels); each mode's metrics scraped after it hold
 #            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
@@ -125,6 +128,34 @@ for stage in "$@"; do
           --kv-cache-gb 24 --target-args=--random-weights \
           "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
       done ;;
+    tp8)
+      scale=/tmp/tandem-scale scale70=/tmp/tandem-scale70
+      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
+        --device cuda --max-tokens 192
+      port=8800
+      for tp in 1 2 4 8; do
+        against=(); [[ $tp != 1 ]] && against=(--against "$OUT/tp8_equal_8b_1.json")
+        port=$((port + 10))
+        run "tp8_equal_8b_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
+          "$OUT/tp8_equal_8b_$tp" "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT \
+          --prompts 32 --max-tokens 96 --out $OUT/tp8_equal_8b_$tp.json ${against[*]}" \
+          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
+          --kv-cache-gb 24 --target-args=--random-weights \
+          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+        port=$((port + 10))
+        run "tp8_stack_8b_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
+          "$OUT/tp8_stack_8b_$tp" 1,64 never 128 \
+          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
+          --kv-cache-gb 24 --target-args=--random-weights
+      done
+      [[ -f $scale70/record.jsonl ]] || run scale_track70 after 600 python3 bench/scale_track.py --out $scale70 \
+        --shape 70b --tp 8 --device cuda --max-tokens 192
+      port=$((port + 10))
+      run tp8_stack_70b after 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
+        "$OUT/tp8_stack_70b" "${TP8_CONCURRENCY:-1,8,32,64,128}" never,always,auto 128 \
+        --model $scale70/target --draft $scale70/draft --device cuda --tp 8 --max-model-len 4096 \
+        --kv-cache-gb 24 --target-args=--random-weights \
+        "--draft-args=--force-record $scale70/record.jsonl --force-acceptance 0.8" ;;
     auto)
       scale=/tmp/tandem-scale
       [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \

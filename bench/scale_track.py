@@ -37,7 +37,14 @@ sys.path.insert(0, str(REPO))
 from bench.draft_step import SHAPES, write_draft  # noqa: E402
 from target_service.cuda_graphs import GraphConfig  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
-from target_service.random_model import LLAMA_31_8B, RandomInit, random_llama_model  # noqa: E402
+from target_service.parallel import EngineSpec, ParallelEngine  # noqa: E402
+from target_service.random_model import (  # noqa: E402
+    LLAMA_31_8B,
+    LLAMA_31_70B,
+    RandomInit,
+    RandomWeights,
+    random_llama_model,
+)
 from target_service.types import SequenceStep  # noqa: E402
 
 DEMO_TOKENIZER = REPO / "demo" / "target"
@@ -96,10 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="recorded tokens per prompt; more than the bench generates, since trees reach past it")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of this script)")
+    ap.add_argument("--shape", choices=["8b", "70b"], default="8b",
+                    help="Llama-3.1-8B shapes (default), or 70B (~141 GB of bf16: record it with --tp 8)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="record through a tensor-parallel target of this degree (tandem target's own code); "
+                         "the model is the same at every degree")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    cfg, shape = LLAMA_31_8B, SHAPES["8b"]
+    cfg, shape = (LLAMA_31_70B, SHAPES["70b"]) if args.shape == "70b" else (LLAMA_31_8B, SHAPES["8b"])
     if args.tiny:
         shape = SHAPES["tiny"]
         cfg = dataclasses.replace(cfg, vocab_size=shape["vocab"] * 16, hidden_size=shape["hidden"],
@@ -112,8 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     (target / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     write_padded_tokenizer(target, cfg.vocab_size)
     t0 = time.perf_counter()
-    model = random_llama_model(cfg, torch.bfloat16, args.device, init=INIT)
-    save_file({"model.embed_tokens.weight": model.embed.cpu()}, str(target / "model.safetensors"))
+    # The draft reads the target's embeddings: drawn alone, as every rank of the target draws them.
+    embed = RandomWeights(cfg, torch.device(args.device), torch.bfloat16, init=INIT).get(
+        "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    save_file({"model.embed_tokens.weight": embed.cpu()}, str(target / "model.safetensors"))
+    del embed
     if not draft.exists():
         # Confident, like a head with high acceptance: its trees are deep along the best path,
         # which is the path forcing sets (a random head with a flat distribution grows bushy trees).
@@ -122,18 +137,30 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target)
     texts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = [list(tokenizer.encode(t)) for t in texts]
-    graphs = GraphConfig(max_batch=128, max_nodes=1) if args.device.startswith("cuda") else None
-    engine = TargetEngine(model, num_blocks=len(prompts) * (512 + args.max_tokens) // 16 + 64, block_size=16,
-                          max_model_len=4096, graphs=graphs)
+    num_blocks = len(prompts) * (512 + args.max_tokens) // 16 + 64
+    if args.tp == 1:
+        graphs = GraphConfig(max_batch=128, max_nodes=1) if args.device.startswith("cuda") else None
+        model = random_llama_model(cfg, torch.bfloat16, args.device, init=INIT)
+        engine = TargetEngine(model, num_blocks=num_blocks, block_size=16, max_model_len=4096, graphs=graphs)
+        replays = lambda: engine.graphs.replays if engine.graphs else 0  # noqa: E731
+    else:  # the served target's own tensor-parallel path, eager: the record needs only correctness
+        engine = ParallelEngine(EngineSpec(model_dir=str(target), dtype="bfloat16", device=args.device,
+                                           num_blocks=num_blocks, block_size=16, max_model_len=4096,
+                                           random_weights=True, cuda_graphs=False), tp_size=args.tp)
+        replays = lambda: 0  # noqa: E731
     t0 = time.perf_counter()
-    seqs = record(engine, prompts, args.max_tokens)
+    try:
+        seqs = record(engine, prompts, args.max_tokens)
+    finally:
+        if args.tp > 1:
+            engine.shutdown()
     took = time.perf_counter() - t0
     with open(args.out / "record.jsonl", "w") as f:
         for s in seqs:
             f.write(json.dumps({"tokens": s}) + "\n")
     print(f"recorded {len(seqs)} continuations of {args.max_tokens} tokens in {took:.1f} s "
-          f"({len(seqs) * args.max_tokens / took:.0f} tok/s at batch {len(seqs)}, graph replays "
-          f"{engine.graphs.replays if engine.graphs else 0}); sample: "
+          f"({len(seqs) * args.max_tokens / took:.0f} tok/s at batch {len(seqs)}, tp {args.tp}, graph replays "
+          f"{replays()}); sample: "
           f"{tokenizer.decode(seqs[0][len(prompts[0]):][:12])!r}", flush=True)
     return 0
 

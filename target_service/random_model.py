@@ -6,6 +6,7 @@ weights are drawn on the model's device as LlamaModel._load asks for them.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ LLAMA_31_8B = LlamaConfig(
     rope=RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position=8192),
     eos_token_ids=(128001, 128008, 128009))
+# Llama-3.1-70B: ~141 GB of bf16 weights, the size an 8-GPU machine exists for (the TP=8 scale track).
+LLAMA_31_70B = dataclasses.replace(LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                   num_heads=64)
 
 
 @dataclass(frozen=True)
