@@ -29,7 +29,7 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 from tests.certs import CertificateAuthority
 from tests.services import REPO
-from tests.stack import free_port
+from tests.stack import free_port, scrape
 from tests.tiny_draft import make_tiny_eagle3
 from tests.tiny_models import make_tiny_llama
 
@@ -223,3 +223,17 @@ def test_serve_with_a_ca_makes_the_services_refuse_all_but_the_gateway(tls_serve
     assert_refused(address, ClientTLS(ca=certs.ca.pem.cert, cert=certs.rogue.cert, key=certs.rogue.key))
     gateway_side = ClientTLS(ca=certs.ca.pem.cert, cert=certs.client.cert, key=certs.client.key)
     assert health(address, gateway_side) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_over_mutual_tls_each_draft_reads_its_features_from_the_target(tls_serve, certs):
+    """The drafts' one call to the target (ReadFeatures) goes through the same mutual TLS: a draft
+    presents the services' certificate, and the features it reads arrive."""
+    verify = ssl.create_default_context(cafile=str(certs.ca.pem.cert))
+    r = httpx.post(f"https://127.0.0.1:{tls_serve.port}/v1/completions", verify=verify, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "hello", "max_tokens": 16, "ignore_eos": True, "speculation": "always"})
+    assert r.status_code == 200 and r.json()["spec_stats"]["verify_steps"] > 0
+    line = next(line for line in tls_serve.banner.splitlines() if "draft0 metrics" in line)
+    metrics = scrape(line.split()[-1])
+    assert metrics["tandem_draft_feature_read_seconds_count"] > 0 and metrics["tandem_draft_feature_bytes_total"] > 0
+    assert "cannot read features" not in (tls_serve.logs / "draft0.log").read_text()
