@@ -50,6 +50,37 @@ run() {  # run NAME TREE TIMEOUT CMD...: in TREE (before|after), log to $OUT/NAM
   tail -n 12 "$OUT/$name.log"
 }
 
+scale=/tmp/tandem-scale scale70=/tmp/tandem-scale70  # the scale tracks: 8B shapes, and 70B (TP=8)
+
+need_scale() {  # need_scale NAME DIR [scale_track.py flags...]: build a scale track once per machine
+  local name=$1 dir=$2; shift 2
+  [[ -f $dir/record.jsonl ]] || run "$name" after 600 python3 bench/scale_track.py --out "$dir" --device cuda \
+    --max-tokens 192 "$@"
+}
+
+scale_serve() {  # scale_serve DIR [ACCEPTANCE]: tandem serve flags for a scale track, into the array `serve`;
+                 # with ACCEPTANCE the draft's main paths are forced to the record at that rate
+  serve=(--model "$1/target" --draft "$1/draft" --device cuda --max-model-len 4096 --kv-cache-gb 24
+         --target-args=--random-weights)
+  if [[ -n ${2:-} ]]; then
+    serve+=("--draft-args=--force-record $1/record.jsonl --force-acceptance $2")
+  fi
+}
+
+serve_bench() {  # serve_bench NAME PORT CONCURRENCY MODES SERVE_FLAGS...: tandem bench, 128 tokens, after tree
+  local name=$1 port=$2 conc=$3 modes=$4; shift 4
+  run "$name" after 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" "$OUT/$name" "$conc" "$modes" \
+    128 "$@"
+}
+
+equality() {  # equality NAME PORT PROMPTS AGAINST SERVE_FLAGS...: bench/greedy_equality.py (96 tokens) on a fresh
+              # tandem serve; AGAINST: the NAME of an earlier run whose texts to compare with, or ""
+  local name=$1 port=$2 prompts=$3 against=$4; shift 4
+  run "$name" after 400 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" "$OUT/$name" \
+    "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT --prompts $prompts --max-tokens 96 \
+    --out $OUT/$name.json${against:+ --against $OUT/$against.json}" "$@"
+}
+
 for stage in "$@"; do
   case $stage in
     tests)
@@ -77,97 +108,42 @@ for stage in "$@"; do
       run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 --budgets "3,1,4;5,4,8;6,8,16" \
         --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
     spec)  # after only: always against never on the scale track (forced acceptance 0.8) and the demo track
-      scale=/tmp/tandem-scale
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
-      run spec_scale after 300 env SERVE_PORT=8200 bash "$root/bench/serve_and_bench.sh" "$OUT/spec_scale" \
-        "${SPEC_CONCURRENCY:-1,2,4,8}" never,always 128 \
-        --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
-        --target-args=--random-weights \
-        "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
-      run spec_demo after 200 env SERVE_PORT=8300 bash "$root/bench/serve_and_bench.sh" "$OUT/spec_demo" \
-        "1,4" never,always 128 --device cuda ;;
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
+      serve_bench spec_scale 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
+      serve_bench spec_demo 8300 1,4 never,always --device cuda ;;
     features)
-      scale=/tmp/tandem-scale
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
-      port=8500
-      for path in gateway target; do
-        flag=(); [[ $path == gateway ]] && flag=(--features-through-gateway)
-        port=$((port + 10))
-        run "features_$path" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
-          "$OUT/features_$path" "${SPEC_CONCURRENCY:-1,8,64}" always 128 \
-          --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
-          --target-args=--random-weights "${flag[@]}" \
-          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
-      done ;;
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
+      serve_bench features_gateway 8510 "${SPEC_CONCURRENCY:-1,8,64}" always "${serve[@]}" --features-through-gateway
+      serve_bench features_target 8520 "${SPEC_CONCURRENCY:-1,8,64}" always "${serve[@]}" ;;
     tp)
-      scale=/tmp/tandem-scale
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
-      port=8600
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
       for tp in 1 2; do
-        against=(); [[ $tp == 2 ]] && against=(--against "$OUT/tp_equal_demo_1.json")
-        port=$((port + 10))
-        run "tp_equal_demo_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
-          "$OUT/tp_equal_demo_$tp" "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT \
-          --prompts 32 --max-tokens 96 --out $OUT/tp_equal_demo_$tp.json ${against[*]}" \
+        against=""; [[ $tp == 2 ]] && against=1
+        equality "tp_equal_demo_$tp" $((8600 + 30 * tp)) 32 "${against:+tp_equal_demo_1}" \
           --device cuda --dtype float32 --tp $tp
-        against=(); [[ $tp == 2 ]] && against=(--against "$OUT/tp_equal_scale_1.json")
-        port=$((port + 10))
-        run "tp_equal_scale_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
-          "$OUT/tp_equal_scale_$tp" "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT \
-          --prompts 32 --max-tokens 96 --out $OUT/tp_equal_scale_$tp.json ${against[*]}" \
-          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
-          --kv-cache-gb 24 --target-args=--random-weights \
-          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
-        port=$((port + 10))
-        run "tp_stack_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
-          "$OUT/tp_stack_$tp" 1,64 never,always 128 \
-          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
-          --kv-cache-gb 24 --target-args=--random-weights \
-          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
+        equality "tp_equal_scale_$tp" $((8610 + 30 * tp)) 32 "${against:+tp_equal_scale_1}" "${serve[@]}" --tp $tp
+        serve_bench "tp_stack_$tp" $((8620 + 30 * tp)) 1,64 never,always "${serve[@]}" --tp $tp
       done ;;
     tp8)
-      scale=/tmp/tandem-scale scale70=/tmp/tandem-scale70
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
-      port=8800
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
       for tp in 1 2 4 8; do
-        against=(); [[ $tp != 1 ]] && against=(--against "$OUT/tp8_equal_8b_1.json")
-        port=$((port + 10))
-        run "tp8_equal_8b_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
-          "$OUT/tp8_equal_8b_$tp" "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT \
-          --prompts 32 --max-tokens 96 --out $OUT/tp8_equal_8b_$tp.json ${against[*]}" \
-          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
-          --kv-cache-gb 24 --target-args=--random-weights \
-          "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8"
-        port=$((port + 10))
-        run "tp8_stack_8b_$tp" after 300 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
-          "$OUT/tp8_stack_8b_$tp" 1,64 never 128 \
-          --model $scale/target --draft $scale/draft --device cuda --tp $tp --max-model-len 4096 \
-          --kv-cache-gb 24 --target-args=--random-weights
+        against=""; [[ $tp != 1 ]] && against=1
+        equality "tp8_equal_8b_$tp" $((8800 + 20 * tp)) 32 "${against:+tp8_equal_8b_1}" "${serve[@]}" --tp $tp
+        serve_bench "tp8_stack_8b_$tp" $((8810 + 20 * tp)) 1,64 never "${serve[@]}" --tp $tp
       done
-      [[ -f $scale70/record.jsonl ]] || run scale_track70 after 600 python3 bench/scale_track.py --out $scale70 \
-        --shape 70b --tp 8 --device cuda --max-tokens 192
-      port=$((port + 10))
-      run tp8_stack_70b after 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
-        "$OUT/tp8_stack_70b" "${TP8_CONCURRENCY:-1,8,32,64,128}" never,always,auto 128 \
-        --model $scale70/target --draft $scale70/draft --device cuda --tp 8 --max-model-len 4096 \
-        --kv-cache-gb 24 --target-args=--random-weights \
-        "--draft-args=--force-record $scale70/record.jsonl --force-acceptance 0.8" ;;
+      need_scale scale_track70 $scale70 --shape 70b --tp 8
+      scale_serve $scale70 0.8
+      serve_bench tp8_stack_70b 8990 "${TP8_CONCURRENCY:-1,8,32,64,128}" never,always,auto "${serve[@]}" --tp 8 ;;
     auto)
-      scale=/tmp/tandem-scale
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
-      port=8700
+      need_scale scale_track $scale
       for acceptance in 0.8 0.6; do
-        port=$((port + 10))
-        run "auto_scale_$acceptance" after 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" \
-          "$OUT/auto_scale_$acceptance" "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" never,always,auto 128 \
-          --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
-          --target-args=--random-weights \
-          "--draft-args=--force-record $scale/record.jsonl --force-acceptance $acceptance"
+        scale_serve $scale $acceptance
+        serve_bench "auto_scale_$acceptance" $((8700 + ${acceptance#0.})) "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" \
+          never,always,auto "${serve[@]}"
       done ;;
     deterministic)
       run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
@@ -176,32 +152,18 @@ for stage in "$@"; do
         run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
       done
-      scale=/tmp/tandem-scale
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
-      port=8400
-      for track in demo scale; do
-        for mode in off on; do
-          serve=(--device cuda --dtype bfloat16); [[ $mode == on ]] && serve+=(--deterministic)
-          [[ $track == scale ]] && serve+=(--model $scale/target --draft $scale/draft --max-model-len 4096 \
-            --kv-cache-gb 24 --target-args=--random-weights \
-            "--draft-args=--force-record $scale/record.jsonl --force-acceptance 0.8")
-          port=$((port + 10))
-          run "equality_${track}_$mode" after 400 env SERVE_PORT=$port bash "$root/bench/serve_and_run.sh" \
-            "$OUT/equality_${track}_$mode" \
-            "python3 bench/greedy_equality.py --url http://127.0.0.1:\$SERVE_PORT --prompts 64 \
-              --max-tokens 96 --out $OUT/equality_${track}_$mode.json" "${serve[@]}"
-        done
-      done ;;
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
+      equality equality_demo_off 8410 64 "" --device cuda --dtype bfloat16
+      equality equality_demo_on 8420 64 "" --device cuda --dtype bfloat16 --deterministic
+      equality equality_scale_off 8430 64 "" "${serve[@]}" --dtype bfloat16
+      equality equality_scale_on 8440 64 "" "${serve[@]}" --dtype bfloat16 --deterministic ;;
     stack)
-      scale=/tmp/tandem-scale
-      [[ -f $scale/record.jsonl ]] || run scale_track after 200 python3 bench/scale_track.py --out $scale \
-        --device cuda --max-tokens 192
+      need_scale scale_track $scale
+      scale_serve $scale
       for tree in before after; do
         run "stack_$tree" $tree 300 bash "$root/bench/serve_and_bench.sh" "$OUT/stack_$tree" \
-          "${STACK_CONCURRENCY:-1,8,64}" "${STACK_MODES:-never}" 128 \
-          --model $scale/target --draft $scale/draft --device cuda --max-model-len 4096 --kv-cache-gb 24 \
-          --target-args=--random-weights
+          "${STACK_CONCURRENCY:-1,8,64}" "${STACK_MODES:-never}" 128 "${serve[@]}"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
