@@ -38,8 +38,7 @@ from gateway.policy import (
     LoadGate,
     PolicyConfig,
     choose_budgets,
-    predicted_rates,
-    predicts_trees,
+    search_budgets,
 )
 from gateway.request import DraftLink, Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, blocks_for, plan_step
@@ -377,16 +376,16 @@ class GatewayCore:
             other = [it for it in plan.items if it.request.request_id not in keys]
             return sum(len(it.tokens) for it in other), len(other)
 
-        def model_prefers_spec() -> bool:
-            return predicts_trees(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
-
-        if any(c.mode == SpecMode.AUTO for c in cands):  # the audit: what the figures predict for each arm
-            self.gate.predict(len(plan.items), predicted_rates(self.cfg.policy, self.costs, self.book, cands,
-                                                               *other_work(cands)))
-        if cands and not self.gate.allow_spec(len(plan.items), model_prefers_spec):
+        # One search of the figures per step: the audit's prediction, the gate's first guess at a new
+        # load and the budgets all read it (unless the gate takes the auto requests out).
+        search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
+        if search.auto:  # the audit: what the figures predict for each arm
+            self.gate.predict(len(plan.items), search.rates)
+        if cands and not self.gate.allow_spec(len(plan.items), lambda: search.best is not None):
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
+            search = None
         probe = bool(cands) and self.gate.probing_spec(len(plan.items))
-        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe)
+        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe, search)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
         for rid, budget in list(budgets.items()):

@@ -165,7 +165,9 @@ class Rates(NamedTuple):
     trees: float | None
 
 
-class _Search(NamedTuple):
+class BudgetSearch(NamedTuple):
+    """What search_budgets found for a step: choose_budgets decides from it, the audit reads `rates`."""
+
     out: dict[str, DraftBudget]  # the budgets of non-auto candidates (auto: NO_SPEC)
     auto: list[Candidate]
     best: tuple[DraftBudget, list[Candidate]] | None  # the best (option, requests); None: no tree pays
@@ -174,9 +176,10 @@ class _Search(NamedTuple):
     rates: Rates
 
 
-def _search(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-            other_tokens: int, other_seqs: int) -> _Search:
-    """Every (option, k best requests) for the auto candidates, by predicted goodput."""
+def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
+                   other_tokens: int, other_seqs: int) -> BudgetSearch:
+    """Every (option, k best requests) for the auto candidates, by predicted goodput: the best
+    choice (`best` is None when the figures alone give no tree), and the predicted rates."""
     out = {c.key: NO_SPEC for c in candidates}
     auto = []
     for c in candidates:
@@ -207,23 +210,12 @@ def _search(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidate
                 every = (rate, o)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
-    return _Search(out, auto, best, single, every, Rates(plain_rate, top_tree_rate))
-
-
-def predicts_trees(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-                   other_tokens: int, other_seqs: int) -> bool:
-    """Whether the figures alone (no probe, no exploration) give any auto candidate a tree."""
-    return _search(cfg, costs, book, candidates, other_tokens, other_seqs).best is not None
-
-
-def predicted_rates(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-                    other_tokens: int, other_seqs: int) -> Rates:
-    """What the figures predict for this step, plain and with trees: the policy's side of its audit."""
-    return _search(cfg, costs, book, candidates, other_tokens, other_seqs).rates
+    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate))
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-                   other_tokens: int, other_seqs: int, probe: bool = False) -> dict[str, DraftBudget]:
+                   other_tokens: int, other_seqs: int, probe: bool = False,
+                   search: BudgetSearch | None = None) -> dict[str, DraftBudget]:
     """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
 
     For `auto`, each option o is tried on the k requests expected to accept most
@@ -233,9 +225,11 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     the figures say they do not pay: every auto candidate gets the option that
     comes closest while the load gate measures trees at this load (`probe`: a
     probe the figures decline would measure nothing), and the best single tree
-    is taken after `book.explore_after` steps without one.
+    is taken after `book.explore_after` steps without one. `search`: search_budgets' result for
+    these very arguments, when the caller already has it.
     """
-    out, auto, best, single, every, _ = _search(cfg, costs, book, candidates, other_tokens, other_seqs)
+    out, auto, best, single, every, _ = search or search_budgets(cfg, costs, book, candidates, other_tokens,
+                                                                 other_seqs)
     if not auto:
         return out
     if best is None and probe and every is not None:

@@ -14,7 +14,7 @@ from gateway.policy import (
     PolicyConfig,
     Rates,
     choose_budgets,
-    predicted_rates,
+    search_budgets,
 )
 from gateway.request import Phase, Request
 from gateway.scheduler import SchedulerConfig, plan_step
@@ -264,11 +264,11 @@ def test_the_predicted_rates_rank_the_arms_as_the_budgets_chosen_do():
     """The audit's prediction agrees with the decision: quiet, trees predicted faster and chosen;
     busy, plain predicted faster and no tree chosen. The plain figure is the step's own arithmetic."""
     costs = gpu_like_costs()
-    quiet = predicted_rates(CFG, costs, AcceptanceBook(), candidates(1), 0, 0)
+    quiet = search_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0).rates
     assert quiet.trees > quiet.plain == pytest.approx(1 / costs.step_time(1, 1, []))
-    busy = predicted_rates(CFG, costs, AcceptanceBook(), candidates(512), 0, 0)
+    busy = search_budgets(CFG, costs, AcceptanceBook(), candidates(512), 0, 0).rates
     assert busy.plain > busy.trees
-    assert predicted_rates(CFG, costs, AcceptanceBook(), candidates(3, "always"), 0, 0).trees is None
+    assert search_budgets(CFG, costs, AcceptanceBook(), candidates(3, "always"), 0, 0).rates.trees is None
 
 
 def test_the_gate_keeps_predictions_next_to_measurements_for_the_audit():
