@@ -24,10 +24,13 @@
 #   auto     after only: never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
 #            and 0.6 (AUTO_CONCURRENCY overrides the levels); each mode's metrics scraped after it hold
 #            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
-#   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU,
-#            bench/engine_step.py (decode and verify 8, batch 1/8/64), and bench/greedy_equality.py
-#            (64 held-out prompts: always vs never at 1 and 8 requests, never alone vs among 8),
-#            demo pair in bf16, then the scale track
+#   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
+#            bench/engine_step.py (decode and verify 8, batch 1/8/64)
+#   equality after only, the batch-invariant mode off against on: bench/greedy_equality.py (64 held-out
+#            prompts: always vs never at 1 and 8 requests, never alone vs among 8), demo pair in bf16,
+#            then the scale track
+# DEADLINE_S (seconds from the start) caps every run's timeout so that the results are packed before the
+# device call's own limit; a run with under 30 s left is skipped.
 # Carried wheels (.whl: grpcio 1.85, FastAPI, ...) are installed into /tmp/site first.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -41,8 +44,20 @@ fi
 site=/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
+pack() {  # Files come back from the machine at most 8 at a time: everything in one archive.
+  tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
+  ls -la "$OUT"
+}
+trap pack EXIT
+trap 'exit 143' TERM
+
 run() {  # run NAME TREE TIMEOUT CMD...: in TREE (before|after), log to $OUT/NAME.log
   local name=$1 tree=$2 limit=$3; shift 3
+  if [[ -n ${DEADLINE_S:-} ]]; then
+    local left=$((DEADLINE_S - SECONDS - 10))
+    (( left < 30 )) && { echo "== $name: skipped, ${left} s left"; return; }
+    (( left < limit )) && limit=$left
+  fi
   local dir=$root; [[ $tree == before ]] && dir=$root/.before
   local t0=$SECONDS
   (cd "$dir" && PYTHONPATH="$dir:$site" timeout "$limit" "$@") >"$OUT/$name.log" 2>&1
@@ -116,7 +131,7 @@ for stage in "$@"; do
       need_scale scale_track $scale
       scale_serve $scale 0.8
       serve_bench features_gateway 8510 "${SPEC_CONCURRENCY:-1,8,64}" always "${serve[@]}" --features-through-gateway
-      serve_bench features_target 8520 "${SPEC_CONCURRENCY:-1,8,64}" always "${serve[@]}" ;;
+      serve_bench features_target 8520 "${SPEC_CONCURRENCY:-1,8,64}" never,always "${serve[@]}" ;;
     tp)
       need_scale scale_track $scale
       scale_serve $scale 0.8
@@ -151,7 +166,8 @@ for stage in "$@"; do
         flag=(); [[ $mode == on ]] && flag=(--deterministic)
         run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
-      done
+      done ;;
+    equality)
       need_scale scale_track $scale
       scale_serve $scale 0.8
       equality equality_demo_off 8410 64 "" --device cuda --dtype bfloat16
@@ -168,7 +184,3 @@ for stage in "$@"; do
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
-
-# Files come back from the machine at most 8 at a time: everything in one archive.
-tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
-ls -la "$OUT"
