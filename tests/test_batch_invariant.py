@@ -11,6 +11,7 @@ TRITON_INTERPRET=1 on small shapes.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -253,7 +254,8 @@ def _kv(engine: TargetEngine, rid: str, n: int) -> list[tuple[torch.Tensor, torc
 
 @pytest.fixture(scope="module", params=DTYPES, ids=["float32", "bfloat16"])
 def invariant_model(request, tiny_llama) -> LlamaModel:
-    return LlamaModel(tiny_llama("gqa"), dtype=request.param, batch_invariant=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels are interpreted
+    return LlamaModel(tiny_llama("gqa"), dtype=request.param, device=device, batch_invariant=True)
 
 
 def test_the_batch_invariant_target_verifies_a_tree_bitwise_as_plain_decoding(invariant_model):
@@ -308,8 +310,8 @@ from target_service.parallel import EngineSpec, ParallelEngine
 from target_service.types import SequenceStep
 from tests.test_batch_invariant import PROMPT
 
-engine = ParallelEngine(EngineSpec(model_dir=sys.argv[1], num_blocks=64, block_size=4, batch_invariant=True),
-                        tp_size=2)
+engine = ParallelEngine(EngineSpec(model_dir=sys.argv[1], num_blocks=64, block_size=4, batch_invariant=True,
+                                   device=sys.argv[2]), tp_size=2)
 try:
     def decode(rid, first, n, beside=()):
         out, logprobs = [], []
@@ -334,9 +336,12 @@ finally:
 
 
 def test_at_tp2_the_batch_invariant_target_is_bitwise_the_same_alone_among_others_and_verifying(tiny_llama):
-    """The ranks' parts are added in rank order, whatever the batch: the mode holds at TP=2 (gloo)."""
-    out = subprocess.run([sys.executable, "-c", TP2_CHECK, str(tiny_llama("gqa"))], capture_output=True, text=True,
-                         timeout=600, cwd=REPO)
+    """The ranks' parts are added in rank order, whatever the batch: the mode holds at TP=2 (NCCL on two GPUs,
+    else gloo with the kernels interpreted on CPU)."""
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    env = dict(os.environ) if device == "cuda" else {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", TP2_CHECK, str(tiny_llama("gqa")), device], capture_output=True,
+                         text=True, timeout=600, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     (tokens, logprobs), (among_tokens, among_logprobs) = got["alone"], got["among"]
