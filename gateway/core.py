@@ -88,6 +88,7 @@ class StepOutcome:
     trees: dict[str, DraftTree]
     granted: int  # 0: a plain call; k >= 1: the k-th step of a grant
     held_features: bool = False  # the target kept the features asked for, for the replicas to read
+    fed_draft: bool = False  # some request asked for features: not how plain decoding runs
 
 
 def _feature_rows(item: IngestItem) -> int:
@@ -134,6 +135,11 @@ class GatewayCore:
         self._threads: list[threading.Thread] = []
         self.step_count = 0
         self._quiet = 0  # consecutive steps in which auto chose no tree
+        # The load gate measured that plain decoding pays at this step's load: auto requests then
+        # run as plain decoding really runs (dormant: no features, no ingest, grantable), so the
+        # plain arm is measured as `never` would run and not taxed by feature traffic (issue 14).
+        self._gate_plain = False
+        self._gate_probing_trees = False  # the gate measures trees at this load: dormant requests wake for it
         self._ingest_queue: dict[int, list[tuple[Request, IngestItem]]] = {}  # replica -> this step's ingests
         self._release_after_grant: list[Request] = []
         # Finished requests whose target release failed because the target was unreachable:
@@ -291,7 +297,7 @@ class GatewayCore:
         """One round of the loop: schedule, draft, then execute/update/record per target step.
         Each phase's wall time goes to tandem_step_phase_seconds{phase} (where a round's time goes)."""
         phase = self.metrics.step_phase
-        t0 = time.perf_counter()
+        t0 = round_start = time.perf_counter()
         self._apply_reports()
         plan = self._schedule()
         if plan is None:
@@ -308,7 +314,7 @@ class GatewayCore:
             self._update(plan, outcome)
             t0 = time.perf_counter()
             phase["update"].observe(t0 - t1)
-            self._record(plan, outcome)
+            self._record(plan, outcome, round_start)
             t1, t0 = t0, time.perf_counter()
             phase["record"].observe(t0 - t1)
 
@@ -381,7 +387,14 @@ class GatewayCore:
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
         if search.auto:  # the audit: what the figures predict for each arm
             self.gate.predict(len(plan.items), search.rates)
-        if cands and not self.gate.allow_spec(len(plan.items), lambda: search.best is not None):
+        # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
+        # them dormant, and a dormant request's draft is not ready until the gate asks for trees again.
+        could_draft = any(it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._replica(it.request)
+                          for it in plan.items)
+        gate_open = not could_draft or self.gate.allow_spec(len(plan.items), lambda: search.best is not None)
+        self._gate_plain = not gate_open
+        self._gate_probing_trees = could_draft and gate_open and self.gate.probing_spec(len(plan.items))
+        if self._gate_plain:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
             search = None
         probe = bool(cands) and self.gate.probing_spec(len(plan.items))
@@ -417,7 +430,8 @@ class GatewayCore:
 
     def _dormant(self, req: Request) -> bool:
         q = self._quiet
-        return self._mode(req) == SpecMode.AUTO and q >= self.QUIET_STEPS and q % self.WAKE_EVERY >= self.QUIET_STEPS
+        quiet = q >= self.QUIET_STEPS and q % self.WAKE_EVERY >= self.QUIET_STEPS
+        return self._mode(req) == SpecMode.AUTO and not self._gate_probing_trees and (self._gate_plain or quiet)
 
     # --- draft -----------------------------------------------------------------------
     def _draft(self, plan: StepPlan) -> dict[str, DraftTree]:
@@ -493,7 +507,8 @@ class GatewayCore:
                 hold = self._hold_features(plan, steps)
                 results, load, _ = self.target.step(steps, self.feature_layers, hold_features=hold)
                 yield StepOutcome(items=plan.items, results=results, load=load,
-                                  seconds=time.perf_counter() - t0, trees=trees, granted=0, held_features=hold)
+                                  seconds=time.perf_counter() - t0, trees=trees, granted=0, held_features=hold,
+                                  fed_draft=any(step.return_features for step in steps))
                 return
             yield from self._run_grant(plan, steps, grant, t0)
         except ResourceExhausted:
@@ -613,7 +628,7 @@ class GatewayCore:
             self.metrics.record_finished(self.model_name, delta.prompt_tokens, delta.completion_tokens)
 
     # --- record --------------------------------------------------------------------------
-    def _record(self, plan: StepPlan, outcome: StepOutcome) -> None:
+    def _record(self, plan: StepPlan, outcome: StepOutcome, round_start: float) -> None:
         self.step_count += 1
         if outcome.granted:
             self.metrics.granted_steps.inc()
@@ -621,16 +636,24 @@ class GatewayCore:
             self._track_quiet(plan)  # every granted step counts towards dormancy, as a planned one would
         self.metrics.requests_running.set(len(self.running))
         self.metrics.requests_waiting.set(len(self.waiting))
-        seconds = outcome.seconds
-        self.metrics.step_seconds.observe(seconds)
+        self.metrics.step_seconds.observe(outcome.seconds)
+        # What the step cost the loop, as the policy must weigh it: a planned step is charged its
+        # whole round (schedule, the draft call, the target's step, the update), so a tree carries
+        # its draft call; a granted step's time is already the gap between two replies, the update
+        # of the one before included. (Charging trees only the target's step had the gate read 4x
+        # the goodput `always` delivered at 16-64 requests on the H200, and speculate at a loss.)
+        seconds = outcome.seconds if outcome.granted else time.perf_counter() - round_start
         # Only decode steps measure what the policy chooses between: prefill work in a step
         # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
         decode = all(it.is_decode for it in outcome.items)
         seqs = len(outcome.items)
-        if decode and seqs < self.gate.min_batch:  # from min_batch on, the gate measures
+        if decode:
             budgets = [plan.budgets[rid] for rid in outcome.trees]
             self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
-        if decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
+        # A plain step that fed the draft is neither arm: plain decoding, as `never` runs it, feeds
+        # nothing and is granted (such steps had the gate read plain decoding at 0.7x `never`).
+        arm_step = bool(outcome.trees) or not outcome.fed_draft
+        if decode and arm_step and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
             committed = sum(len(res.tokens) for res in outcome.results)
             verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds)
             if verdict is not None:

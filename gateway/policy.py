@@ -66,10 +66,13 @@ class CostModel:
     The profile sees each service alone, and on a busy host through noise (on
     the 2-core CI machine one start-up put the draft call's fixed cost at 38 ms,
     others at 5-18 ms; with it `auto` decoded a lone request plainly, at 0.66x
-    the speed its trees measured). So light-load decode steps correct it:
-    `ratios` holds measured over profiled wall time per batch bucket, for steps
-    with trees and without, and scales what `step_time` predicts. From
-    LoadGate.min_batch on, the gate compares whole steps instead.
+    the speed its trees measured), and it misses what grows with the load (a
+    draft call at 64 requests ingests and catches up 64 requests). So decode
+    steps correct it at every load: `ratios` holds measured over profiled wall
+    time per batch bucket, for steps with trees and without, and scales what
+    `step_time` predicts. A step's measured time is its whole round (see
+    GatewayCore._record). From LoadGate.min_batch on, the gate decides on
+    measured goodput; the corrected model still chooses the trees.
     """
 
     target_base: float = 5e-3
