@@ -13,11 +13,14 @@
 #   drafttests  the draft's tree-growth tests on the GPU (captured graphs)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
+#   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
+#            gateway's phases beside the services' own step times (bench/round_breakdown.py)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
 #            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
-#            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8)
+#            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8); TP_SCALE_EQUALITY=0 skips the
+#            scale track's texts, TP_STACK="2" benches TP=2 only
 #   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
@@ -26,6 +29,8 @@
 #            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64)
+#   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
+#            batch-invariant kernel at 1, 8 and 64 rows
 #   equality after only, the batch-invariant mode off against on: bench/greedy_equality.py (64 held-out
 #            prompts: always vs never at 1 and 8 requests, never alone vs among 8), demo pair in bf16,
 #            then the scale track
@@ -127,6 +132,14 @@ for stage in "$@"; do
       scale_serve $scale 0.8
       serve_bench spec_scale 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
       serve_bench spec_demo 8300 1,4 never,always --device cuda ;;
+    round)  # after only: where a round's time goes at one request, every service's metrics scraped
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
+      serve_bench round_scale 8250 1 never,always "${serve[@]}"
+      for mode in never always; do
+        since=(); [[ $mode == always ]] && since=(--since never)
+        python3 bench/round_breakdown.py "$OUT/round_scale" $mode "${since[@]}" > "$OUT/round_scale_$mode.txt"
+      done ;;
     features)
       need_scale scale_track $scale
       scale_serve $scale 0.8
@@ -139,8 +152,11 @@ for stage in "$@"; do
         against=""; [[ $tp == 2 ]] && against=1
         equality "tp_equal_demo_$tp" $((8600 + 30 * tp)) 32 "${against:+tp_equal_demo_1}" \
           --device cuda --dtype float32 --tp $tp
-        equality "tp_equal_scale_$tp" $((8610 + 30 * tp)) 32 "${against:+tp_equal_scale_1}" "${serve[@]}" --tp $tp
-        serve_bench "tp_stack_$tp" $((8620 + 30 * tp)) 1,64 never,always "${serve[@]}" --tp $tp
+        [[ ${TP_SCALE_EQUALITY:-1} == 1 ]] &&
+          equality "tp_equal_scale_$tp" $((8610 + 30 * tp)) 32 "${against:+tp_equal_scale_1}" "${serve[@]}" --tp $tp
+        [[ " ${TP_STACK:-1 2} " == *" $tp "* ]] &&
+          serve_bench "tp_stack_$tp" $((8620 + 30 * tp)) 1,64 "$([[ $tp == 1 ]] && echo never || echo never,always)" \
+            "${serve[@]}" --tp $tp
       done ;;
     tp8)
       need_scale scale_track $scale
@@ -167,6 +183,9 @@ for stage in "$@"; do
         run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
       done ;;
+    linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel (split-K aims 264 and 528)
+      run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 --split-programs 264,528 \
+        --out "$OUT/linear.json" ;;
     equality)
       need_scale scale_track $scale
       scale_serve $scale 0.8

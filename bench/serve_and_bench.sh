@@ -9,11 +9,15 @@
 set -uo pipefail
 out=${1:?usage: serve_and_bench.sh OUT CONCURRENCY MODES MAX_TOKENS [serve flags]}
 conc=$2; modes=$3; max_tokens=$4; shift 4
-# One bench per mode, the gateway's metrics scraped after each (their differences say where a round's
-# time went: tandem_step_phase_seconds).
+# One bench per mode, the metrics of the gateway and of each service scraped after each (their differences
+# say where a round's time went: the gateway's tandem_step_phase_seconds against the services' own
+# tandem_target_step_seconds, tandem_draft_step_seconds, ...).
 exec bash "$(dirname "$0")/serve_and_run.sh" "$out" "
 for mode in ${modes//,/ }; do
   python3 -m tandem.cli bench --url http://127.0.0.1:\$SERVE_PORT --concurrency $conc --modes \$mode \
     --max-tokens $max_tokens --out $out/\$mode --title \"tandem: \$mode\"
   curl -sf http://127.0.0.1:\$SERVE_PORT/metrics > $out/metrics_after_\$mode.txt || true
+  awk '\$2 == \"metrics\" && \$3 ~ /^http/ {print \$1, \$3}' $out/serve.out | while read -r name url; do
+    curl -sf \$url > $out/metrics_after_\${mode}_\$name.txt || true
+  done
 done" "$@"

@@ -11,7 +11,9 @@ out=${1:?usage: serve_and_run.sh OUT COMMAND [serve flags]}
 command=$2; shift 2
 export SERVE_PORT=${SERVE_PORT:-8123}
 mkdir -p "$out"
-python3 -m tandem.cli serve --port "$SERVE_PORT" --grpc-port $((SERVE_PORT + 1)) --log-dir "$out/logs" "$@" &
+# Its banner (with the services' metrics URLs, for COMMAND to scrape) goes to OUT/serve.out too.
+python3 -m tandem.cli serve --port "$SERVE_PORT" --grpc-port $((SERVE_PORT + 1)) --log-dir "$out/logs" "$@" \
+  > >(tee "$out/serve.out") 2>&1 &
 serve=$!
 trap 'kill -TERM $serve 2>/dev/null; wait $serve 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do

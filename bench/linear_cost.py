@@ -1,0 +1,100 @@
+"""The linear layers of one decoder layer and the lm_head: cuBLAS (F.linear) against the batch-invariant
+Triton kernel (kernels/matmul.py), per weight shape and number of rows, on one GPU.
+
+    python bench/linear_cost.py --shape 8b --rows 1,8,64 --out linear.json
+
+Each figure is the median of --iters timings of --reps back-to-back calls (CUDA events), in
+microseconds per call, with the bandwidth the weight read implies (bytes of the weight / time): at a
+few rows a linear layer is a read of its weight, so that figure says how far a kernel is from HBM speed.
+The split-K the invariant kernel picks for the shape is shown beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import kernels.matmul as matmul  # noqa: E402
+from kernels.matmul import block_n_for, k_splits_for, linear_invariant  # noqa: E402
+from target_service.random_model import LLAMA_31_8B, LLAMA_31_70B  # noqa: E402
+
+CONFIGS = {"8b": LLAMA_31_8B, "70b": LLAMA_31_70B}
+
+
+def weight_shapes(cfg, tp: int) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of each linear weight one rank holds at this TP degree."""
+    hidden, inter, head = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * head
+    return {"qkv_proj": (qkv // tp, hidden), "o_proj": (hidden, cfg.num_heads * head // tp),
+            "gate_up_proj": (2 * inter // tp, hidden), "down_proj": (hidden, inter // tp),
+            "lm_head": (cfg.vocab_size, hidden)}
+
+
+def time_us(fn, iters: int, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(1000 * start.elapsed_time(end) / reps)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(CONFIGS), default="8b")
+    parser.add_argument("--tp", type=int, default=1, help="shard the weights as one rank of this TP degree holds them")
+    parser.add_argument("--rows", default="1,8,64", help="comma-separated numbers of rows (tokens in the step)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--split-programs", default=str(matmul.SPLIT_K_PROGRAMS),
+                        help="comma-separated values of kernels.matmul.SPLIT_K_PROGRAMS to time the invariant "
+                             "kernel with (the programs per row tile that split-K aims for)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("linear_cost.py needs a CUDA device")
+    rows_list = [int(x) for x in args.rows.split(",")]
+    results = []
+    print(f"{'weight':13s} {'N x K':>13s} {'aim':>4s} {'splits':>6s} {'rows':>5s} {'cuBLAS us':>10s} {'GB/s':>6s} "
+          f"{'invariant us':>13s} {'GB/s':>6s} {'ratio':>6s}")
+    for name, (n, k) in weight_shapes(CONFIGS[args.shape], args.tp).items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        gbytes = weight.numel() * weight.element_size() / 1e9
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            cublas = time_us(lambda x=x, weight=weight: F.linear(x, weight), args.iters, args.reps)
+            for aim in (int(v) for v in args.split_programs.split(",")):
+                matmul.SPLIT_K_PROGRAMS = aim  # read by k_splits_for at every call
+                splits = k_splits_for(n, k)[0]
+                invariant = time_us(lambda x=x, weight=weight: linear_invariant(x, weight), args.iters, args.reps)
+                row = {"weight": name, "n": n, "k": k, "rows": rows, "split_programs": aim, "splits": splits,
+                       "block_n": block_n_for(n), "cublas_us": cublas, "invariant_us": invariant,
+                       "cublas_gb_s": gbytes / (cublas * 1e-6), "invariant_gb_s": gbytes / (invariant * 1e-6)}
+                results.append(row)
+                print(f"{name:13s} {n:6d}x{k:<6d} {aim:4d} {splits:6d} {rows:5d} {cublas:10.1f} "
+                      f"{row['cublas_gb_s']:6.0f} {invariant:13.1f} {row['invariant_gb_s']:6.0f} "
+                      f"{invariant / cublas:6.2f}")
+        del weight
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.shape, "tp": args.tp, "device": torch.cuda.get_device_name(),
+                                        "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
