@@ -16,6 +16,7 @@ not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -97,15 +98,24 @@ def sync(device: str) -> None:
 
 
 def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, accepted: int, iters: int,
-               device: str, grow_only: bool = False) -> float:
+               device: str, grow_only: bool = False, around: contextlib.AbstractContextManager | None = None) -> float:
     """Median seconds of a Draft call that first ingests `accepted` + 1 committed tokens per request
-    (grow_only: ingests nothing, so the call is the tree growth alone)."""
+    (grow_only: ingests nothing, so the call is the tree growth alone). `around` is entered for the
+    timed calls only (after the requests' prefixes were ingested): a profiler."""
     width, vocab = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
                               torch.randn(prefix, width)) for r in ids], catch_up=True)
     times = []
-    for _ in range(iters + 2):
+    with around or contextlib.nullcontext():
+        _calls(engine, ids, budget, accepted, iters + 2, vocab, width, device, grow_only, times)
+    engine.release(ids)
+    return statistics.median(times[2:])
+
+
+def _calls(engine: DraftEngine, ids: list[str], budget: DraftBudget, accepted: int, n: int, vocab: int, width: int,
+           device: str, grow_only: bool, times: list[float]) -> None:
+    for _ in range(n):
         ingest = []
         for r in ids if not grow_only else ():
             start = len(engine.requests[r].tokens) - 1
@@ -117,8 +127,6 @@ def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget
         engine.draft([DraftItem(r, budget) for r in ids], ingest)
         sync(device)
         times.append(time.perf_counter() - t0)
-    engine.release(ids)
-    return statistics.median(times[2:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--grow-only", action="store_true", help="calls that ingest nothing: the tree growth alone")
     ap.add_argument("--out", type=Path, help="also write JSON")
+    ap.add_argument("--profile", type=Path, metavar="FILE",
+                    help="also profile a few calls of the first batch and budget (torch.profiler) and write the "
+                         "ops by device time and by host time to FILE")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
@@ -160,7 +171,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
                                         "rows": rows}, indent=2))
+    if args.profile:
+        profile_calls(engine, batches[0], prefix, budgets[0], args.accepted, device, args.grow_only, args.profile)
     return 0
+
+
+def profile_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, accepted: int, device: str,
+                  grow_only: bool, path: Path) -> None:
+    """Where a Draft call's time goes, by op: device time (what the GPU ran) and host time (what
+    launched it), over 5 calls after warm-up."""
+    time_calls(engine, batch, prefix, budget, accepted, 2, device, grow_only)  # warm: graphs captured
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    time_calls(engine, batch, prefix, budget, accepted, 3, device, grow_only, around=prof)
+    ops = prof.key_averages()
+    device_key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    path.write_text(f"batch {batch}, budget {budget.steps}/{budget.topk}/{budget.num_draft_tokens}, 5 calls\n\n"
+                    f"by device time:\n{ops.table(sort_by=device_key, row_limit=40)}\n\n"
+                    f"by host time:\n{ops.table(sort_by='self_cpu_time_total', row_limit=40)}\n")
+    print(f"profile: {path}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
-#            gateway's phases beside the services' own step times (bench/round_breakdown.py)
+#            gateway's phases beside the services' own step times (bench/round_breakdown.py), and a
+#            torch.profiler table of the draft call at batch 1, budget 5/4/8 (bench/draft_step.py --profile)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
@@ -139,7 +140,9 @@ for stage in "$@"; do
       for mode in never always; do
         since=(); [[ $mode == always ]] && since=(--since never)
         python3 bench/round_breakdown.py "$OUT/round_scale" $mode "${since[@]}" > "$OUT/round_scale_$mode.txt"
-      done ;;
+      done
+      run draft_profile after 150 python3 bench/draft_step.py --batches 1 --budgets "5,4,8" --iters 10 \
+        --profile "$OUT/draft_profile.txt" ;;
     features)
       need_scale scale_track $scale
       scale_serve $scale 0.8
