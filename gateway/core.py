@@ -161,7 +161,8 @@ class GatewayCore:
         self.configure(answering)
         if self.cfg.profile:
             from gateway.profiling import profile_costs
-            self.costs = profile_costs(self.target, self.pool.healthy()[:1], self.cfg.policy)
+            self.costs = profile_costs(self.target, self.pool.healthy()[:1], self.cfg.policy,
+                                       self.cfg.grant_steps)
             log.info("cost model: %s", self.costs)
         for fn, name in ((self._loop, "step-loop"), (self.pool.probe_forever, "draft-probe")):
             thread = threading.Thread(target=fn, name=name, daemon=True)

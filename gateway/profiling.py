@@ -2,7 +2,10 @@
 
 Runs real steps on throwaway sequences through the same gRPC path the loop
 uses (so RPC overhead is part of the fit) and fits the linear models of
-policy.CostModel by least squares.
+policy.CostModel by least squares. Plain decoding runs granted (the target
+feeds its own tokens forward, steps overlapped), which a single step does not
+show: a grant per batch size measures that, and starts the cost model's
+correction for plain steps from it.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ import logging
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from draft_service.types import IngestItem
 from gateway.clients import TargetClient
 from gateway.draft_pool import DraftReplica
-from gateway.policy import CostModel, PolicyConfig
+from gateway.policy import CostModel, PolicyConfig, batch_bucket
 from target_service.types import SequenceStep
+from target_service.wire import GrantStops
 
 log = logging.getLogger("tandem.gateway")
 PREFIX = 32
@@ -39,7 +44,10 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     return coef.tolist()
 
 
-def _profile_target(target: TargetClient, block_size: int, free_blocks: int) -> tuple[float, float, float]:
+def _profile_target(target: TargetClient, block_size: int, free_blocks: int,
+                    grant_steps: int) -> tuple[tuple[float, float, float], dict[int, float]]:
+    """The fitted (base, per token, per sequence) of a step, and seconds per granted plain step by
+    number of sequences (empty without grants)."""
     fits = free_blocks // -(-(PREFIX + 40) // block_size)  # sequences that fit with room to grow
     if fits < 2:
         raise RuntimeError(f"the KV cache is too small to profile ({free_blocks} blocks)")
@@ -62,9 +70,35 @@ def _profile_target(target: TargetClient, block_size: int, free_blocks: int) -> 
                         pending[res.request_id] = res.tokens[-1]
                 ys.append(_median_time(run))
                 rows.append([1.0, seqs * nodes, seqs])
+        granted = _profile_grants(target, ids, pending, grant_steps) if grant_steps > 1 else {}
     finally:
         target.release(ids)
-    return tuple(_fit(rows, ys))
+    return tuple(_fit(rows, ys)), granted
+
+
+def _profile_grants(target: TargetClient, ids: list[str], pending: dict[str, int], steps: int) -> dict[int, float]:
+    """Seconds per granted plain step (the median gap between replies after the first), by number of
+    sequences: 1, 2 and the profile's half and whole batch, the loads below the gate's minimum."""
+    out = {}
+    for seqs in sorted({n for n in (1, 2, len(ids) // 2, len(ids)) if 1 <= n <= len(ids)}):
+        items = [SequenceStep.chain(rid, [pending[rid]]) for rid in ids[:seqs]]
+        stops = GrantStops(max_new_tokens=np.full(seqs, steps, dtype=np.int32),
+                           stop_token_ids=tuple(frozenset() for _ in range(seqs)))
+        gaps = []
+        grant = target.grant(items, (), steps, stops)
+        try:
+            t0 = time.perf_counter()
+            for results, _, _ in grant:
+                now = time.perf_counter()
+                gaps.append(now - t0)
+                t0 = now
+                for res in results:
+                    pending[res.request_id] = res.tokens[-1]
+        finally:
+            grant.close()
+        if gaps:
+            out[seqs] = statistics.median(gaps[1:] or gaps)
+    return out
 
 
 def _profile_draft(replica: DraftReplica, cfg: PolicyConfig) -> tuple[float, float, float]:
@@ -84,13 +118,19 @@ def _profile_draft(replica: DraftReplica, cfg: PolicyConfig) -> tuple[float, flo
     return tuple(_fit(rows, ys))
 
 
-def profile_costs(target: TargetClient, drafts: list[DraftReplica], cfg: PolicyConfig) -> CostModel:
+def profile_costs(target: TargetClient, drafts: list[DraftReplica], cfg: PolicyConfig,
+                  grant_steps: int = 1) -> CostModel:
+    """grant_steps: the plain steps the gateway may grant (1: none; plain steps then cost what a step costs)."""
     t0 = time.perf_counter()
     costs = CostModel()
     load = target.info().load
     try:
-        costs.target_base, costs.target_per_token, costs.target_per_seq = _profile_target(
-            target, load.block_size, load.free_blocks)
+        (costs.target_base, costs.target_per_token, costs.target_per_seq), granted = _profile_target(
+            target, load.block_size, load.free_blocks, grant_steps)
+        for seqs, seconds in granted.items():
+            # A granted plain step against the fitted step: where the correction of plain steps starts.
+            ratio = seconds / max(costs.target_time(seqs, seqs), 1e-9)
+            costs.ratios[(batch_bucket(seqs), False)] = min(max(ratio, 0.25), 4.0)
     except Exception as exc:
         log.warning("target profiling failed (%s); using default target costs", exc)
     if drafts:

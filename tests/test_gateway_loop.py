@@ -436,3 +436,44 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
                if family.name == "tandem_policy_goodput_tokens_per_second" for s in family.samples}
     assert samples[("plain", "4-7", "predicted")] > 0 and samples[("trees", "4-7", "predicted")] > 0
     assert any(figure == "measured" and value > 0 for (_, _, figure), value in samples.items())
+
+
+class PacedTarget(FakeTarget):
+    """A fake target whose single steps take 6 ms and whose granted steps take 2 ms each, as on a GPU
+    where a granted step overlaps the host work a single step waits for."""
+
+    granting = False
+
+    def step(self, items, feature_layers, hold_features=False):
+        time.sleep(0.002 if self.granting else 0.006)
+        return super().step(items, feature_layers, hold_features)
+
+    def grant(self, items, feature_layers, steps: int, stops: GrantStops):
+        self.grants += 1
+        target = self
+
+        class Paced(FakeGrant):
+            def __iter__(self):
+                target.granting = True
+                try:
+                    yield from super().__iter__()
+                finally:
+                    target.granting = False
+
+        return Paced(self, items, steps, stops)
+
+
+def test_the_start_up_profile_prices_plain_steps_as_granted_steps():
+    """Plain decoding runs granted: the cost model's correction of plain steps starts from a profiled
+    grant at each light load, so auto does not price plain decoding at a single step's cost."""
+    from gateway.profiling import profile_costs
+
+    target = PacedTarget()
+    costs = profile_costs(target, [], PolicyConfig("auto"), grant_steps=8)
+    assert target.grants == 4  # 1, 2, 4 and 8 sequences
+    plain = {bucket: ratio for (bucket, trees), ratio in costs.ratios.items() if not trees}
+    assert sorted(plain) == [1, 2, 3, 4] and not any(trees for _, trees in costs.ratios)
+    assert all(ratio < 0.8 for ratio in plain.values()), plain  # ~2 ms granted against ~6 ms a step
+    assert costs.step_time(1, 1, []) < 0.8 * costs.profiled_time(1, 1, [])
+    without = profile_costs(PacedTarget(), [], PolicyConfig("auto"), grant_steps=1)
+    assert without.ratios == {}
