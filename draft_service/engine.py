@@ -72,6 +72,15 @@ class _Growing:
     h: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> its pre-norm h
 
 
+# A position the target gave no features for takes the draft's own h of the position before, so a
+# run of them is sequential: one forward per position. A request that slept through many tokens
+# (auto's plain decoding sends no features) would stall the step that wakes it: at 16 requests a
+# ~100-token gap cost the H200 stack ~250 ms. From LONG_GAP on, such a run is one forward, each of its
+# positions taking the h from before the run: approximate, as every position without the target's
+# features is, and only the draft's context for them; shorter runs stay exact.
+LONG_GAP = 8
+
+
 class DraftEngine:
     def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16):
         self.model = model
@@ -197,10 +206,23 @@ class DraftEngine:
         self._catch_up(ids)
 
     def _segments(self, rid: str) -> list[tuple[int, int]]:
-        """Positions to compute, cut so that only a segment's first position may lack
-        features: that one takes the previous position's h, which must exist first."""
+        """Positions to compute, in segments of one forward each. A position without features
+        takes the previous position's h, which must exist first: a segment may start with one.
+        A run of at least LONG_GAP of them is one segment whose positions all take the h from
+        before the run (see LONG_GAP)."""
         st, start, stop = self.requests[rid], self.computed(rid), len(self.requests[rid].tokens) - 1
-        cuts = [start] + [p for p in range(start + 1, stop) if p not in st.features]
+        cuts = [start]
+        p = start
+        while p < stop:
+            if p in st.features:
+                p += 1
+                continue
+            end = p
+            while end < stop and end not in st.features:
+                end += 1
+            run = range(p, end) if end - p < LONG_GAP else range(p, p + 1)
+            cuts += [q for q in run if q > start]
+            p = end
         return [(a, b) for a, b in zip(cuts, [*cuts[1:], stop]) if a < b]
 
     def _catch_up(self, ids: list[str]) -> None:
@@ -269,7 +291,7 @@ class DraftEngine:
                 if p in st.features:
                     feat_rows.append(st.features[p])
                     feat_at.append(row + p - a)
-                else:  # p == a: use the draft's own state; position 0 has none, so zeros
+                else:  # the draft's own state before the segment (exact at p == a); position 0 has none: zeros
                     h_rows.append(st.last_h if st.last_h is not None
                                   else torch.zeros(model.cfg.hidden_size, dtype=model.dtype, device=dev))
                     h_at.append(row + p - a)

@@ -651,10 +651,12 @@ class GatewayCore:
         if decode:
             budgets = [plan.budgets[rid] for rid in outcome.trees]
             self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
-        # A plain step that fed the draft is neither arm: plain decoding, as `never` runs it, feeds
-        # nothing and is granted (such steps had the gate read plain decoding at 0.7x `never`).
-        arm_step = bool(outcome.trees) or not outcome.fed_draft
-        if decode and arm_step and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
+        # For the gate, a plain step that fed the draft is neither arm: plain decoding, as `never` runs
+        # it, feeds nothing and is granted (such steps had the gate read plain decoding at 0.7x
+        # `never`). The cost model still learns from it: below the gate's minimum batch it prices
+        # the plain steps auto takes between trees, which do feed the draft.
+        arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft)
+        if arm_step and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
             committed = sum(len(res.tokens) for res in outcome.results)
             verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds)
             if verdict is not None:

@@ -124,6 +124,31 @@ def test_token_only_positions_use_the_previous_hidden_state(target, drafts):
     torch.testing.assert_close(engine.requests["t"].last_h.double(), hs[-1], atol=1e-5, rtol=0)
 
 
+def test_a_long_run_without_features_is_caught_up_in_one_forward_not_one_per_token(target, drafts):
+    """A request that slept while auto decoded plainly wakes with a long gap of tokens without
+    features: one forward for the run (each position takes the h from before it), not one per token."""
+    engine = DraftEngine(Eagle3Draft(drafts["gqa"], target), num_blocks=32, block_size=4)
+    tokens, feats = history(40, engine.model.cfg.feature_width, seed=9)
+    engine.ingest([IngestItem("t", 0, tuple(tokens[:4]), feats[:3])], catch_up=True)
+    forwards = []
+    real_forward = engine.model.forward
+
+    def counting_forward(*args, **kwargs):
+        forwards.append(1)
+        return real_forward(*args, **kwargs)
+
+    engine.model.forward = counting_forward
+    engine.ingest([IngestItem("t", 4, tuple(tokens[4:34]), None)])  # 30 positions without features
+    engine.ingest([IngestItem("t", 34, tuple(tokens[34:37]), feats[34:36])])
+    engine.catch_up(["t"])
+    assert engine.computed("t") == 36
+    assert len(forwards) == 1, f"{len(forwards)} forwards for a 31-position run and 2 positions with features"
+    k, v = cache_kv(engine, "t")
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    tree = engine.draft([DraftItem("t", DraftBudget(3, 2, 5))])[0]
+    assert tree.tokens and tree.root_position == 36  # it drafts from where the target is
+
+
 # --- checkpoints -----------------------------------------------------------------------------
 
 def test_sglang_checkpoint_loads_with_and_without_model_prefix(target, tmp_path):
