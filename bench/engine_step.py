@@ -129,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="the batch-invariant kernels (tandem target --deterministic); on CPU needs TRITON_INTERPRET=1")
     ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (default both; --tiny: eager)")
+    ap.add_argument("--matmul", metavar="MIN_PROGRAMS,SPLIT_PROGRAMS",
+                    help="with --deterministic: try another configuration of the invariant linear kernel "
+                         "(kernels.matmul.MIN_PROGRAMS and SPLIT_K_PROGRAMS; 0,1: 64-wide tiles, no split-K)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.matmul:
+        import kernels.matmul as matmul
+        matmul.MIN_PROGRAMS, matmul.SPLIT_K_PROGRAMS = (int(x) for x in args.matmul.split(","))
     device = "cpu" if args.tiny else "cuda"
     cfg = LLAMA_31_8B
     if args.tiny:

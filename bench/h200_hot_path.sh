@@ -186,9 +186,9 @@ for stage in "$@"; do
         run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
       done ;;
-    linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel (split-K aims 264 and 528)
-      run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 --split-programs 264,528 \
-        --out "$OUT/linear.json" ;;
+    linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel in several configurations
+      run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 \
+        --configs "${LINEAR_CONFIGS:-256,264;0,1;0,264;0,528}" --out "$OUT/linear.json" ;;
     equality)
       need_scale scale_track $scale
       scale_serve $scale 0.8

@@ -62,32 +62,35 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64", help="comma-separated numbers of rows (tokens in the step)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--split-programs", default=str(matmul.SPLIT_K_PROGRAMS),
-                        help="comma-separated values of kernels.matmul.SPLIT_K_PROGRAMS to time the invariant "
-                             "kernel with (the programs per row tile that split-K aims for)")
+    parser.add_argument("--configs", default=f"{matmul.MIN_PROGRAMS},{matmul.SPLIT_K_PROGRAMS}",
+                        help="semicolon-separated MIN_PROGRAMS,SPLIT_K_PROGRAMS pairs of kernels.matmul to time the "
+                             "invariant kernel with (0,1: 64-wide column tiles, no split-K)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("linear_cost.py needs a CUDA device")
     rows_list = [int(x) for x in args.rows.split(",")]
     results = []
-    print(f"{'weight':13s} {'N x K':>13s} {'aim':>4s} {'splits':>6s} {'rows':>5s} {'cuBLAS us':>10s} {'GB/s':>6s} "
-          f"{'invariant us':>13s} {'GB/s':>6s} {'ratio':>6s}")
+    configs = [tuple(int(v) for v in pair.split(",")) for pair in args.configs.split(";")]
+    print(f"{'weight':13s} {'N x K':>13s} {'config':>8s} {'BN':>3s} {'splits':>6s} {'rows':>5s} "
+          f"{'cuBLAS us':>10s} {'GB/s':>6s} {'invariant us':>13s} {'GB/s':>6s} {'ratio':>6s}")
     for name, (n, k) in weight_shapes(CONFIGS[args.shape], args.tp).items():
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         gbytes = weight.numel() * weight.element_size() / 1e9
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             cublas = time_us(lambda x=x, weight=weight: F.linear(x, weight), args.iters, args.reps)
-            for aim in (int(v) for v in args.split_programs.split(",")):
-                matmul.SPLIT_K_PROGRAMS = aim  # read by k_splits_for at every call
+            for min_programs, aim in configs:
+                matmul.MIN_PROGRAMS, matmul.SPLIT_K_PROGRAMS = min_programs, aim  # read at every call
                 splits = k_splits_for(n, k)[0]
                 invariant = time_us(lambda x=x, weight=weight: linear_invariant(x, weight), args.iters, args.reps)
-                row = {"weight": name, "n": n, "k": k, "rows": rows, "split_programs": aim, "splits": splits,
+                row = {"weight": name, "n": n, "k": k, "rows": rows, "min_programs": min_programs,
+                       "split_programs": aim, "splits": splits,
                        "block_n": block_n_for(n), "cublas_us": cublas, "invariant_us": invariant,
                        "cublas_gb_s": gbytes / (cublas * 1e-6), "invariant_gb_s": gbytes / (invariant * 1e-6)}
                 results.append(row)
-                print(f"{name:13s} {n:6d}x{k:<6d} {aim:4d} {splits:6d} {rows:5d} {cublas:10.1f} "
+                print(f"{name:13s} {n:6d}x{k:<6d} {f'{min_programs},{aim}':>8s} {block_n_for(n):3d} {splits:6d} "
+                      f"{rows:5d} {cublas:10.1f} "
                       f"{row['cublas_gb_s']:6.0f} {invariant:13.1f} {row['invariant_gb_s']:6.0f} "
                       f"{invariant / cublas:6.2f}")
         del weight
