@@ -4,15 +4,32 @@ A node at depth d below a prefix of P committed tokens sees P + d keys: the
 prefix, then its ancestors in depth order (itself last). Decoding the same
 token plainly, after its ancestors were committed, it sees the same keys with
 the same values, only stored differently (all but itself in the cache). This
-kernel visits every node's keys as that one logical sequence, in tiles of
-BLOCK_N aligned to position 0, one node per program iteration: the reduction
-of a node never depends on the other nodes in the step, on how its keys are
-split between cache and step, or on the tree around it. So a verify step
-computes each accepted node exactly as plain decoding would (issue 19), and a
-row alone equals the row among others.
+kernel visits every row's keys as that one logical sequence, its "virtual
+sequence", in tiles of BLOCK_N aligned to position 0: the reduction of a row
+never depends on the other rows in the step, on how its keys are split between
+cache and step, or on the tree around it. So a verify step computes each
+accepted node exactly as plain decoding would (issue 19), and a row alone
+equals the row among others.
 
-kernels.tree_attention is faster (several nodes per tile, flash-decoding
-splits chosen by shape) and stays the default.
+Each (row, kv head) is its own problem, with flash-decoding splits at fixed
+positions of its virtual sequence: split s covers [s * L, (s + 1) * L), where L
+is SPLIT_LEN, doubled until the row needs at most MAX_SPLITS splits. L and the
+split count follow from the row's own length only, never from the batch, so a
+tree node and the same token decoded plainly (same length) split alike. Each
+split's partial (running max, sum, unnormalised accumulator; float32) is
+folded into the row's result in the order s = 0, 1, .. by _fold_split.
+
+Which program computes what is chosen from the launch's shape, and never
+changes what is computed:
+
+- with rows enough to fill the GPU, one program per (row, kv head) runs the
+  row's splits one after the other and folds each as it ends;
+- with few rows, P programs share a row's splits (p takes p, p + P, ..) and
+  write their partials to a workspace; a second kernel folds them, in the same
+  order with the same function (float32 partials go through memory exactly).
+
+kernels.tree_attention is faster (several nodes per tile share the keys they
+load) and stays the default.
 
 Which own nodes a node sees, in depth order, comes from the packed ancestor
 masks of TreeAttnMetadata (ancestor_tails): a leading chain 0..c-1 (a prompt
@@ -28,14 +45,28 @@ import torch
 
 from kernels._triton import interpreting, tl, triton
 from kernels.tree_attention import LOG2E, StepLayout, _logits, _online_softmax_step
-from kernels.tree_metadata import TreeAttnMetadata, metadata_from_layout
+from kernels.tree_metadata import TreeAttnMetadata, _sm_count, metadata_from_layout
 
 # Keys per tile: fixed, since it sets the reduction order.
 BLOCK_N = 32
+# Keys per split (a multiple of BLOCK_N), fixed for the same reason. A Llama-8B decode
+# of a 1k prefix at batch 1 has 5 splits x 8 kv heads = 40 programs of at most 8 tiles,
+# where one program per kv head took 33. Shorter splits would give batch 1 more programs
+# but restart each program's loop (and its pipelined loads) more often at every batch.
+SPLIT_LEN = 256
+# Splits per row at most: longer rows use splits of SPLIT_LEN * 2^k (still set by the
+# row's length alone). This bounds the grid and the workspace, which are sized before
+# the call for the longest row the block table can hold (the engine's covers the
+# model's whole context: 128k tokens for Llama 3.1).
+MAX_SPLITS = 16
 # Ancestors past a node's leading chain that can be listed. Step items are a chain of
 # given tokens and a drafted tree below it, so this bounds the drafted tree's depth
 # (the engine checks it; a draft tree's depth is ~10).
 MAX_TAIL = 64
+# Programs the interpreter's launches aim for (on a GPU: two per SM). One: programs run
+# one after the other there, so splitting a row's work only adds some; tests raise it
+# to run the other way of computing a row.
+INTERPRETER_PROGRAMS = 1
 
 
 @dataclass(frozen=True)
@@ -67,89 +98,219 @@ def ancestor_tails(mask_words: torch.Tensor, max_tail: int = MAX_TAIL) -> Ancest
                          tail=tail[:, :max_tail].to(torch.int32).contiguous())
 
 
-@triton.jit(do_not_specialize=["info_off", "tile_off", "bt_stride", "tail_stride"])
+@triton.jit
+def _fold_split(m_a, l_a, acc_a, m_b, l_b, acc_b):
+    # Partials a (the splits so far) and b (the next split) as one. Every split holds a
+    # visible key, so both maxima are finite. The explicit fma leaves the compiler no
+    # choice of contraction: both kernels that fold do the same arithmetic.
+    m = tl.maximum(m_a, m_b)
+    w_a = tl.exp2(m_a - m)
+    w_b = tl.exp2(m_b - m)
+    l_ab = tl.fma(l_a, w_a, l_b * w_b)
+    acc = tl.fma(acc_a, w_a[:, None], acc_b * w_b[:, None])
+    return m, l_ab, acc
+
+
+# Integer arguments that change with the launch's shape are not specialised, so a new
+# batch size never stops a served step for a compile (see kernels.tree_attention), and
+# a row computed with its splits folded here or by the merge kernel (split_programs 1 or
+# more, workspace or none) runs the same compiled kernel. (The workspace's stores lose
+# their vector width; only launches of few rows make them.)
+@triton.jit(do_not_specialize=["info_off", "split_programs", "bt_stride", "tail_stride",
+                               "sa_r", "sa_h", "sa_s", "sm_r", "sm_h", "sm_s"])
 def _invariant_attention_kernel(
-    Q, K, V, KC, VC, Out, Ints, BlockTable, Chain, Depth, Tail,
-    info_off, tile_off, bt_stride, tail_stride,
+    Q, K, V, KC, VC, Out, PartAcc, PartMl, Ints, BlockTable, RowSeq, Chain, Depth, Tail,
+    info_off, split_programs, bt_stride, tail_stride,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
     skc_b, skc_s, skc_h, svc_b, svc_s, svc_h, so_t, so_h,
+    sa_r, sa_h, sa_s, sm_r, sm_h, sm_s,
     qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, F32_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Program (row, kv head, p): the row's GROUP query heads over its splits p,
+    # p + split_programs, ...; with one program per row it also folds them.
+    row = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = tl.load(Ints + tile_off + tile * 3)
-    first = tl.load(Ints + tile_off + tile * 3 + 1)
-    count = tl.load(Ints + tile_off + tile * 3 + 2)  # 0 for padding tiles: the loop below is empty
-    prefix_len = tl.load(Ints + info_off + seq * 4)
-    row0 = tl.load(Ints + info_off + seq * 4 + 1)
-    table = BlockTable + tl.load(Ints + info_off + seq * 4 + 3).to(tl.int64) * bt_stride
+    first_split = tl.program_id(2)
+    seq = tl.load(RowSeq + row)
+    if seq < 0:  # a row of no sequence (padding)
+        return
+    info = Ints + info_off + seq * 4  # the sequence's prefix_len, first row, count, table row
+    prefix_len = tl.load(info)
+    length = prefix_len + tl.load(Depth + row)
+    # SPLIT_LEN doubled until the row needs at most MAX_SPLITS splits (rows up to
+    # SPLIT_LEN * MAX_SPLITS long, nearly all, do not enter the loop). The merge kernel
+    # repeats this. (Written out, like tl.cdiv and tl.zeros below: a jitted helper is a
+    # nested call, which costs the interpreter about a millisecond.)
+    split_len = length * 0 + SPLIT_LEN
+    while length > split_len * MAX_SPLITS:
+        split_len *= 2
+    num_splits = (length + split_len - 1) // split_len
+    if first_split >= num_splits:
+        return
+    row0 = tl.load(info + 1)
+    table = BlockTable + tl.load(info + 3).to(tl.int64) * bt_stride
+    chain = tl.load(Chain + row)
+    tail_at = Tail + row * tail_stride - chain  # + own: the ancestor listed for that depth
 
     offs_m = tl.arange(0, BLOCK_M)
     head_ok = offs_m < GROUP
     head = kvh * GROUP + offs_m
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    for node in range(0, count):
-        row = row0 + first + node
-        q = tl.load(Q + row * sq_t + head[:, None] * sq_h + offs_d[None, :],
-                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-        chain = tl.load(Chain + row)
-        length = prefix_len + tl.load(Depth + row)
+    out_mask = head_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + row * sq_t + head[:, None] * sq_h + offs_d[None, :], mask=out_mask, other=0.0)
+    k_cache, v_cache = KC + kvh * skc_h, VC + kvh * svc_h
+    k_step, v_step = K + kvh * sk_h, V + kvh * sv_h
+    # The row's result so far (splits 0..s-1), when this program runs them all.
+    m_row = tl.full([BLOCK_M], 0.0, tl.float32)
+    l_row = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc_row = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    for split in range(first_split, num_splits, split_programs):
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, length, BLOCK_N):
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        lo = split * split_len
+        # split_len is a multiple of BLOCK_N: a split's tiles are the whole sequence's tiles.
+        for start in range(lo, tl.minimum(length, lo + split_len), BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             ok = pos < length
-            cached = ok & (pos < prefix_len)
+            cached = pos < prefix_len  # the first prefix_len positions; the rest are own nodes
             own = pos - prefix_len  # depth - 1 of the ancestor at this position
             from_tail = ok & (own >= chain)
-            listed = tl.load(Tail + row * tail_stride + (own - chain), mask=from_tail, other=0)
+            listed = tl.load(tail_at + own, mask=from_tail, other=0)
             own_row = (row0 + tl.where(from_tail, listed, own)).to(tl.int64)
             block = tl.load(table + pos // PAGE, mask=cached, other=0).to(tl.int64)
             within = pos % PAGE
             c_mask = cached[:, None] & d_ok[None, :]
             s_mask = (ok & ~cached)[:, None] & d_ok[None, :]
             # Each position's key and value come from the cache or from the step, never both.
+            # (Two masked loads: a load through a select of the two pointers would lose their
+            # alignment and contiguity, i.e. vector loads and asynchronous copies.)
             k = tl.where(cached[:, None],
-                         tl.load(KC + (block * skc_b + within * skc_s + kvh * skc_h)[:, None] + offs_d[None, :],
+                         tl.load(k_cache + (block * skc_b + within * skc_s)[:, None] + offs_d[None, :],
                                  mask=c_mask, other=0.0),
-                         tl.load(K + own_row[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=s_mask,
-                                 other=0.0))
+                         tl.load(k_step + own_row[:, None] * sk_t + offs_d[None, :], mask=s_mask, other=0.0))
             v = tl.where(cached[:, None],
-                         tl.load(VC + (block * svc_b + within * svc_s + kvh * svc_h)[:, None] + offs_d[None, :],
+                         tl.load(v_cache + (block * svc_b + within * svc_s)[:, None] + offs_d[None, :],
                                  mask=c_mask, other=0.0),
-                         tl.load(V + own_row[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=s_mask,
-                                 other=0.0))
+                         tl.load(v_step + own_row[:, None] * sv_t + offs_d[None, :], mask=s_mask, other=0.0))
             s = _logits(q, k, qk_scale, F32_DOT)
             s = tl.where(ok[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if split_programs > 1:
+            tl.store(PartAcc + row * sa_r + head[:, None] * sa_h + split * sa_s + offs_d[None, :], acc,
+                     mask=out_mask)
+            tl.store(PartMl + row * sm_r + head * sm_h + split * sm_s, m_i, mask=head_ok)
+            tl.store(PartMl + row * sm_r + head * sm_h + split * sm_s + 1, l_i, mask=head_ok)
+        elif split == 0:
+            m_row, l_row, acc_row = m_i, l_i, acc
+        else:
+            m_row, l_row, acc_row = _fold_split(m_row, l_row, acc_row, m_i, l_i, acc)
+    if split_programs == 1:
+        out = acc_row / tl.where(l_row > 0, l_row, 1.0)[:, None]
         tl.store(Out + row * so_t + head[:, None] * so_h + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=head_ok[:, None] & d_ok[None, :])
+                 mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["info_off"])
+def _merge_splits_kernel(
+    PartAcc, PartMl, Ints, RowSeq, Depth, Out, info_off,
+    sa_r, sa_h, sa_s, sm_r, sm_h, sm_s, so_t, so_h,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    # Program (row, kv head): the row's GROUP query heads, as in the attention kernel.
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(RowSeq + row)
+    if seq < 0:  # padding: it has no partials
+        return
+    length = tl.load(Ints + info_off + seq * 4) + tl.load(Depth + row)
+    split_len = length * 0 + SPLIT_LEN  # as in the attention kernel
+    while length > split_len * MAX_SPLITS:
+        split_len *= 2
+    num_splits = (length + split_len - 1) // split_len
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    head = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ml_at = PartMl + row * sm_r + head * sm_h
+    acc_at = PartAcc + row * sa_r + head[:, None] * sa_h + offs_d[None, :]
+    m_row = tl.load(ml_at, mask=g_ok, other=0.0)
+    l_row = tl.load(ml_at + 1, mask=g_ok, other=0.0)
+    acc_row = tl.load(acc_at, mask=mask, other=0.0)
+    for split in range(1, num_splits):
+        m_row, l_row, acc_row = _fold_split(
+            m_row, l_row, acc_row, tl.load(ml_at + split * sm_s, mask=g_ok, other=0.0),
+            tl.load(ml_at + split * sm_s + 1, mask=g_ok, other=0.0),
+            tl.load(acc_at + split * sa_s, mask=mask, other=0.0))
+    out = acc_row / tl.where(l_row > 0, l_row, 1.0)[:, None]
+    tl.store(Out + row * so_t + head[:, None] * so_h + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
 class InvariantPlan:
-    """One step's metadata plus its ancestor lists, shared by every layer."""
+    """One step's metadata plus what the kernel reads per row, shared by every layer."""
 
     meta: TreeAttnMetadata
     tails: AncestorTails
+    row_seq: torch.Tensor  # int32 [rows]: the sequence of each step row; -1 where none (padding)
+
+
+def row_sequences(meta: TreeAttnMetadata) -> torch.Tensor:
+    """Each step row's sequence (-1 for rows of none), from the tiles: torch ops of fixed
+    shapes on the metadata's device (a CUDA graph can capture them)."""
+    rows = meta.mask_words.shape[0]
+    device = meta.ints.device
+    tiles = meta.tiles.long()
+    seq = tiles[:, 0]
+    node = torch.arange(meta.nodes_per_tile, device=device)
+    row = (meta.seq_info[:, 1].long()[seq] + tiles[:, 1])[:, None] + node
+    # Rows past a tile's count (and padding tiles, count 0) land in a spare entry, dropped.
+    row = torch.where(node < tiles[:, 2:3], row, rows)
+    row_seq = torch.full((rows + 1,), -1, dtype=torch.int32, device=device)
+    row_seq.scatter_(0, row.flatten(), seq.to(torch.int32)[:, None].expand_as(row).flatten())
+    return row_seq[:rows]
 
 
 def plan_invariant(meta: TreeAttnMetadata) -> InvariantPlan:
-    return InvariantPlan(meta=meta, tails=ancestor_tails(meta.mask_words))
+    return InvariantPlan(meta=meta, tails=ancestor_tails(meta.mask_words), row_seq=row_sequences(meta))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split_programs(row_programs: int, max_splits: int, device: torch.device) -> int:
+    """Programs that share one row's splits: 1 when there are rows enough for about two
+    programs per SM, else enough to make that many."""
+    if device.type == "cuda":
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = INTERPRETER_PROGRAMS
+    return max(1, min(max_splits, _cdiv(target, max(1, row_programs))))
 
 
 def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cache_k: torch.Tensor, cache_v: torch.Tensor,
-                             plan: InvariantPlan | TreeAttnMetadata | StepLayout, scale: float) -> torch.Tensor:
+                             plan: InvariantPlan | TreeAttnMetadata | StepLayout, scale: float, *,
+                             block_n: int = BLOCK_N, split_len: int = SPLIT_LEN,
+                             max_splits: int = MAX_SPLITS) -> torch.Tensor:
     """Same contract as tree_attention_reference, each node's result independent of the
-    rest of the step (see the module's docstring)."""
+    rest of the step (see the module's docstring).
+
+    block_n, split_len and max_splits set every row's reduction order: results are
+    bitwise comparable only between calls with the same values (tests lower them so
+    that tiny sequences get several tiles and splits)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
+    if split_len % block_n or max_splits < 1:
+        raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}, max_splits "
+                         f"{max_splits} positive")
     if isinstance(plan, StepLayout):
         plan = metadata_from_layout(plan, block_size=cache_k.shape[1], num_q_heads=Hq, num_kv_heads=Hkv,
                                     device=q.device)
@@ -159,21 +320,53 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.block_size != cache_k.shape[1] or meta.group * Hkv != Hq or cache_k.shape[2] != Hkv:
         raise ValueError(f"metadata for block size {meta.block_size} and {meta.group} query heads per kv "
                          f"head; cache {tuple(cache_k.shape)}, q {Hq} heads, k {Hkv}")
+    if meta.block_table.stride(-1) != 1:
+        raise ValueError("the block table's last dim must be contiguous")
     q, k, v, cache_k, cache_v = (x if x.stride(-1) == 1 else x.contiguous()
                                  for x in (q, k, v, cache_k, cache_v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if T == 0:
+    rows = min(T, plan.row_seq.shape[0])  # rows past the metadata's belong to no sequence
+    if rows == 0:
         return out
+
+    # Everything below follows from shapes alone (a CUDA graph replays it for other lengths).
+    # No row is longer than the prefix its table can hold plus the step's rows.
+    longest = meta.block_table.shape[1] * meta.block_size + T
+    splits = min(max_splits, _cdiv(longest, split_len))
+    split_programs = _split_programs(rows * Hkv, splits, q.device)
+    # The workspace: a partial per (row, query head, split). Only launches of fewer rows
+    # than the GPU has programs to give use it, so it stays small: rows x Hkv < 2 x SMs
+    # bounds it by 2 x SMs x GROUP x splits x (head_dim + 2) floats (Llama-8B on an H200:
+    # 264 x 4 x 16 x 130 x 4 B = 8.8 MB), where a partial per split for every row of a
+    # 4k-token prefill chunk would take 1.1 GB. Larger launches fold in registers and
+    # pass a placeholder, never touched.
+    if split_programs > 1:
+        part_acc = torch.empty(rows, Hq, splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(rows, Hq, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(D))
     f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
-    _invariant_attention_kernel[(meta.num_tiles, Hkv)](
-        q, k, v, cache_k, cache_v, out, meta.ints, meta.block_table, tails.chain, tails.depth, tails.tail,
-        meta.info_off, meta.tile_off, meta.block_table.stride(0), tails.tail.stride(0),
+    _invariant_attention_kernel[(rows, Hkv, split_programs)](
+        q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,
+        tails.chain, tails.depth, tails.tail,
+        meta.info_off, split_programs, meta.block_table.stride(0), tails.tail.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         scale * LOG2E,
-        GROUP=meta.group, BLOCK_M=max(16, triton.next_power_of_2(meta.group)), BLOCK_N=BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), HEAD_DIM=D, PAGE=meta.block_size, F32_DOT=f32_dot,
-        num_warps=4,
+        GROUP=meta.group, BLOCK_M=max(16, triton.next_power_of_2(meta.group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, HEAD_DIM=D, PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits,
+        F32_DOT=f32_dot, num_warps=4,
     )
+    if split_programs > 1:
+        _merge_splits_kernel[(rows, Hkv)](
+            part_acc, part_ml, meta.ints, plan.row_seq, tails.depth, out, meta.info_off,
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), out.stride(0), out.stride(1),
+            GROUP=meta.group, BLOCK_G=triton.next_power_of_2(meta.group), BLOCK_D=block_d, HEAD_DIM=D,
+            SPLIT_LEN=split_len, MAX_SPLITS=max_splits, num_warps=4,
+        )
     return out

@@ -4,10 +4,13 @@ cuBLAS picks its algorithm (tile shape, split-K, the instruction) by the
 problem's shape, so the same activation row multiplied alone and among 63
 others can round differently in bf16, and a near-tie argmax can flip: that is
 how speculation changed greedy output on the GPU (BENCHMARKS.md, issue 19).
-This kernel has one configuration for every M: fixed tiles, the reduction over
-K in BLOCK_K steps from k = 0 upward, no split-K. An output element is then
-computed by the same instructions in the same order whatever M is and wherever
-its row falls in a tile, so it is bitwise the same.
+This kernel has one configuration for every M: fixed tiles and a split of the
+reduction over K that depends only on the weight's shape (N, K). Each split
+covers a fixed, BLOCK_K-aligned range of K, walked in BLOCK_K steps upward; the
+float32 partials are summed per output element in split order (0, 1, ...), then
+the bias is added. An output element is then computed by the same instructions
+in the same order whatever M is and wherever its row falls in a tile, so it is
+bitwise the same.
 """
 
 from __future__ import annotations
@@ -28,29 +31,64 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 MIN_PROGRAMS = 256  # column tiles wanted per row tile before BLOCK_N drops to 32
 
+# Split-K, for decode: at M = 1 a weight has only cdiv(N, BLOCK_N) programs
+# (128 for down_proj), each walking all of K, too few to keep the HBM of 132
+# SMs busy. Splitting K multiplies the programs. The count is a constant, not
+# the device's SM count, so that a layer rounds the same on every GPU.
+SPLIT_K_PROGRAMS = 2 * 132  # programs wanted per row tile: two per SM of an H200
+MIN_K_PER_SPLIT = 8 * BLOCK_K  # shorter K loops would not fill the software pipeline
+MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read again: bounded for prefill
+REDUCE_BLOCK = 1024  # output elements per program of the kernel that sums the partials
+
 
 def block_n_for(n: int) -> int:
     return 64 if triton.cdiv(n, 64) >= MIN_PROGRAMS else 32
+
+
+def k_splits_for(n: int, k: int) -> tuple[int, int]:
+    """(number of splits, K columns per split) for a weight [n, k]: enough splits
+    that the column tiles times the splits reach SPLIT_K_PROGRAMS, each split at least
+    MIN_K_PER_SPLIT long, at most MAX_SPLITS. A function of the weight alone:
+    the same for every M, which is what keeps a row's sum order fixed. Wide
+    weights (gate_up, lm_head) already have enough column tiles: one split,
+    the single-kernel path."""
+    column_tiles = triton.cdiv(n, block_n_for(n))
+    wanted = triton.cdiv(SPLIT_K_PROGRAMS, column_tiles)
+    splits = max(1, min(wanted, k // MIN_K_PER_SPLIT, MAX_SPLITS))
+    return _aligned_splits(k, splits)
+
+
+def _aligned_splits(k: int, splits: int) -> tuple[int, int]:
+    """`splits` rounded so that every split covers whole BLOCK_K steps and none is empty."""
+    k_per_split = triton.cdiv(triton.cdiv(k, BLOCK_K), max(1, splits)) * BLOCK_K
+    return max(1, triton.cdiv(k, k_per_split)), k_per_split
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-# M changes every step: not specialised, so no step waits for a compile and one binary serves all M.
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, B, Out, M, N, K, sx_m, sw_n, so_m,
+# M changes every step: not specialised, so no step waits for a compile and one
+# binary serves all M (so_split = M * N changes with it).
+@triton.jit(do_not_specialize=["M", "so_split"])
+def _linear_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, sx_m, sw_n, so_m, so_split,
                    HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """X[:, split's K range] @ W[:, split's K range].T for one tile and one split
+    (program axis 2). With one split Out is the output; with more it is the
+    float32 partials [splits, M, N] and the bias waits for the sum."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_split = tl.program_id(2)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    k_start = pid_split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + offs_k) < K
         a = tl.load(X + offs_m[:, None] * sx_m + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
@@ -62,13 +100,34 @@ def _linear_kernel(X, W, B, Out, M, N, K, sx_m, sw_n, so_m,
             acc += tl.dot(a, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + offs_m[:, None] * so_m + offs_n[None, :], acc.to(Out.dtype.element_ty),
+    out_split = Out + pid_split.to(tl.int64) * so_split  # so_split is 0 with one split
+    tl.store(out_split + offs_m[:, None] * so_m + offs_n[None, :], acc.to(Out.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(Partials, B, Out, M, N,
+                       SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Out = Partials[0] + Partials[1] + ... (in that order, float32) + bias, for
+    contiguous Partials [SPLITS, M, N] and Out [M, N]: each element's sum is the
+    same sequence of additions whatever M is."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    size = M.to(tl.int64) * N
+    ok = offs < size
+    acc = tl.load(Partials + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(Partials + s * size + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     splits: int | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K], weight [N, K], each output row
-    bitwise independent of how many rows x has. float32 runs at IEEE precision (no TF32)."""
+    bitwise independent of how many rows x has. float32 runs at IEEE precision (no TF32).
+    `splits` overrides k_splits_for(N, K) (tests use it on shapes too small to split);
+    it is rounded to whole BLOCK_K steps per split."""
     K = x.shape[-1]
     N = weight.shape[0]
     if weight.shape != (N, K):
@@ -85,10 +144,23 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
         f32_dot = x.dtype == torch.float32 or interpreting()
         block_n = block_n_for(N)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n))
-        _linear_kernel[grid](x2, weight, bias if bias is not None else weight, out, M, N, K,
-                             x2.stride(0), weight.stride(0), out.stride(0),
-                             HAS_BIAS=bias is not None, F32_DOT=f32_dot,
-                             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
+        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), n_splits)
+        bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
+        if n_splits == 1:
+            _linear_kernel[grid](x2, weight, bias_arg, out, M, N, K, K,
+                                 x2.stride(0), weight.stride(0), out.stride(0), 0,
+                                 HAS_BIAS=bias is not None, F32_DOT=f32_dot,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        else:
+            partials = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
+            _linear_kernel[grid](x2, weight, bias_arg, partials, M, N, K, k_per_split,
+                                 x2.stride(0), weight.stride(0), partials.stride(1), partials.stride(0),
+                                 HAS_BIAS=False, F32_DOT=f32_dot,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+                partials, bias_arg, out, M, N,
+                SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], N)

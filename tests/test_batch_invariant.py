@@ -20,11 +20,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.invariant_attention import MAX_TAIL, ancestor_tails, tree_attention_invariant
-from kernels.matmul import BLOCK_M, linear_invariant
+from kernels import invariant_attention
+from kernels.invariant_attention import (
+    MAX_TAIL,
+    SPLIT_LEN,
+    ancestor_tails,
+    row_sequences,
+    tree_attention_invariant,
+)
+from kernels.matmul import BLOCK_K, BLOCK_M, SPLIT_K_PROGRAMS, block_n_for, k_splits_for, linear_invariant
 from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from kernels.tree_attention import StepLayout
-from kernels.tree_metadata import packed_mask
+from kernels.tree_metadata import metadata_from_layout, packed_mask
 from tandem.tree import ancestor_mask
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel
@@ -62,19 +69,38 @@ def _among(row: torch.Tensor, others: int, seed: int, where: int) -> tuple[torch
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("others", OTHERS)
-def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, others):
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "split_k"])
+def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, others, splits):
     g = torch.Generator(device).manual_seed(0)
-    # Sizes that are not multiples of the tiles, so edge tiles are masked.
-    weight = torch.randn(100, 72, generator=g, device=device).to(dtype)
+    # Sizes that are not multiples of the tiles, so edge tiles are masked: K = 136
+    # is three BLOCK_K steps, the last 8 wide, so split-K runs three splits of one
+    # step each and the partials kernel sums three.
+    weight = torch.randn(100, 136, generator=g, device=device).to(dtype)
     bias = torch.randn(100, generator=g, device=device).to(dtype)
-    row = torch.randn(1, 72, generator=g, device=device).to(dtype)
-    alone = linear_invariant(row, weight, bias)
+    row = torch.randn(1, 136, generator=g, device=device).to(dtype)
+    alone = linear_invariant(row, weight, bias, splits=splits)
     for where in (0, others // 2, others, BLOCK_M - 1):  # first, middle, last row of a tile
         batch, at = _among(row, others, seed=others + where, where=where)
-        together = linear_invariant(batch, weight, bias)
+        together = linear_invariant(batch, weight, bias, splits=splits)
         assert torch.equal(together[at], alone[0]), f"row at {at} of {others + 1}"
     expect = F.linear(row.float(), weight.float(), bias.float())
     torch.testing.assert_close(alone.float(), expect, **TOL[dtype])
+
+
+# Llama-3.1-8B's weights [N, K], whole and halved by TP=2.
+LLAMA_8B_WEIGHTS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+                    "down_proj": (4096, 14336), "lm_head": (128256, 4096), "qkv_tp2": (3072, 4096),
+                    "o_proj_tp2": (4096, 2048), "gate_up_tp2": (14336, 4096), "down_proj_tp2": (4096, 7168)}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_8B_WEIGHTS))
+def test_linear_splits_k_until_a_decode_row_has_enough_programs(name):
+    n, k = LLAMA_8B_WEIGHTS[name]
+    splits, k_per_split = k_splits_for(n, k)
+    column_tiles = -(-n // block_n_for(n))
+    assert column_tiles * splits >= SPLIT_K_PROGRAMS
+    assert (splits == 1) == (column_tiles >= SPLIT_K_PROGRAMS)  # wide weights keep the single kernel
+    assert k_per_split % BLOCK_K == 0 and (splits - 1) * k_per_split < k <= splits * k_per_split  # none empty
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,8 +173,27 @@ def test_ancestor_tails_list_each_nodes_ancestors_past_its_leading_chain(parents
 # --- tree attention ----------------------------------------------------------------
 
 
-def run_invariant(step: Step) -> torch.Tensor:
-    return tree_attention_invariant(step.q, step.k, step.v, step.cache_k, step.cache_v, step.layout, 0.17)
+# On CPU the sequences are a few dozen keys, so splits are lowered there to give rows
+# several splits (three, so that the order they are folded in shows), and rows over
+# max_splits * split_len keys splits of doubled length. The bitwise tests (rows of ~20
+# keys) take the smallest tiles too; the comparisons with the reference keep the default
+# tile, since the interpreter's time goes by tiles visited: their longer rows ("wide",
+# "prefill_chunk") still split, and double. The GPU runs the defaults.
+SPLITS = {"cpu": dict(block_n=8, split_len=8, max_splits=3), "cuda": {}}
+REFERENCE_SPLITS = {"cpu": dict(split_len=32, max_splits=2), "cuda": {}}
+
+
+def run_invariant(step: Step, splits: dict[str, dict[str, int]] = SPLITS) -> torch.Tensor:
+    return tree_attention_invariant(step.q, step.k, step.v, step.cache_k, step.cache_v, step.layout, 0.17,
+                                    **splits[step.q.device.type])
+
+
+@pytest.fixture
+def split_programs(monkeypatch) -> None:
+    """Launches of few rows give each split a program of its own, folded by a second kernel,
+    and launches of many rows fold a row's splits in its one program: on a GPU this follows
+    its SM count; the interpreter runs one program per row unless its target is raised."""
+    monkeypatch.setattr(invariant_attention, "INTERPRETER_PROGRAMS", 16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,7 +201,7 @@ def run_invariant(step: Step) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["decode_ragged", "trees", "prefill_chunk", "wide", "mixed"])
 def test_invariant_tree_attention_equals_the_reference(device, group, name):
     step = make_step(scenarios(device)[name], SHAPES[device].gqa[group], device, torch.float32)
-    torch.testing.assert_close(run_invariant(step), reference(step, 0.17), **TOL[torch.float32])
+    torch.testing.assert_close(run_invariant(step, REFERENCE_SPLITS), reference(step, 0.17), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -177,7 +222,7 @@ def _only(step: Step, index: int) -> Step:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("others", OTHERS)
-def test_an_attention_row_alone_equals_the_same_row_among_other_sequences(device, dtype, others):
+def test_an_attention_row_alone_equals_the_same_row_among_other_sequences(device, dtype, others, split_programs):
     bs, long = SHAPES[device].block_size, SHAPES[device].long_prefix
     rng = random.Random(others)
     kinds = [[-1], BRANCHY, chain(5), random_tree(9, 4)]
@@ -185,6 +230,9 @@ def test_an_attention_row_alone_equals_the_same_row_among_other_sequences(device
     at = others // 2
     seqs.insert(at, (long + bs // 2, CHAIN_THEN_TREE))
     step = make_step(seqs, SHAPES[device].gqa[2], device, dtype, seed=others)
+    # Among 7 or 63 others a program runs all of a row's splits and folds them; alone
+    # (too few rows to fill the machine) its splits run in programs of their own and a
+    # second kernel folds them.
     together = run_invariant(step)
     alone = run_invariant(_only(step, at))
     start, count = step.layout.node_starts[at], step.layout.node_counts[at]
@@ -218,13 +266,33 @@ def _plain_decode_of(step: Step, node: int) -> Step:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("parents", [BRANCHY, CHAIN_THEN_TREE, random_tree(12, 7)],
                          ids=["branchy", "chain_then_tree", "random12"])
-def test_a_tree_node_attends_bitwise_as_its_token_decoded_plainly(device, dtype, parents):
-    bs = SHAPES[device].block_size
-    step = make_step([(3 * bs - 2, parents)], SHAPES[device].gqa[1], device, dtype, seed=len(parents))
+def test_a_tree_node_attends_bitwise_as_its_token_decoded_plainly(device, dtype, parents, split_programs):
+    # The prefix ends 2 keys before a split boundary (also a tile's and a block's): the
+    # split holding a node's first ancestors mixes cache and step keys, and nodes deeper
+    # than 2 have one split more. The tree's rows fold their splits in one program each,
+    # a plain decode's single row gives each split a program (split_programs).
+    split_len = SPLITS[device].get("split_len", SPLIT_LEN)
+    step = make_step([(2 * split_len - 2, parents)], SHAPES[device].gqa[1], device, dtype, seed=len(parents))
     tree = run_invariant(step)
     for node in range(len(parents)):
         plain = run_invariant(_plain_decode_of(step, node))
         assert torch.equal(tree[node], plain[0]), f"node {node}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_rows_and_tiles_of_a_bucket_belong_to_no_sequence_and_change_no_row(device):
+    """A CUDA graph's bucket pads the step's rows, tiles and sequences: the padding rows
+    map to no sequence, and the step's rows come out bitwise as without the padding."""
+    shapes = SHAPES[device]
+    hq, hkv = shapes.gqa[1]
+    step = make_step([(5, [-1]), (2 * shapes.block_size + 1, BRANCHY)], (hq, hkv), device, torch.float32, seed=5)
+    rows, pad = step.q.shape[0], 3
+    meta = metadata_from_layout(step.layout, block_size=shapes.block_size, num_q_heads=hq, num_kv_heads=hkv,
+                                device=device, max_batch=4, max_blocks=8, max_tiles=8, max_rows=rows + pad)
+    assert row_sequences(meta).tolist() == [0] + [1] * len(BRANCHY) + [-1] * pad
+    q, k, v = (torch.cat((x, torch.randn(pad, *x.shape[1:], device=device))) for x in (step.q, step.k, step.v))
+    padded = tree_attention_invariant(q, k, v, step.cache_k, step.cache_v, meta, 0.17, **SPLITS[device])
+    assert torch.equal(padded[:rows], run_invariant(step))
 
 
 # --- the target in the batch-invariant mode ---------------------------------------------
