@@ -26,13 +26,15 @@
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
 #   auto     after only: never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
-#            and 0.6 (AUTO_CONCURRENCY overrides the levels); each mode's metrics scraped after it hold
+#            and 0.6 (AUTO_CONCURRENCY and AUTO_ACCEPTANCES override the levels and rates); each mode's
+#            metrics scraped after it hold
 #            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
-#            bench/engine_step.py (decode and verify 8, batch 1/8/64)
+#            bench/engine_step.py (decode and verify 8, batch 1/8/64); DET_MATMUL="0,1 0,264" also times the
+#            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS)
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
-#   equality after only, the batch-invariant mode off against on: bench/greedy_equality.py (64 held-out
+#   equality after only (EQUALITY_RUNS picks among demo_off demo_on scale_off scale_on), the mode off against on: bench/greedy_equality.py (64 held-out
 #            prompts: always vs never at 1 and 8 requests, never alone vs among 8), demo pair in bf16,
 #            then the scale track
 # DEADLINE_S (seconds from the start) caps every run's timeout so that the results are packed before the
@@ -174,7 +176,7 @@ for stage in "$@"; do
       serve_bench tp8_stack_70b 8990 "${TP8_CONCURRENCY:-1,8,32,64,128}" never,always,auto "${serve[@]}" --tp 8 ;;
     auto)
       need_scale scale_track $scale
-      for acceptance in 0.8 0.6; do
+      for acceptance in ${AUTO_ACCEPTANCES:-0.8 0.6}; do
         scale_serve $scale $acceptance
         serve_bench "auto_scale_$acceptance" $((8700 + ${acceptance#0.})) "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" \
           never,always,auto "${serve[@]}"
@@ -185,6 +187,10 @@ for stage in "$@"; do
         flag=(); [[ $mode == on ]] && flag=(--deterministic)
         run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
+      done
+      for config in ${DET_MATMUL:-}; do  # other configurations of the invariant linear kernel, mode on
+        run "engine_det_on_$config" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
+          --iters 20 --modes graphs --deterministic --matmul "$config" --out "$OUT/engine_det_on_$config.json"
       done ;;
     linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel in several configurations
       run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 \
@@ -192,10 +198,12 @@ for stage in "$@"; do
     equality)
       need_scale scale_track $scale
       scale_serve $scale 0.8
-      equality equality_demo_off 8410 64 "" --device cuda --dtype bfloat16
-      equality equality_demo_on 8420 64 "" --device cuda --dtype bfloat16 --deterministic
-      equality equality_scale_off 8430 64 "" "${serve[@]}" --dtype bfloat16
-      equality equality_scale_on 8440 64 "" "${serve[@]}" --dtype bfloat16 --deterministic ;;
+      declare -A eq_port=([demo_off]=8410 [demo_on]=8420 [scale_off]=8430 [scale_on]=8440)
+      for run_name in ${EQUALITY_RUNS:-demo_off demo_on scale_off scale_on}; do
+        flags=(--device cuda); [[ $run_name == scale_* ]] && flags=("${serve[@]}")
+        [[ $run_name == *_on ]] && flags+=(--deterministic)
+        equality "equality_$run_name" "${eq_port[$run_name]}" 64 "" "${flags[@]}" --dtype bfloat16
+      done ;;
     stack)
       need_scale scale_track $scale
       scale_serve $scale
