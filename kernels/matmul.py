@@ -29,7 +29,11 @@ BLOCK_M = 64
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
-MIN_PROGRAMS = 256  # column tiles wanted per row tile before BLOCK_N drops to 32
+# Column tiles wanted per row tile before BLOCK_N drops to 32 (0: never). Narrower tiles were meant to
+# give narrow weights more programs at small M; on the H200 64-wide tiles with split-K ran the decode
+# step faster (bench/engine_step.py --deterministic --matmul: 5.78 against 6.30 ms at batch 1, 11.03
+# against 11.29 at 64), so split-K alone supplies the programs.
+MIN_PROGRAMS = 0
 
 # Split-K, for decode: at M = 1 a weight has only cdiv(N, BLOCK_N) programs
 # (128 for down_proj), each walking all of K, too few to keep the HBM of 132

@@ -28,7 +28,16 @@ from kernels.invariant_attention import (
     row_sequences,
     tree_attention_invariant,
 )
-from kernels.matmul import BLOCK_K, BLOCK_M, SPLIT_K_PROGRAMS, block_n_for, k_splits_for, linear_invariant
+from kernels.matmul import (
+    BLOCK_K,
+    BLOCK_M,
+    MAX_SPLITS,
+    MIN_K_PER_SPLIT,
+    SPLIT_K_PROGRAMS,
+    block_n_for,
+    k_splits_for,
+    linear_invariant,
+)
 from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import metadata_from_layout, packed_mask
@@ -98,7 +107,8 @@ def test_linear_splits_k_until_a_decode_row_has_enough_programs(name):
     n, k = LLAMA_8B_WEIGHTS[name]
     splits, k_per_split = k_splits_for(n, k)
     column_tiles = -(-n // block_n_for(n))
-    assert column_tiles * splits >= SPLIT_K_PROGRAMS
+    # Enough programs, unless the splits would get shorter than MIN_K_PER_SPLIT (or more than MAX_SPLITS).
+    assert column_tiles * splits >= SPLIT_K_PROGRAMS or splits == min(k // MIN_K_PER_SPLIT, MAX_SPLITS)
     assert (splits == 1) == (column_tiles >= SPLIT_K_PROGRAMS)  # wide weights keep the single kernel
     assert k_per_split % BLOCK_K == 0 and (splits - 1) * k_per_split < k <= splits * k_per_split  # none empty
 
