@@ -90,9 +90,11 @@ def _linear_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, sx_m, sw_n, so_m, so_spli
     m_ok = offs_m < M
     n_ok = offs_n < N
     k_start = pid_split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    # A loop bound that is an argument, not a value computed in the kernel: Triton 3.6's interpreter
+    # cannot range over the latter. Steps of the last split past K load nothing and add exact zeros.
+    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + k_step
         k_ok = (k0 + offs_k) < K
         a = tl.load(X + offs_m[:, None] * sx_m + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
