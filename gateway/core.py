@@ -390,8 +390,8 @@ class GatewayCore:
             self.gate.predict(len(plan.items), search.rates)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
         # them dormant, and a dormant request's draft is not ready until the gate asks for trees again.
-        could_draft = any(it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._replica(it.request)
-                          for it in plan.items)
+        could_draft = any(it.is_decode and self._mode(it.request) == SpecMode.AUTO
+                          and self._replica(it.request) is not None for it in plan.items)
         gate_open = not could_draft or self.gate.allow_spec(len(plan.items), lambda: search.best is not None)
         self._gate_plain = not gate_open
         self._gate_probing_trees = could_draft and gate_open and self.gate.probing_spec(len(plan.items))
