@@ -70,9 +70,10 @@ class CostModel:
     draft call at 64 requests ingests and catches up 64 requests). So decode
     steps correct it at every load: `ratios` holds measured over profiled wall
     time per batch bucket, for steps with trees and without, and scales what
-    `step_time` predicts. A step's measured time is its whole round (see
-    GatewayCore._record). From LoadGate.min_batch on, the gate decides on
-    measured goodput; the corrected model still chooses the trees.
+    `step_time` predicts. From LoadGate.min_batch on, a step's measured time is
+    its whole round, and the gate decides on measured goodput while the
+    corrected model still chooses the trees; below it, the time of the target's
+    step (see GatewayCore._record).
     """
 
     target_base: float = 5e-3
