@@ -394,11 +394,12 @@ class GatewayCore:
                           and self._replica(it.request) is not None for it in plan.items)
         gate_open = not could_draft or self.gate.allow_spec(len(plan.items), lambda: search.best is not None)
         self._gate_plain = not gate_open
-        self._gate_probing_trees = could_draft and gate_open and self.gate.probing_spec(len(plan.items))
+        probing_trees = gate_open and self.gate.probing_spec(len(plan.items))
+        self._gate_probing_trees = could_draft and probing_trees
         if self._gate_plain:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
             search = None
-        probe = bool(cands) and self.gate.probing_spec(len(plan.items))
+        probe = bool(cands) and probing_trees
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe, search)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}

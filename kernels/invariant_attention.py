@@ -281,10 +281,6 @@ def plan_invariant(meta: TreeAttnMetadata) -> InvariantPlan:
     return InvariantPlan(meta=meta, tails=ancestor_tails(meta.mask_words), row_seq=row_sequences(meta))
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _split_programs(row_programs: int, max_splits: int, device: torch.device) -> int:
     """Programs that share one row's splits: 1 when there are rows enough for about two
     programs per SM, else enough to make that many."""
@@ -292,7 +288,7 @@ def _split_programs(row_programs: int, max_splits: int, device: torch.device) ->
         target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = INTERPRETER_PROGRAMS
-    return max(1, min(max_splits, _cdiv(target, max(1, row_programs))))
+    return max(1, min(max_splits, triton.cdiv(target, max(1, row_programs))))
 
 
 def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -332,7 +328,7 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Everything below follows from shapes alone (a CUDA graph replays it for other lengths).
     # No row is longer than the prefix its table can hold plus the step's rows.
     longest = meta.block_table.shape[1] * meta.block_size + T
-    splits = min(max_splits, _cdiv(longest, split_len))
+    splits = min(max_splits, triton.cdiv(longest, split_len))
     split_programs = _split_programs(rows * Hkv, splits, q.device)
     # The workspace: a partial per (row, query head, split). Only launches of fewer rows
     # than the GPU has programs to give use it, so it stays small: rows x Hkv < 2 x SMs
