@@ -103,7 +103,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             feature_layers=list(info.feature_layers), feature_width=info.feature_width,
             max_tokens=info.max_tokens, max_steps=MAX_STEPS, max_topk=min(MAX_TOPK, info.draft_vocab_size),
             max_draft_tokens=MAX_DRAFT_TOKENS, dtype=info.dtype, device=info.device,
-            load=load_to_proto(engine.load()), reads_target_features=self.target_features is not None)
+            load=load_to_proto(engine.load()), reads_target_features=self.target_features is not None,
+            feature_sink=self.target_features.sink if self.target_features is not None else "")
 
     def _with_features(self, items: list[IngestItem]) -> list[IngestItem]:
         """Items whose features the target holds, with those features read (outside the lock:
@@ -174,6 +175,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         engine = self._ready()
         with self._lock:
             n = engine.release(list(request.request_ids))
+            if self.target_features is not None:
+                self.target_features.release(list(request.request_ids))
             if self.forcing is not None:
                 self.forcing.release(list(request.request_ids))
             load = engine.load()
@@ -218,10 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "on, and tandem_draft_kv_cache_usage_ratio), Draft call time, tree nodes and requests per "
                    "call, catch-up time, feature bytes")
     p.add_argument("--target", metavar="HOST:PORT", default=None,
-                   help="the target service, to read the features it holds for this replica (ReadFeatures) "
-                        "so that they never pass through the gateway; the gateway then sends only tokens. "
-                        "With --tls-ca this replica connects over TLS and presents --tls-cert/--tls-key. "
-                        "Default: features come from the gateway")
+                   help="the target service, from which this replica takes its features so that they never "
+                        "pass through the gateway (the gateway then sends only tokens): the target pushes them "
+                        "as its steps commit them (SubscribeFeatures), and rows not pushed are read "
+                        "(ReadFeatures). With --tls-ca this replica connects over TLS and presents "
+                        "--tls-cert/--tls-key. Default: features come from the gateway")
+    p.add_argument("--pull-features", action="store_true",
+                   help="with --target: read every row with ReadFeatures, one round trip before each tree, "
+                        "instead of subscribing to pushes (for comparison; default off)")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
@@ -258,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("draft", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)
+    if args.pull_features and not args.target:
+        raise SystemExit("error: --pull-features needs --target")
     if args.target:
         try:
-            servicer.target_features = TargetFeatureReader(args.target, target_tls(args))
+            servicer.target_features = TargetFeatureReader(args.target, target_tls(args),
+                                                           subscribe=not args.pull_features)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
     metrics = None
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     "expanded (steps x topk per request)",
                     pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
-    host.run_until_signal()
+    host.run_until_signal(on_stop=servicer.target_features.close if servicer.target_features else None)
     telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -1,57 +1,124 @@
-"""The draft's one call to the target: read the features the target holds for it.
+"""The draft's link to the target's features: pushed to it as steps commit them, or read.
 
 When a step ran with hold_features, the gateway sends the draft tokens and a
-row count (IngestItem.target_feature_rows) instead of the features; before the
-engine sees those items, this reads the rows from the target (ReadFeatures,
-one call for all of a call's items), so features go target -> draft once and
-never through the gateway. Rows the target no longer holds, or a target that
-cannot be reached, leave those positions without features: the engine catches
-them up from its own hidden state (approximate; output never depends on it).
+row count (IngestItem.target_feature_rows) instead of the features, so that
+features go target -> draft once and never through the gateway. The reader
+subscribes to the target under a sink name of its own (SubscribeFeatures;
+DraftInfo.feature_sink tells the gateway the name, which it puts in its
+steps): the target then pushes each step's rows as the step ends, and they
+are here, or on their way, when an ingest needs them. Rows that were not
+pushed (no live subscription when the step ran) are read from the target
+(ReadFeatures, one call for all of a call's items) before the engine sees the
+items. Rows the target no longer holds, or a target that cannot be reached,
+leave those positions without features: the engine catches them up from its
+own hidden state (approximate; output never depends on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+import uuid
 
 import grpc
 
 from draft_service.types import IngestItem
 from tandem.channels import open_channel
+from tandem.feature_store import FeatureStore
 from tandem.tensors import tensor_from_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import target_pb2, target_pb2_grpc
 
 log = logging.getLogger("tandem.draft")
 WARN_EVERY_S = 60.0  # a target that cannot be reached is logged at most this often
+# How long an ingest waits for pushed rows not yet here. They leave the target with the step's
+# reply, and the gateway acts on the reply before it sends them on, so they are normally here
+# first; a miss costs this wait and then a pull.
+PUSH_WAIT_S = 0.05
+PUSHED_ROWS = 16384  # rows kept until an ingest uses them (as the target's --max-held-features)
 
 
 class TargetFeatureReader:
-    def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0):
+    """subscribe: take pushed rows (a subscription thread, reconnecting after a break);
+    False: pull every row with ReadFeatures."""
+
+    def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0, subscribe: bool = True):
         self.address = address
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
         self._warned_at = -WARN_EVERY_S
+        self.sink = f"draft-{uuid.uuid4().hex}" if subscribe else ""
+        self.pushed = FeatureStore(PUSHED_ROWS)
+        self.live = False  # the target has confirmed the subscription and pushes to it
+        self._closed = threading.Event()
+        self._call = None
+        self._thread = None
+        if subscribe:
+            self._thread = threading.Thread(target=self._subscribe, name="feature-subscription", daemon=True)
+            self._thread.start()
+
+    def _subscribe(self) -> None:
+        backoff = 0.1
+        while not self._closed.is_set():
+            try:
+                self._call = self.stub.SubscribeFeatures(target_pb2.SubscribeFeaturesRequest(sink=self.sink))
+                for msg in self._call:
+                    if not msg.request_id:
+                        self.live, backoff = True, 0.1
+                        log.info("features from the target at %s are pushed to this draft", self.address)
+                        continue
+                    self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("the target at %s pushes no features; this draft reads them", self.address)
+                    return
+                self._warn(f"feature subscription to the target at {self.address} broke "
+                           f"({exc.code().name}: {exc.details()}); features are read until it is back")
+            finally:
+                self.live = False
+            self._closed.wait(backoff)
+            backoff = min(2 * backoff, 2.0)
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
-        """The items with the rows the target holds for them in `features` (target_feature_rows
-        cleared): what an inline feed would have sent."""
+        """The items with the target's rows for them in `features` (target_feature_rows
+        cleared): what an inline feed would have sent. Pushed rows first, then a pull."""
         wanted = [i for i, it in enumerate(items) if it.target_feature_rows and it.features is None]
         if not wanted:
             return items
+        out = [dataclasses.replace(it, target_feature_rows=0) for it in items]
+        if self.live:
+            deadline = time.monotonic() + PUSH_WAIT_S
+            missing = []
+            for i in wanted:
+                it = items[i]
+                end = it.start_position + it.target_feature_rows
+                self.pushed.wait_for(it.request_id, end, max(0.0, deadline - time.monotonic()))
+                start, rows = self.pushed.read(it.request_id, it.start_position, end)
+                if rows is not None and start == it.start_position:
+                    out[i] = dataclasses.replace(out[i], features=rows)
+                else:
+                    missing.append(i)
+            wanted = missing
+        if wanted:
+            self._pull(items, wanted, out)
+        return out
+
+    def _pull(self, items: list[IngestItem], wanted: list[int], out: list[IngestItem]) -> None:
         request = target_pb2.ReadFeaturesRequest(ranges=[
             target_pb2.FeatureRange(request_id=items[i].request_id, start_position=items[i].start_position,
                                     end_position=items[i].start_position + items[i].target_feature_rows)
             for i in wanted])
-        out = [dataclasses.replace(it, target_feature_rows=0) for it in items]
         try:
             reply = self.stub.ReadFeatures(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             self._warn(f"cannot read features from the target at {self.address} "
                        f"({exc.code().name}: {exc.details()}); those positions are caught up without them")
-            return out
+            return
         for i, rows in zip(wanted, reply.rows, strict=True):
             if not rows.HasField("features"):
                 continue
@@ -60,7 +127,6 @@ class TargetFeatureReader:
             # dropped the first ones, and the item cannot say where features begin.
             if rows.start_position == items[i].start_position:
                 out[i] = dataclasses.replace(out[i], features=features)
-        return out
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
@@ -68,5 +134,14 @@ class TargetFeatureReader:
             self._warned_at = now
             log.warning(message)
 
+    def release(self, request_ids: list[str]) -> None:
+        """Forget the pushed rows of requests the draft let go."""
+        self.pushed.release(request_ids)
+
     def close(self) -> None:
+        self._closed.set()
+        if self._call is not None:
+            self._call.cancel()
         self.channel.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.tree_wire import trees_from_proto
@@ -16,7 +17,7 @@ from tandem.channels import open_channel
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_tracing import instrument_channel
 from tandem.telemetry import stream_call_span
-from tandem.tensors import tensor_to_proto
+from tandem.tensors import array_to_proto, tensor_to_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.step_batch import StepBatch
@@ -222,13 +223,20 @@ class TargetClient:
         self._drop_stream()
 
     def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
-              stops: GrantStops | None = None, hold_features: bool = False) -> TargetGrant:
+              stops: GrantStops | None = None, hold_features: bool = False,
+              feature_sinks: list[str] | None = None) -> TargetGrant:
         batch = StepBatch.from_items(items)
         span, traceparent = stream_call_span(STEP_CALL)
         call = target_pb2.PackedStep(items=batch_to_proto(batch), feature_layers=list(feature_layers),
                                      grant_steps=grant_steps, traceparent=traceparent, hold_features=hold_features)
         if stops is not None:
             call.stops.CopyFrom(stops.to_proto())
+        if hold_features and feature_sinks and any(feature_sinks):
+            names = sorted({sink for sink in feature_sinks if sink})
+            index = {sink: i for i, sink in enumerate(names)}
+            call.feature_sinks.extend(names)
+            call.item_feature_sink.CopyFrom(array_to_proto(
+                np.array([index.get(sink, -1) for sink in feature_sinks], dtype=np.int32)))
         stream = self._open_stream()
         stream.send(target_pb2.StepCall(step=call))
         return TargetGrant(stream, batch.request_ids, self._drop_stream, span)
@@ -245,11 +253,13 @@ class TargetClient:
         return TargetInfo(m.model_name, m.vocab_size, m.hidden_size, m.max_model_len,
                           tuple(m.eos_token_ids), tuple(m.default_feature_layers), _load(m.load))
 
-    def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...], hold_features: bool = False
-             ) -> tuple[list[SequenceResult], KvLoad, float]:
+    def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...], hold_features: bool = False,
+             feature_sinks: list[str] | None = None) -> tuple[list[SequenceResult], KvLoad, float]:
         """One step over the stream (packed columns both ways). hold_features: the target keeps
-        the features asked for, for the draft replicas to read, instead of returning them."""
-        return next(iter(self._call(items, feature_layers, hold_features=hold_features)))
+        the features asked for, for the draft replicas to read, instead of returning them;
+        feature_sinks (per item, "" for none): or pushes them to that subscriber."""
+        return next(iter(self._call(items, feature_layers, hold_features=hold_features,
+                                    feature_sinks=feature_sinks)))
 
     def grant(self, items: list[SequenceStep], feature_layers: tuple[int, ...], steps: int,
               stops: GrantStops) -> TargetGrant:
@@ -276,6 +286,7 @@ class DraftInfo:
     max_draft_tokens: int
     load: KvLoad
     reads_target_features: bool = False  # it reads features the target holds (IngestItem.target_feature_rows)
+    feature_sink: str = ""  # the name under which the target pushes it features (PackedStep.feature_sinks)
 
 
 class DraftClient:
@@ -294,6 +305,7 @@ class DraftClient:
         # Learnt from info() (the pool's admission check asks it of every replica); until then
         # the gateway sends it features itself.
         self.reads_target_features = False
+        self.feature_sink = ""
 
     def healthy(self) -> bool:
         return _health_status(self.channel, 2) == health_pb2.HealthCheckResponse.SERVING
@@ -304,8 +316,9 @@ class DraftClient:
         except grpc.RpcError as e:
             _raise_mapped(e, f"draft {self.address}")
         self.reads_target_features = m.reads_target_features
+        self.feature_sink = m.feature_sink
         return DraftInfo(tuple(m.feature_layers), m.max_tokens, m.max_steps, m.max_topk,
-                         m.max_draft_tokens, _load(m.load), m.reads_target_features)
+                         m.max_draft_tokens, _load(m.load), m.reads_target_features, m.feature_sink)
 
     @staticmethod
     def _ingest_proto(it: IngestItem) -> draft_pb2.IngestItem:

@@ -499,6 +499,15 @@ class GatewayCore:
         return bool(asking) and all((replica := self._replica(req)) is not None
                                     and replica.client.reads_target_features for req in asking)
 
+    def _feature_sinks(self, plan: StepPlan, steps: list[SequenceStep]) -> list[str]:
+        """Per item, the sink its replica takes pushed features under ("" for none): the rows
+        then reach the replica as the step ends, not by a read before its next tree."""
+        sinks = []
+        for it, step in zip(plan.items, steps, strict=True):
+            replica = self._replica(it.request) if step.return_features else None
+            sinks.append(replica.client.feature_sink if replica is not None else "")
+        return sinks
+
     def _execute(self, plan: StepPlan, trees: dict[str, DraftTree]) -> Iterator[StepOutcome]:
         """The target's step(s) for the plan: one call, or a grant of plain steps."""
         steps = [self._sequence_step(it, trees.get(it.request.request_id)) for it in plan.items]
@@ -507,7 +516,9 @@ class GatewayCore:
         try:
             if grant <= 1:
                 hold = self._hold_features(plan, steps)
-                results, load, _ = self.target.step(steps, self.feature_layers, hold_features=hold)
+                sinks = self._feature_sinks(plan, steps) if hold else None
+                results, load, _ = self.target.step(steps, self.feature_layers, hold_features=hold,
+                                                    feature_sinks=sinks)
                 yield StepOutcome(items=plan.items, results=results, load=load,
                                   seconds=time.perf_counter() - t0, trees=trees, granted=0, held_features=hold,
                                   fed_draft=any(step.return_features for step in steps))

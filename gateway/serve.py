@@ -119,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
                    help="target KV cache per GPU/rank in GiB (default: the target's)")
     p.add_argument("--features-through-gateway", action="store_true",
-                   help="feed the drafts the target's features through the gateway instead of letting them read "
-                        "the features from the target (benchmarks: the path before ReadFeatures)")
+                   help="feed the drafts the target's features through the gateway instead of letting them take "
+                        "the features from the target (benchmarks: the path before ReadFeatures; by default the "
+                        "target pushes them to the drafts, and --draft-args=--pull-features has the drafts read "
+                        "them before each tree instead)")
     p.add_argument("--deterministic", action="store_true",
                    help="the target's batch-invariant mode: greedy output with speculation is bitwise the output "
                         "without it, on a GPU in bf16 too; slower (see tandem target --help)")
@@ -316,7 +318,7 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metric
 
 def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0,
                   port: int = 0, target: str | None = None) -> list[str]:
-    """target: the target's address, where the draft reads the features it holds (never via the gateway)."""
+    """target: the target's address, from which the draft takes its features (never via the gateway)."""
     assert plan.draft is not None
     cmd = ["draft", "--model", str(plan.draft), "--target-model", str(plan.model), "--port", str(port),
            "--port-file", str(port_file), "--device", plan.device]
@@ -593,7 +595,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         port, metrics_port = next(ports), next(ports)
         target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", metrics_port, port),
                            metrics_port)
-        # Drafts read held features from the target there (target_command sets no --host).
+        # Drafts take features from the target there (target_command sets no --host).
         target_address = None if args.features_through_gateway else f"127.0.0.1:{port}"
         drafts = []
         if plan.draft is not None:

@@ -84,6 +84,9 @@ class ServiceHost:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self.stopping = threading.Event()
+        # Called once a stop begins, before the drain: e.g. to end streams that would otherwise
+        # stay open until the grace runs out.
+        self.on_draining: list[Callable[[], None]] = []
         self.set_serving(False)
 
     def add(self, add_fn: Callable, servicer: object) -> None:
@@ -104,6 +107,8 @@ class ServiceHost:
             return
         self.stopping.set()
         self.set_serving(False)
+        for hook in self.on_draining:
+            hook()
         self.server.stop(grace).wait()
 
     def run_until_signal(self, grace: float = 5.0, on_stop: Callable[[], None] | None = None) -> None:

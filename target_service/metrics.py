@@ -48,6 +48,9 @@ class TargetMetrics:
                                      "draft", registry=r)
         self.held_feature_bytes = Counter("tandem_target_held_feature_bytes", "Bytes of EAGLE-3 features held "
                                           "for draft replicas to read (hold_features), not returned", registry=r)
+        self.pushed_feature_bytes = Counter("tandem_target_pushed_feature_bytes", "Bytes of EAGLE-3 features "
+                                            "pushed to the subscriber a step named (SubscribeFeatures), not "
+                                            "returned", registry=r)
         self.kv_usage = Gauge("tandem_target_kv_cache_usage_ratio", "Share of the target's KV blocks in use",
                               registry=r)
         self.sequences = Gauge("tandem_target_sequences", "Sequences holding KV on the target", registry=r)

@@ -15,15 +15,16 @@ import numpy as np
 
 from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
+from tandem.feature_store import FeatureStore
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
-from tandem.tensors import tensor_to_proto
+from tandem.tensors import array_from_proto, tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import batch_of_items
-from target_service.feature_store import FeatureStore
+from target_service.feature_sinks import FeatureSinks, split_features
 from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.metrics import TargetMetrics
 from target_service.parallel import EngineSpec, ParallelEngine
@@ -63,6 +64,18 @@ def _reply(results: StepResults, item_index: np.ndarray, load: KvLoad, seconds: 
                                 step_seconds=seconds, step_index=index, done=done)
 
 
+def _item_sinks(call: target_pb2.PackedStep, size: int) -> list[str | None] | None:
+    """Per item, the sink its held features go to (None: held), from the call's names and column."""
+    if not call.feature_sinks:
+        return None
+    index = array_from_proto(call.item_feature_sink, "int32", "item_feature_sink")
+    if index.shape != (size,) or ((index < -1) | (index >= len(call.feature_sinks))).any():
+        raise InvalidArgument(f"item_feature_sink must hold one index in -1..{len(call.feature_sinks) - 1} "
+                              f"per item ({size})")
+    names = list(call.feature_sinks)
+    return [names[i] if i >= 0 else None for i in index.tolist()]
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                    "generation_config.json", "added_tokens.json")
@@ -74,6 +87,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.model_dir = model_dir
         # Features of hold_features steps, until a draft replica reads them (ReadFeatures).
         self.held_features = FeatureStore(max_held_features)
+        # Readers subscribed to have features pushed to them (SubscribeFeatures).
+        self.feature_sinks = FeatureSinks()
         self.pacing = pacing
         self.metrics = metrics  # None: --metrics-port is off, nothing is recorded
         self.model_name = model_dir.name
@@ -105,15 +120,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.StepResponse(results=[result_to_proto(r) for r in results.sequence_results()],
                                        load=load_to_proto(load), step_seconds=seconds)
 
-    def _run(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], hold: bool = False
-             ) -> tuple[StepResults, KvLoad, float]:
+    def _run(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], hold: bool = False,
+             sinks: list[str | None] | None = None) -> tuple[StepResults, KvLoad, float]:
+        """sinks: per item, the subscriber its held features are pushed to (None: held)."""
         with self._lock:
             t0 = time.perf_counter()
             results = engine.run(batch, layers)
             if hold and results.features is not None:  # before the reply leaves: a reader told of them finds them
-                if self.metrics is not None:
-                    self.metrics.held_feature_bytes.inc(results.features.numel() * results.features.element_size())
-                results = self.held_features.hold_results(results)
+                results = self._keep_features(results, sinks)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
             load = engine.load()
@@ -121,6 +135,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.metrics is not None:
             self.metrics.record_batch(batch, results, load, seconds)
         return results, load, seconds
+
+    def _keep_features(self, results: StepResults, sinks: list[str | None] | None) -> StepResults:
+        """Push each item's rows to its sink's subscriber, or hold them for a pull; the results
+        leave without them."""
+        results, found = split_features(results)
+        for b, rows in found:
+            sink = sinks[b] if sinks else None
+            pushed = sink is not None and self.feature_sinks.push(sink, rows)
+            if not pushed:
+                self.held_features.hold(rows.request_id, rows.start, rows.rows)
+            if self.metrics is not None:
+                counter = self.metrics.pushed_feature_bytes if pushed else self.metrics.held_feature_bytes
+                counter.inc(rows.rows.numel() * rows.rows.element_size())
+        return results
 
     def _grant(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], stops: GrantStops,
                steps: int, interrupted) -> Iterator[tuple[GrantStep, KvLoad, float]]:
@@ -174,7 +202,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             batch = batch_from_proto(call.items)
             layers = tuple(call.feature_layers)
             if call.grant_steps <= 1:
-                results, load, seconds = self._run(engine, batch, layers, call.hold_features)
+                sinks = _item_sinks(call, batch.size) if call.hold_features else None
+                results, load, seconds = self._run(engine, batch, layers, call.hold_features, sinks)
                 yield _reply(results, np.arange(batch.size), load, seconds, 1, True)
                 return
             stops = GrantStops.from_proto(call.stops, batch.size)
@@ -218,6 +247,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if rows is not None:
                 found.features.CopyFrom(tensor_to_proto(rows))
         return out
+
+    def SubscribeFeatures(self, request, context):
+        if not request.sink:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a feature subscription needs a sink name")
+        sub = self.feature_sinks.subscribe(request.sink)
+        context.add_callback(sub.close)  # the subscriber left: end the loop below
+        try:
+            if sub.closed:  # the target is stopping
+                return
+            yield target_pb2.FeatureRows()  # live: steps naming this sink push here from now on
+            for rows in sub:
+                yield target_pb2.FeatureRows(request_id=rows.request_id, start_position=rows.start,
+                                             features=tensor_to_proto(rows.rows))
+        finally:
+            self.feature_sinks.leave(sub)
 
     @map_errors
     def GetLoad(self, request, context):
@@ -296,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                             args.metrics_port))
     host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
+    host.on_draining.append(servicer.feature_sinks.close_all)  # subscriptions must not hold the drain
     host.start()
     log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)
     if args.port_file:

@@ -1,15 +1,20 @@
 """Features go from the target to the draft without the gateway (issue 12).
 
-A step with hold_features keeps the features at the target (FeatureStore); the
-gateway tells the draft how many rows the target holds; the draft reads them
-itself (ReadFeatures). The store is bounded and a read frees what it passed.
-End to end, a draft that reads from the target drafts exactly as one fed by
-the gateway, and greedy output is unchanged.
+A step with hold_features keeps the features at the target; the gateway tells
+the draft how many rows there are. The draft subscribes to the target under a
+sink name (SubscribeFeatures) and the gateway names that sink in its steps: the
+target then pushes the rows as the step ends. Rows not pushed are held
+(FeatureStore) and the draft reads them (ReadFeatures). The stores are bounded
+and a read frees what it passed. End to end, a draft that takes its features
+from the target drafts exactly as one fed by the gateway, and greedy output is
+unchanged.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +23,13 @@ import torch
 
 from draft_service.target_features import TargetFeatureReader
 from draft_service.types import IngestItem
+from gateway.clients import TargetClient
+from tandem.feature_store import FeatureStore
+from tandem.tensors import tensor_from_proto
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service.feature_store import FeatureStore
+from target_service.feature_sinks import CommittedRows, FeatureSinks, split_features
 from target_service.step_batch import StepResults
+from target_service.types import SequenceStep
 from tests.services import Service
 from tests.stack import Stack, scrape
 
@@ -69,20 +78,49 @@ def test_the_store_drops_the_sequences_written_longest_ago_when_full():
     assert store.rows == 0
 
 
-def test_a_steps_results_give_their_features_to_the_store_and_travel_without_them():
-    store = FeatureStore(max_rows=100)
+def test_a_steps_results_give_up_their_features_per_item_and_travel_without_them():
     results = StepResults(request_ids=("a", "b", "c"), num_accepted=np.zeros(3, np.int32),
                           accepted_nodes=np.zeros((3, 1), np.int32), new_tokens=np.zeros((3, 1), np.int32),
                           logprobs=np.zeros((3, 1), np.float32), num_committed=np.array([5, 9, 2]),
                           features=torch.cat((rows(3, 2), rows(8, 1))), feature_counts=np.array([2, 0, 1]))
-    light = store.hold_results(results)
+    light, found = split_features(results)
     assert light.features is None and light.feature_counts is None
     assert [r.features for r in light.sequence_results()] == [None, None, None]
-    start, got = store.read("a", 0, 10)
-    assert start == 3 and torch.equal(got, rows(3, 2))  # positions 3, 4: the last two of 5 committed
-    assert store.read("b", 0, 10) == (0, None)
-    start, got = store.read("c", 1, 2)
-    assert start == 1 and torch.equal(got, rows(8, 1))
+    assert [(b, rows_.request_id, rows_.start) for b, rows_ in found] == [(0, "a", 3), (2, "c", 1)]
+    assert torch.equal(found[0][1].rows, rows(3, 2))  # positions 3, 4: the last two of 5 committed
+    assert torch.equal(found[1][1].rows, rows(8, 1))
+
+
+def test_a_reader_waits_for_rows_on_their_way_and_no_longer_than_it_said():
+    store = FeatureStore(max_rows=100)
+    store.hold("a", 0, rows(0, 2))
+    assert store.wait_for("a", 2, timeout=0)  # already held
+    writer = threading.Timer(0.05, lambda: store.hold("a", 2, rows(2, 3)))
+    writer.start()
+    t0 = time.monotonic()
+    assert store.wait_for("a", 5, timeout=5)
+    assert time.monotonic() - t0 < 2
+    writer.join()
+    t0 = time.monotonic()
+    assert not store.wait_for("a", 9, timeout=0.05)
+    assert not store.wait_for("nobody", 1, timeout=0.05)
+    assert time.monotonic() - t0 < 2
+
+
+def test_rows_are_pushed_only_to_a_live_subscriber_and_a_newer_one_replaces_it():
+    sinks = FeatureSinks()
+    pushed = CommittedRows("a", 4, rows(4, 2))
+    assert not sinks.push("s", pushed)  # nobody subscribed: the caller holds them
+    first = sinks.subscribe("s")
+    assert sinks.push("s", pushed)
+    second = sinks.subscribe("s")  # the same reader, reconnected: the old stream ends
+    assert first.closed and list(first) == [pushed]
+    assert sinks.push("s", pushed) and not sinks.push("other", pushed)
+    sinks.leave(first)  # the old stream's handler leaving does not drop the new subscription
+    assert sinks.push("s", pushed)
+    sinks.close_all()  # the target is stopping
+    assert list(second) == [pushed, pushed] and not sinks.push("s", pushed)
+    assert sinks.subscribe("late").closed
 
 
 # --- the target service and the draft's reader --------------------------------------------------
@@ -103,13 +141,12 @@ def test_the_draft_reads_from_the_target_the_features_a_step_would_have_returned
         returned = stub.Step(target_pb2.StepRequest(items=[_chain("inline", prompt, True)])).results[0]
         held = stub.Step(target_pb2.StepRequest(items=[_chain("held", prompt, True)], hold_features=True)).results[0]
         assert returned.HasField("features") and not held.HasField("features")
-        reader = TargetFeatureReader(target.address)
+        reader = TargetFeatureReader(target.address, subscribe=False)
         items = [IngestItem("held", 0, tuple(prompt), target_feature_rows=len(prompt)),
                  IngestItem("other", 0, (1, 2))]
         filled = reader.fill(items)
         assert filled[1] == items[1]
         assert filled[0].target_feature_rows == 0
-        from tandem.tensors import tensor_from_proto
         assert torch.equal(filled[0].features, tensor_from_proto(returned.features))
         # The read freed them; a released sequence's rows go with it.
         assert reader.fill(items)[0].features is None
@@ -126,13 +163,62 @@ def test_the_draft_reads_from_the_target_the_features_a_step_would_have_returned
     reader.close()
 
 
+def _wait(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_rest(tiny_llama, tmp_path):
+    target = Service(["target", "--model", str(tiny_llama("gqa")), "--num-blocks", "64", "--block-size", "4"],
+                     tmp_path, "target")
+    reader = None
+    try:
+        target.wait_serving()
+        reader = TargetFeatureReader(target.address)
+        _wait(lambda: reader.live)
+        client = TargetClient(target.address)
+        prompt = (5, 17, 3, 9, 33, 2)
+
+        def chain(rid: str) -> SequenceStep:
+            return SequenceStep.chain(rid, prompt, create=True, return_features=True)
+
+        [inline], _, _ = client.step([chain("inline")], ())
+        results, _, _ = client.step([chain("pushed"), chain("held")], (), hold_features=True,
+                                    feature_sinks=[reader.sink, ""])
+        assert [r.features for r in results] == [None, None]
+        # The pushed rows reach the reader with no read; the others wait at the target.
+        assert reader.pushed.wait_for("pushed", len(prompt), timeout=30)
+        stub = target_pb2_grpc.TargetServiceStub(target.channel)
+        found = stub.ReadFeatures(target_pb2.ReadFeaturesRequest(ranges=[
+            target_pb2.FeatureRange(request_id="pushed", start_position=0, end_position=len(prompt))]))
+        assert not found.rows[0].HasField("features")
+        items = [IngestItem(rid, 0, prompt, target_feature_rows=len(prompt)) for rid in ("pushed", "held")]
+        filled = reader.fill(items)
+        for got in filled:
+            assert got.target_feature_rows == 0 and torch.equal(got.features, inline.features)
+        # A released request's pushed rows go with it.
+        client.step([SequenceStep.chain("pushed", (results[0].tokens[-1],), return_features=True)], (),
+                    hold_features=True, feature_sinks=[reader.sink])
+        assert reader.pushed.wait_for("pushed", len(prompt) + 1, timeout=30)
+        reader.release(["pushed"])
+        assert reader.pushed.read("pushed", 0, len(prompt) + 1) == (0, None)
+        client.close()
+    finally:
+        target.stop()
+    # The target's stop ends the subscription (it must not hold the drain); the reader notices.
+    _wait(lambda: not reader.live)
+    reader.close()
+
+
 # --- end to end ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory):
     made = {}
-    for name, reads in (("inline", False), ("pulled", True)):
+    for name, reads in (("inline", False), ("from_target", True)):
         made[name] = Stack(tmp_path_factory.mktemp(name), DEMO / "target", [DEMO / "draft"], "--max-model-len",
                            "1024", "--no-profile",
                            target_args=("--num-blocks", "1024", "--block-size", "16", "--metrics-port", "0"),
@@ -142,7 +228,7 @@ def stacks(tmp_path_factory):
         st.stop()
 
 
-def test_a_draft_that_reads_the_target_drafts_as_one_the_gateway_feeds(stacks):
+def test_a_draft_that_takes_its_features_from_the_target_drafts_as_one_the_gateway_feeds(stacks):
     """Greedy output unchanged, and acceptance as with features through the gateway (the rows
     are bitwise the same, above; which steps find the draft caught up is timing, so the
     totals are compared, not each step)."""
@@ -157,15 +243,18 @@ def test_a_draft_that_reads_the_target_drafts_as_one_the_gateway_feeds(stacks):
             totals[name][1] += run["spec_stats"]["verify_steps"]
     per_step = {name: accepted / verify for name, (accepted, verify) in totals.items()}
     assert per_step["inline"] > 1.5  # the trained head, fed: not a vacuous comparison
-    assert per_step["pulled"] == pytest.approx(per_step["inline"], abs=0.15), per_step
-    # The features went target -> draft: the draft read them, the target returned none to the gateway.
-    pulled = stacks["pulled"]
-    draft = scrape(_metrics_url(pulled.drafts[0]))
-    assert draft["tandem_draft_feature_read_seconds_count"] > 0 and draft["tandem_draft_feature_bytes_total"] > 0
-    target = scrape(_metrics_url(pulled.target))
+    assert per_step["from_target"] == pytest.approx(per_step["inline"], abs=0.15), per_step
+    # The features went target -> draft, pushed as the steps ended: the target returned none to the
+    # gateway, and held next to none for a read (the first steps may run before the subscription).
+    from_target = stacks["from_target"]
+    draft = scrape(_metrics_url(from_target.drafts[0]))
+    assert draft["tandem_draft_feature_bytes_total"] > 0
+    target = scrape(_metrics_url(from_target.target))
     inline_target = scrape(_metrics_url(stacks["inline"].target))
     assert target.get("tandem_target_feature_bytes_total", 0) == 0 < inline_target["tandem_target_feature_bytes_total"]
-    assert target["tandem_target_held_feature_bytes_total"] >= draft["tandem_draft_feature_bytes_total"]
+    pushed = target["tandem_target_pushed_feature_bytes_total"]
+    assert pushed >= draft["tandem_draft_feature_bytes_total"] > 0
+    assert target.get("tandem_target_held_feature_bytes_total", 0) < 0.05 * pushed
 
 
 def _metrics_url(service: Service) -> str:

@@ -44,6 +44,7 @@ class FakeTarget:
         self.exhaust_next = 0  # the next n steps fail with ResourceExhausted
         self.grants = 0
         self.held: list[bool] = []  # per step: whether the gateway asked the target to hold features
+        self.sinks: list[list[str] | None] = []  # per step: the feature sink named for each item
 
     def info(self) -> TargetInfo:
         return TargetInfo("fake", VOCAB, 8, 4096, (), (1, 2, 3), self.load())
@@ -52,12 +53,13 @@ class FakeTarget:
         used = sum(-(-n // self.block_size) for n in self.lengths.values())
         return KvLoad(len(self.lengths), self.block_size, self.blocks, self.blocks - used)
 
-    def step(self, items, feature_layers, hold_features=False):
+    def step(self, items, feature_layers, hold_features=False, feature_sinks=None):
         if self.exhaust_next:
             self.exhaust_next -= 1
             raise ResourceExhausted("target: step needs more KV blocks")
         self.steps.append(list(items))
         self.held.append(hold_features)
+        self.sinks.append(feature_sinks)
         results = []
         for it in items:
             length = 0 if it.create else self.lengths[it.request_id]
@@ -131,6 +133,7 @@ class FakeDraft:
         self.draft_calls = 0
         self.fail = False
         self.reads_target_features = False  # fed by the gateway, as a DraftClient before info()
+        self.feature_sink = ""
         self.ingested: list[IngestItem] = []
         self.lock = threading.Lock()
 
@@ -258,11 +261,18 @@ def test_features_reach_a_replica_that_reads_the_target_as_row_counts_never_thro
         tokenizer, reads_target):
     core, target, drafts = new_core(tokenizer, mode="always")
     drafts[0].reads_target_features = reads_target
+    drafts[0].feature_sink = "draft-0-sink" if reads_target else ""
     outs = [submit(core, f"r{i}", [5 + i, 11, 13], max_tokens=20) for i in range(3)]
     run_until_idle(core)
     for i, out in enumerate(outs):
         assert tokens_of(out) == expected([5 + i, 11, 13], 20)
     assert any(target.held) == reads_target
+    # A held step names the replica's sink for every item that asks for features, and no other.
+    for steps, held, sinks in zip(target.steps, target.held, target.sinks, strict=True):
+        if held:
+            assert sinks == ["draft-0-sink" if step.return_features else "" for step in steps]
+        else:
+            assert sinks is None
     items = drafts[0].ingested
     rows = [it.target_feature_rows if reads_target else it.num_feature_rows for it in items]
     assert sum(rows) > 0
@@ -444,7 +454,7 @@ class PacedTarget(FakeTarget):
 
     granting = False
 
-    def step(self, items, feature_layers, hold_features=False):
+    def step(self, items, feature_layers, hold_features=False, feature_sinks=None):
         time.sleep(0.002 if self.granting else 0.006)
         return super().step(items, feature_layers, hold_features)
 

@@ -47,7 +47,7 @@ class RestartingTarget(FakeTarget):
     def come_back(self) -> None:
         self.down = False
 
-    def step(self, items, feature_layers, hold_features=False):
+    def step(self, items, feature_layers, hold_features=False, feature_sinks=None):
         self.calls += 1
         if self.calls == self.die_at_step:
             self.down = True

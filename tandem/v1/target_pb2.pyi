@@ -165,6 +165,12 @@ class ReadFeaturesResponse(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[FeatureRows]
     def __init__(self, rows: _Optional[_Iterable[_Union[FeatureRows, _Mapping]]] = ...) -> None: ...
 
+class SubscribeFeaturesRequest(_message.Message):
+    __slots__ = ("sink",)
+    SINK_FIELD_NUMBER: _ClassVar[int]
+    sink: str
+    def __init__(self, sink: _Optional[str] = ...) -> None: ...
+
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -241,20 +247,24 @@ class GrantStops(_message.Message):
     def __init__(self, max_new_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PackedStep(_message.Message):
-    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent", "hold_features")
+    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent", "hold_features", "feature_sinks", "item_feature_sink")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     GRANT_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOPS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     HOLD_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SINKS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FEATURE_SINK_FIELD_NUMBER: _ClassVar[int]
     items: PackedItems
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     grant_steps: int
     stops: GrantStops
     traceparent: str
     hold_features: bool
-    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ..., hold_features: _Optional[bool] = ...) -> None: ...
+    feature_sinks: _containers.RepeatedScalarFieldContainer[str]
+    item_feature_sink: _common_pb2.Tensor
+    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ..., hold_features: _Optional[bool] = ..., feature_sinks: _Optional[_Iterable[str]] = ..., item_feature_sink: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Interrupt(_message.Message):
     __slots__ = ()

@@ -70,6 +70,11 @@ class TargetServiceStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesResponse.FromString,
                 _registered_method=True)
+        self.SubscribeFeatures = channel.unary_stream(
+                '/tandem.v1.TargetService/SubscribeFeatures',
+                request_serializer=tandem_dot_v1_dot_target__pb2.SubscribeFeaturesRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.FeatureRows.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -139,6 +144,19 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeFeatures(self, request, context):
+        """Features pushed as steps commit them, instead of held for ReadFeatures:
+        a step with hold_features whose item names this subscriber's sink
+        (PackedStep.feature_sinks) sends that item's rows here as the step ends,
+        one FeatureRows per item, in step order. The first message, with an empty
+        request_id, says the subscription is live. A later subscription under the
+        same name ends this one; the stream also ends when the target stops.
+        While nobody is subscribed under a sink's name, its rows are held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +194,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.ReadFeatures,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.ReadFeaturesResponse.SerializeToString,
+            ),
+            'SubscribeFeatures': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeFeatures,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.SubscribeFeaturesRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.FeatureRows.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -367,6 +390,33 @@ class TargetService:
             '/tandem.v1.TargetService/ReadFeatures',
             tandem_dot_v1_dot_target__pb2.ReadFeaturesRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.ReadFeaturesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeFeatures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.TargetService/SubscribeFeatures',
+            tandem_dot_v1_dot_target__pb2.SubscribeFeaturesRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.FeatureRows.FromString,
             options,
             channel_credentials,
             insecure,

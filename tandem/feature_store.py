@@ -1,10 +1,10 @@
-"""Features the target holds for a reader, so that they never pass through the gateway.
+"""Feature rows per sequence and position, bounded: where features wait for their reader.
 
-A step with hold_features puts the features of each asking sequence's newly
-committed tokens here instead of in its reply; a draft replica reads them with
-ReadFeatures (DESIGN: "the draft pulls the positions it needs"). The target
-still knows nothing of drafts: it keeps rows per sequence and position, and a
-read frees what it has passed.
+The target holds here the features of a step with hold_features until a draft
+replica reads them (ReadFeatures); a draft replica keeps here the rows the
+target pushed to it (SubscribeFeatures) until an ingest uses them. Neither
+side learns anything of the other's model: rows are keyed by request id and
+position, and a read frees what it has passed.
 
 Rows are a cache: the store is bounded (max_rows in all), and when it is full
 the sequences written longest ago lose their rows first. A reader then finds
@@ -14,15 +14,12 @@ approximate catch-up); output never depends on them.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-
-from target_service.step_batch import StepResults
 
 
 @dataclass(eq=False)
@@ -37,8 +34,9 @@ class _Held:
 
 
 class FeatureStore:
-    """Held feature rows per sequence, each run contiguous in position. Thread-safe: the
-    step thread writes, ReadFeatures calls read."""
+    """Held feature rows per sequence, each run contiguous in position. Thread-safe: one
+    thread writes (the target's step, the draft's subscription), calls read them; a reader
+    may wait for rows still on their way (wait_for)."""
 
     def __init__(self, max_rows: int):
         if max_rows < 1:
@@ -47,6 +45,7 @@ class FeatureStore:
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently written first
         self._rows = 0
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
 
     @property
     def rows(self) -> int:
@@ -69,22 +68,7 @@ class FeatureStore:
             self._rows += n
             self._held[request_id] = held
             self._evict()
-
-    def hold_results(self, results: StepResults) -> StepResults:
-        """Hold the features a step returned, per sequence, and give back its results without them."""
-        counts = results.feature_counts
-        if results.features is None or counts is None:
-            return results
-        host = results.features.cpu()  # one copy for the step; rows are views of it
-        ends = np.cumsum(counts)
-        for b, rid in enumerate(results.request_ids):
-            count = int(counts[b])
-            if count:
-                # The rows are the tokens this step committed: the last `count` positions. A copy,
-                # so that rows left unread do not keep the whole step's features alive.
-                rows = host[int(ends[b]) - count: int(ends[b])].clone()
-                self.hold(rid, int(results.num_committed[b]) - count, rows)
-        return _without_features(results)
+            self._written.notify_all()
 
     def read(self, request_id: str, start: int, end: int) -> tuple[int, torch.Tensor | None]:
         """(first position, rows) of what is held in [start, end); frees the sequence's rows below end."""
@@ -100,6 +84,17 @@ class FeatureStore:
                 held.chunks = [every]
             self._drop_below(request_id, held, end)
             return (lo if found is not None else start), found
+
+    def wait_for(self, request_id: str, end: int, timeout: float) -> bool:
+        """Wait until rows up to position `end` of the sequence are held (True), or `timeout`
+        seconds have passed (False): for rows another thread is about to write."""
+        deadline = time.monotonic() + timeout
+        with self._written:
+            while (held := self._held.get(request_id)) is None or held.end < end:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._written.wait(left):
+                    return False
+            return True
 
     def release(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -128,6 +123,3 @@ class FeatureStore:
             del self._held[rid]
             self._rows -= held.rows
 
-
-def _without_features(results: StepResults) -> StepResults:
-    return dataclasses.replace(results, features=None, feature_counts=None)
