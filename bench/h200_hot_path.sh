@@ -14,8 +14,10 @@
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
-#            gateway's phases beside the services' own step times (bench/round_breakdown.py), and a
-#            torch.profiler table of the draft call at batch 1, budget 5/4/8 (bench/draft_step.py --profile)
+#            gateway's phases beside the services' own step times (bench/round_breakdown.py), the drafts
+#            taking pushed features (the default) and then reading them (--pull-features), back to back
+#            (ROUND_CONCURRENCY overrides the level), and a torch.profiler table of the draft call at
+#            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
@@ -137,14 +139,17 @@ for stage in "$@"; do
       serve_bench spec_demo 8300 1,4 never,always --device cuda ;;
     round)  # after only: where a round's time goes at one request, every service's metrics scraped
       need_scale scale_track $scale
-      scale_serve $scale 0.8
-      serve_bench round_scale 8250 1 never,always "${serve[@]}"
-      for mode in never always; do
-        since=(); [[ $mode == always ]] && since=(--since never)
-        python3 bench/round_breakdown.py "$OUT/round_scale" $mode "${since[@]}" > "$OUT/round_scale_$mode.txt"
+      for how in push pull; do
+        scale_serve $scale 0.8
+        [[ $how == pull ]] && serve[-1]+=" --pull-features"  # the last flag is --draft-args=...
+        serve_bench round_$how 8250 "${ROUND_CONCURRENCY:-1}" never,always "${serve[@]}"
+        for mode in never always; do
+          since=(); [[ $mode == always ]] && since=(--since never)
+          python3 bench/round_breakdown.py "$OUT/round_$how" $mode "${since[@]}" > "$OUT/round_${how}_$mode.txt"
+        done
       done
-      run draft_profile after 150 python3 bench/draft_step.py --batches 1 --budgets "5,4,8" --iters 10 \
-        --profile "$OUT/draft_profile.txt" ;;
+      [[ ${ROUND_PROFILE:-1} == 1 ]] && run draft_profile after 150 python3 bench/draft_step.py --batches 1 \
+        --budgets "5,4,8" --iters 10 --profile "$OUT/draft_profile.txt" ;;
     features)
       need_scale scale_track $scale
       scale_serve $scale 0.8

@@ -103,9 +103,14 @@ class TargetFeatureReader:
                     out[i] = dataclasses.replace(out[i], features=rows)
                 else:
                     missing.append(i)
-            wanted = missing
-        if wanted:
-            self._pull(items, wanted, out)
+            if missing:
+                self._pull(items, missing, out)
+                if any(out[i].features is not None for i in missing):  # held, not pushed: a sink not named
+                    self._warn(f"features of {len(missing)} item(s) were held at the target, not pushed to "
+                               f"this draft's sink {self.sink!r}: each such ingest waited "
+                               f"{1000 * PUSH_WAIT_S:.0f} ms before reading them")
+            return out
+        self._pull(items, wanted, out)
         return out
 
     def _pull(self, items: list[IngestItem], wanted: list[int], out: list[IngestItem]) -> None:
