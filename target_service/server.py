@@ -64,6 +64,40 @@ def _reply(results: StepResults, item_index: np.ndarray, load: KvLoad, seconds: 
                                 step_seconds=seconds, step_index=index, done=done)
 
 
+class _CallReader:
+    """The calls of one StepStream. Between steps the handler reads the next call itself; a
+    grant asks `arrived` whether one came while it runs (an Interrupt, or any new call, ends
+    it after the step in flight), and only then does a thread wait for it. A thread reading
+    every call would add a hand-over between threads to every step's critical path."""
+
+    def __init__(self, request_iterator):
+        self._calls = request_iterator
+        self._pending: queue.Queue | None = None  # the reader thread's one call, while one runs
+
+    def _read(self):
+        try:
+            return next(self._calls, None)
+        except Exception:  # the stream broke or was cancelled: nothing more will come
+            return None
+
+    def next(self):
+        """The next call (None: the stream ended), waiting for it."""
+        if self._pending is not None:
+            call, self._pending = self._pending.get(), None
+            return call
+        return self._read()
+
+    def arrived(self) -> bool:
+        """Whether a call came; the first ask starts a thread that waits for it."""
+        if self._pending is None:
+            self._pending = queue.Queue(maxsize=1)
+            pending = self._pending
+            threading.Thread(target=lambda: pending.put(self._read()), name="step-stream-reader",
+                             daemon=True).start()
+            return False
+        return not self._pending.empty()
+
+
 def _item_sinks(call: target_pb2.PackedStep, size: int) -> list[str | None] | None:
     """Per item, the sink its held features go to (None: held), from the call's names and column."""
     if not call.feature_sinks:
@@ -176,24 +210,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 t0 = time.perf_counter()
 
     def StepStream(self, request_iterator, context):
-        # A reader thread queues what the gateway sends, so that a grant can see an
-        # Interrupt (or any new call) while it runs, and end after the step in flight.
-        inbox: queue.Queue = queue.Queue()
-
-        def read() -> None:
-            try:
-                for call in request_iterator:
-                    inbox.put(call)
-            except Exception:  # the stream broke or was cancelled: nothing more will come
-                pass
-            finally:
-                inbox.put(None)
-
-        threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
-        while (call := inbox.get()) is not None:
+        calls = _CallReader(request_iterator)
+        while (call := calls.next()) is not None:
             if call.WhichOneof("call") == "step":  # an Interrupt with nothing running is moot
                 with telemetry.continued_span(STEP_CALL, call.step.traceparent):
-                    yield from self._answer(call.step, lambda: not inbox.empty())
+                    yield from self._answer(call.step, calls.arrived)
 
     def _answer(self, call: target_pb2.PackedStep, interrupted) -> Iterator[target_pb2.StepReply]:
         index = 0
