@@ -2,7 +2,10 @@
 
 Tensor parallel in the Megatron style: q/k/v and gate/up are split by output
 (column-parallel), o_proj and down_proj by input (row-parallel, then an
-all-reduce). Embedding and lm_head are replicated.
+all-reduce). The lm_head is split by vocabulary: each rank computes its slice
+of the logits and one all-gather assembles them (each rank reads 1/N of the
+head's weights, 1 GB at Llama-3.1-8B's 128k vocabulary). The embedding is
+replicated (a lookup reads only the step's rows).
 """
 
 from __future__ import annotations
@@ -126,10 +129,22 @@ class LlamaModel:
                 layer["down_bias"] = get(p + "mlp.down_proj.bias", (H,))
             self.layers.append(layer)
         self.norm = get("norm.weight", (H,))
+        # This rank's rows of the lm_head; the last rank's are padded with zeros to the same count
+        # (all_gather takes equal parts), and the padding's logits are cut off after the gather.
+        V, shard = cfg.vocab_size, self.vocab_shard
+        v0, v1 = min(r * shard, V), min((r + 1) * shard, V)
         if "lm_head.weight" in w and not cfg.tie_word_embeddings:
-            self.lm_head = get("lm_head.weight", (cfg.vocab_size, H))
+            lm_head = get("lm_head.weight", (V, H), 0, v0, v1) if self.tp.size > 1 else get("lm_head.weight", (V, H))
         else:
-            self.lm_head = self.embed
+            lm_head = self.embed[v0:v1]
+        if lm_head.shape[0] < shard:
+            lm_head = torch.cat((lm_head, lm_head.new_zeros(shard - lm_head.shape[0], H)))
+        self.lm_head = lm_head
+
+    @property
+    def vocab_shard(self) -> int:
+        """lm_head rows (logit columns) per rank."""
+        return -(-self.cfg.vocab_size // self.tp.size)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.cfg.num_layers, num_blocks, block_size, self.kv_heads_local,
@@ -164,6 +179,14 @@ class LlamaModel:
         for part in parts[1:]:
             total += part
         return total
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of the logits, side by side: [rows, vocab]."""
+        if self.tp.size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, -1)[:, : self.cfg.vocab_size]
 
     # --- forward ----------------------------------------------------------
     def _qkv_heads(self, qkv: torch.Tensor, positions: torch.Tensor, layer: int,
@@ -238,6 +261,6 @@ class LlamaModel:
         if cfg.num_layers in feature_layers:
             captured[cfg.num_layers] = x
         h = self._norm(x[logit_rows], self.norm)
-        logits = self.linear(h, self.lm_head).float()
+        logits = self._gather_vocab(self.linear(h, self.lm_head)).float()
         features = torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
         return StepOutput(logits, features)

@@ -93,14 +93,18 @@ def test_planted_model_greedy_output_is_a_wide_margin_permutation_walk():
 def test_random_weights_are_one_model_at_every_tensor_parallel_degree():
     """Each rank's shard is a slice of the same whole tensor (drawn per name, not in load order),
     and the planted permutation is the same: TP=2 runs the model TP=1 runs."""
-    cfg = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=False)
     from target_service.random_model import RandomInit
 
     init = RandomInit(seed=5, planted_next_token=True)
     whole = random_llama_model(cfg, torch.float32, "cpu", init=init)
     shards = [random_llama_model(cfg, torch.float32, "cpu", ParallelSpec(r, 2), init=init) for r in range(2)]
-    assert torch.equal(whole.embed, shards[0].embed) and torch.equal(whole.lm_head, shards[1].lm_head)
+    assert torch.equal(whole.embed, shards[0].embed) and torch.equal(whole.embed, shards[1].embed)
+    # The lm_head is split by vocabulary: 31 rows each, the last rank's padded with a row of zeros.
+    assert [s.lm_head.shape[0] for s in shards] == [31, 31]
+    assert torch.equal(torch.cat([s.lm_head for s in shards])[:61], whole.lm_head)
+    assert not shards[1].lm_head[-1].any()
     for layer in range(cfg.num_layers):
         # Column-parallel pieces concatenate by rows, row-parallel ones by columns.
         assert torch.equal(torch.cat([s.layers[layer]["down"] for s in shards], 1), whole.layers[layer]["down"])

@@ -62,6 +62,25 @@ def test_tp2_over_gloo_matches_tp1(tiny_llama, tmp_path, target):
     stub1.Release(target_pb2.ReleaseRequest(request_ids=["tp-cmp"]))
 
 
+def test_tp2_of_a_tied_model_with_one_kv_head_matches_tp1(tiny_llama, tmp_path):
+    """The lm_head split by vocabulary when it is the embedding (tied), 97 rows over 2 ranks
+    (one padded row), and the one KV head kept by both ranks."""
+    model = str(tiny_llama("llama3_tied"))
+    runs = []
+    for tp in ("1", "2"):
+        svc = Service(["target", "--model", model, "--tp", tp, "--num-blocks", "64", "--block-size", "4"],
+                      tmp_path, f"tied-tp{tp}")
+        try:
+            svc.wait_serving()
+            runs.append(run_steps(target_pb2_grpc.TargetServiceStub(svc.channel), "tied", 8))
+        finally:
+            assert svc.stop() == 0
+    (tokens1, tops1), (tokens2, tops2) = runs
+    assert tokens2 == tokens1
+    for a, b in zip(tops1, tops2, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
 def test_tp_that_does_not_divide_heads_is_refused(tiny_llama, tmp_path):
     svc = Service(["target", "--model", str(tiny_llama("gqa")), "--tp", "3"], tmp_path, "tp3")
     assert svc.proc.wait(60) != 0
