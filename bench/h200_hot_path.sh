@@ -24,6 +24,9 @@
 #            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
 #            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8); TP_SCALE_EQUALITY=0 skips the
 #            scale track's texts, TP_STACK="2" benches TP=2 only
+#   allreduce  after only, on nvidia-h200-x2 (or more GPUs: ALLREDUCE_WORLD): bench/allreduce_cost.py, one
+#            all-reduce of 1..128 rows x 4096 bf16, NCCL against torch's symmetric-memory one-shot and
+#            two-shot, eager and inside a CUDA graph of 64
 #   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
@@ -155,6 +158,9 @@ for stage in "$@"; do
       scale_serve $scale 0.8
       serve_bench features_gateway 8510 "${SPEC_CONCURRENCY:-1,8,64}" always "${serve[@]}" --features-through-gateway
       serve_bench features_target 8520 "${SPEC_CONCURRENCY:-1,8,64}" never,always "${serve[@]}" ;;
+    allreduce)
+      run allreduce after 300 python3 bench/allreduce_cost.py --world "${ALLREDUCE_WORLD:-2}" \
+        --out "$OUT/allreduce.json" ;;
     tp)
       need_scale scale_track $scale
       scale_serve $scale 0.8
