@@ -26,7 +26,8 @@
 #            scale track's texts, TP_STACK="2" benches TP=2 only
 #   allreduce  after only, on nvidia-h200-x2 (or more GPUs: ALLREDUCE_WORLD): bench/allreduce_cost.py, one
 #            all-reduce of 1..128 rows x 4096 bf16, NCCL against torch's symmetric-memory one-shot and
-#            two-shot, eager and inside a CUDA graph of 64
+#            two-shot, eager and inside a CUDA graph of 64; and bench/tp_control.py (a step's command to
+#            another rank: gloo broadcasts against a pipe)
 #   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
@@ -160,7 +161,8 @@ for stage in "$@"; do
       serve_bench features_target 8520 "${SPEC_CONCURRENCY:-1,8,64}" never,always "${serve[@]}" ;;
     allreduce)
       run allreduce after 300 python3 bench/allreduce_cost.py --world "${ALLREDUCE_WORLD:-2}" \
-        --out "$OUT/allreduce.json" ;;
+        --out "$OUT/allreduce.json"
+      run tp_control after 60 python3 bench/tp_control.py ;;
     tp)
       need_scale scale_track $scale
       scale_serve $scale 0.8
