@@ -16,7 +16,8 @@
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
 #            gateway's phases beside the services' own step times (bench/round_breakdown.py), the drafts
 #            taking pushed features (the default) and then reading them (--pull-features), back to back
-#            (ROUND_CONCURRENCY overrides the level), and a torch.profiler table of the draft call at
+#            (ROUND_CONCURRENCY overrides the level), what one gRPC stream call costs on this host
+#            (bench/grpc_stream_latency.py), and a torch.profiler table of the draft call at
 #            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
@@ -152,6 +153,8 @@ for stage in "$@"; do
           python3 bench/round_breakdown.py "$OUT/round_$how" $mode "${since[@]}" > "$OUT/round_${how}_$mode.txt"
         done
       done
+      run grpc_latency after 120 python3 bench/grpc_stream_latency.py
+      run grpc_latency_sleep after 120 python3 bench/grpc_stream_latency.py --sleep
       [[ ${ROUND_PROFILE:-1} == 1 ]] && run draft_profile after 150 python3 bench/draft_step.py --batches 1 \
         --budgets "5,4,8" --iters 10 --profile "$OUT/draft_profile.txt" ;;
     features)

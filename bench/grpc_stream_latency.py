@@ -1,0 +1,124 @@
+"""What one call on a bidirectional gRPC stream costs beside the server's work, as the
+gateway's step stream uses it: back to back, and after the server worked for a while.
+
+    python bench/grpc_stream_latency.py [--work-ms 0,1,7] [--calls 300]
+
+A server process answers each StepCall with a StepReply after --work-ms of work
+(the GIL held, as a step's kernel launches hold it; --sleep: released, as while
+a GPU runs), sync (grpc.server, our services) and asyncio (grpc.aio) servers
+alike; the client is the gateway's kind (a queue-fed request iterator, blocking
+next()). Prints the median round trip minus the work. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+
+from tandem.v1 import target_pb2, target_pb2_grpc  # noqa: E402
+
+
+def _work(seconds: float, sleep: bool) -> None:
+    if sleep:
+        time.sleep(seconds)
+        return
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
+def _serve(kind: str, port_file: str, seconds: float, sleep: bool) -> None:
+    if kind == "sync":
+        from concurrent import futures
+
+        class Sync(target_pb2_grpc.TargetServiceServicer):
+            def StepStream(self, request_iterator, context):
+                for _ in request_iterator:
+                    _work(seconds, sleep)
+                    yield target_pb2.StepReply(step_index=1, done=True)
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        target_pb2_grpc.add_TargetServiceServicer_to_server(Sync(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        Path(port_file).write_text(str(port))
+        server.wait_for_termination()
+        return
+
+    class Aio(target_pb2_grpc.TargetServiceServicer):
+        async def StepStream(self, request_iterator, context):
+            async for _ in request_iterator:
+                _work(seconds, sleep)
+                yield target_pb2.StepReply(step_index=1, done=True)
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(Aio(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        Path(port_file).write_text(str(port))
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _measure(kind: str, seconds: float, sleep: bool, calls: int) -> float:
+    port_file = Path(tempfile.mkdtemp(prefix="tandem-echo-")) / "port"
+    cmd = [sys.executable, __file__, "--serve", kind, "--port-file", str(port_file), "--work-ms",
+           str(seconds * 1e3)] + (["--sleep"] if sleep else [])
+    server = subprocess.Popen(cmd)
+    try:
+        while not (port_file.exists() and port_file.read_text()):
+            time.sleep(0.05)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
+        calls_in: queue.Queue = queue.Queue()
+        replies = target_pb2_grpc.TargetServiceStub(channel).StepStream(iter(calls_in.get, None))
+        call = target_pb2.StepCall(step=target_pb2.PackedStep())
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            calls_in.put(call)
+            next(replies)
+            times.append(time.perf_counter() - t0)
+        calls_in.put(None)
+        channel.close()
+        return 1e6 * (statistics.median(times[calls // 10:]) - seconds)
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work-ms", default="0,1,7", help="the server's work per call, ms (comma-separated)")
+    ap.add_argument("--sleep", action="store_true", help="the work sleeps (GIL released) instead of spinning")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--serve", choices=["sync", "aio"], help=argparse.SUPPRESS)
+    ap.add_argument("--port-file", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        _serve(args.serve, args.port_file, float(args.work_ms) / 1e3, args.sleep)
+        return 0
+    print(f"{'work ms':>8} {'server':>6} {'round trip minus work, us':>26}  ({'sleep' if args.sleep else 'GIL held'})")
+    for work in (float(w) for w in args.work_ms.split(",")):
+        for kind in ("sync", "aio"):
+            print(f"{work:>8g} {kind:>6} {_measure(kind, work / 1e3, args.sleep, args.calls):>26.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
