@@ -43,9 +43,14 @@ class DraftMetrics:
                                        "the ingest part of Draft calls)", registry=r)
         self.feature_bytes = Counter("tandem_draft_feature_bytes", "Bytes of target features received",
                                      registry=r)
-        self.feature_read_seconds = Histogram("tandem_draft_feature_read_seconds", "Time of one ReadFeatures "
-                                              "call to the target (--target), for the features it held",
+        self.feature_read_seconds = Histogram("tandem_draft_feature_read_seconds", "Time one call spent taking "
+                                              "its target features (--target): pushed rows, waited for if on "
+                                              "their way, then a ReadFeatures read of the rest",
                                               buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.target_feature_rows = Counter("tandem_draft_target_feature_rows", "Target feature rows asked for "
+                                           "(--target), by where they came from: pushed by the target, read "
+                                           "from it, or absent (dropped, or the target unreachable: those "
+                                           "positions are caught up without them)", ["source"], registry=r)
         if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
             r.register(DraftLoadCollector(load))
 
@@ -68,6 +73,11 @@ class DraftMetrics:
 
     def record_feature_read(self, seconds: float) -> None:
         self.feature_read_seconds.observe(seconds)
+
+    def record_feature_rows(self, source: str, rows: int) -> None:
+        """source: pushed, read or absent."""
+        if rows:
+            self.target_feature_rows.labels(source=source).inc(rows)
 
     def record_ingest(self, items: Sequence[IngestItem], catch_up: bool, seconds: float) -> None:
         if catch_up:

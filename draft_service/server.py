@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = None
     if args.metrics_port is not None:
         metrics = servicer.metrics = DraftMetrics(load=lambda: servicer.engine and servicer.engine.load())
+        if servicer.target_features is not None:
+            servicer.target_features.on_rows = metrics.record_feature_rows
     forcing, records = None, []
     if args.force_record:  # checked before the (possibly long) model load
         try:

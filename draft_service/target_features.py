@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -42,10 +43,13 @@ PUSHED_ROWS = 16384  # rows kept until an ingest uses them (as the target's --ma
 
 class TargetFeatureReader:
     """subscribe: take pushed rows (a subscription thread, reconnecting after a break);
-    False: pull every row with ReadFeatures."""
+    False: pull every row with ReadFeatures. on_rows(source, rows): told, per fill, how many
+    rows were pushed, read, or absent (the service's metrics)."""
 
-    def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0, subscribe: bool = True):
+    def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0, subscribe: bool = True,
+                 on_rows: Callable[[str, int], None] | None = None):
         self.address = address
+        self.on_rows = on_rows
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
@@ -91,6 +95,7 @@ class TargetFeatureReader:
         if not wanted:
             return items
         out = [dataclasses.replace(it, target_feature_rows=0) for it in items]
+        pulled = wanted
         if self.live:
             deadline = time.monotonic() + PUSH_WAIT_S
             missing = []
@@ -103,15 +108,25 @@ class TargetFeatureReader:
                     out[i] = dataclasses.replace(out[i], features=rows)
                 else:
                     missing.append(i)
-            if missing:
-                self._pull(items, missing, out)
-                if any(out[i].features is not None for i in missing):  # held, not pushed: a sink not named
-                    self._warn(f"features of {len(missing)} item(s) were held at the target, not pushed to "
-                               f"this draft's sink {self.sink!r}: each such ingest waited "
-                               f"{1000 * PUSH_WAIT_S:.0f} ms before reading them")
-            return out
-        self._pull(items, wanted, out)
+            late = set(missing)
+            self._count("pushed", [i for i in wanted if i not in late], out)
+            pulled = missing
+        if pulled:
+            self._pull(items, pulled, out)
+            self._count("read", pulled, out)
+            if self.live and any(out[i].features is not None for i in pulled):  # held, not pushed: a sink not named
+                self._warn(f"features of {len(pulled)} item(s) were held at the target, not pushed to this "
+                           f"draft's sink {self.sink!r}: each such ingest waited {1000 * PUSH_WAIT_S:.0f} ms "
+                           f"before reading them")
+        if self.on_rows is not None:
+            asked = sum(items[i].target_feature_rows for i in wanted)
+            found = sum(int(out[i].features.shape[0]) for i in wanted if out[i].features is not None)
+            self.on_rows("absent", asked - found)
         return out
+
+    def _count(self, source: str, which: list[int], out: list[IngestItem]) -> None:
+        if self.on_rows is not None:
+            self.on_rows(source, sum(int(out[i].features.shape[0]) for i in which if out[i].features is not None))
 
     def _pull(self, items: list[IngestItem], wanted: list[int], out: list[IngestItem]) -> None:
         request = target_pb2.ReadFeaturesRequest(ranges=[

@@ -255,6 +255,9 @@ def test_a_draft_that_takes_its_features_from_the_target_drafts_as_one_the_gatew
     pushed = target["tandem_target_pushed_feature_bytes_total"]
     assert pushed >= draft["tandem_draft_feature_bytes_total"] > 0
     assert target.get("tandem_target_held_feature_bytes_total", 0) < 0.05 * pushed
+    rows = {source: draft.get(f'tandem_draft_target_feature_rows_total{{source="{source}"}}', 0)
+            for source in ("pushed", "read", "absent")}
+    assert rows["pushed"] > 0 and rows["read"] + rows["absent"] < 0.05 * rows["pushed"], rows
 
 
 def _metrics_url(service: Service) -> str:
