@@ -164,21 +164,22 @@ class StepTail:
         Fills `out` (a host tensor) and returns the kept mask. Tested equal to the device path."""
         B, M = self.B, self.M
         best, argmax = logits.max(-1)
-        logprob = (best - torch.logsumexp(logits, -1)).numpy().reshape(B, M)
-        argmax = argmax.numpy().reshape(B, M)
         o = out.numpy()
         kept = np.zeros((B, M), dtype=bool)
         if M == 1:
+            logprob = (best - torch.logsumexp(logits, -1)).numpy()
+            argmax = argmax.numpy()
             o[:, 0] = 0
-            o[:, 1] = o[:, 2] = argmax[:, 0]
-            o[:, 3] = logprob[:, 0].astype(np.float32).view(np.int32)
+            o[:, 1] = o[:, 2] = argmax
+            o[:, 3] = logprob.astype(np.float32).view(np.int32)
             o[:, 4] = 1
             return torch.from_numpy(kept)
+        argmax = argmax.numpy().reshape(B, M)
         v = self.v
         parent = v["tree_parent"].numpy().reshape(B, M)
         tokens = v["tokens"].numpy()[v["tree_row"].numpy()].reshape(B, M)
         size = v["tree_size"].numpy()
-        lp = logprob.astype(np.float32).view(np.int32)
+        paths = []
         for b in range(B):
             children: dict[int, list[int]] = {}
             for m in range(1, int(size[b])):
@@ -191,16 +192,24 @@ class StepTail:
                     break
                 path.append(nxt)
                 node = nxt
+            paths.append((path, node))
+        # Log-probs only of the rows whose token is committed (the root and the kept path): the
+        # log-sum-exp over the vocabulary is the costly part, and most of a tree is rejected.
+        rows = np.concatenate([b * M + np.array([0, *path], dtype=np.int64) for b, (path, _) in enumerate(paths)])
+        picked = torch.from_numpy(rows)
+        lp = (best[picked] - torch.logsumexp(logits[picked], -1)).numpy().astype(np.float32).view(np.int32)
+        at = 0
+        for b, (path, node) in enumerate(paths):
             n = len(path)
             kept[b, path] = True
-            before = [0, *path]
             o[b, 0] = n
             o[b, 1] = argmax[b, node]
             o[b, 2: 2 + M] = argmax[b, node]
             o[b, 2: 2 + n] = tokens[b, path]
-            o[b, 2 + M: 2 + M + n + 1] = lp[b, before]
+            o[b, 2 + M: 2 + M + n + 1] = lp[at: at + n + 1]
             o[b, 2 + 2 * M: 2 + 3 * M] = M
             o[b, 2 + 2 * M: 2 + 2 * M + n] = path
+            at += n + 1
         return torch.from_numpy(kept)
 
     def sampled(self, logits: torch.Tensor, greedy_part: dict[str, torch.Tensor], processed: torch.Tensor | None = None,
