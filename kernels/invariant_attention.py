@@ -28,6 +28,32 @@ changes what is computed:
   write their partials to a workspace; a second kernel folds them, in the same
   order with the same function (float32 partials go through memory exactly).
 
+Several rows per program (ROWS_PER_PROGRAM > 1, _invariant_rows_kernel): a
+program's BLOCK_M M-rows are R rows of one sequence x GROUP query heads (for
+Llama-8B, 4 tree nodes x 4 heads fill the 16 M-rows one row left 12 of), so the
+prefix tiles they share are loaded once instead of once per row. It stays
+invariant because BLOCK_M, BLOCK_N, BLOCK_D and the dot's precision are those of
+a lone row, and an element of a dot depends on its A row and B column only, in
+a fixed order, whatever the other M-rows hold; the online softmax and the folds
+are per M-row. So:
+
+- a tile wholly inside the committed prefix holds the same keys for every row
+  of the sequence: one load, one dot and one update for all the program's rows;
+- a tile that reaches the step's own nodes holds each row's own ancestors: the
+  program computes it once per row, with that row's keys, and keeps the update
+  only in that row's M-rows (the others' results are thrown away);
+- splits stay at each row's own positions and are folded in the same order; a
+  row that ends before a split does not fold it, as it has none alone.
+
+Rows of a program must split alike (the same split_len): row_groups puts
+together up to R consecutive rows of one sequence, in windows aligned to the
+sequence's first row, and starts a new group where split_len changes (rows near
+the SPLIT_LEN * MAX_SPLITS doubling threshold). A plain decode (one row) runs the
+same kernel with the same BLOCK_M as a tree's rows, so a node still equals its
+plain decode bitwise. The grouping is computed on the device with fixed shapes
+(a CUDA graph captures it); the grid keeps one program per step row, and those
+past the last group return at once.
+
 kernels.tree_attention is faster (several nodes per tile share the keys they
 load) and stays the default.
 
@@ -63,6 +89,12 @@ MAX_SPLITS = 16
 # given tokens and a drafted tree below it, so this bounds the drafted tree's depth
 # (the engine checks it; a draft tree's depth is ~10).
 MAX_TAIL = 64
+# Step rows of one sequence that one program computes together (see "Several rows per
+# program" above); 1: one row per program, the kernel as it was first measured. Rows per
+# program are also capped by the M-rows one GQA group leaves free (BLOCK_M // GROUP).
+# An H200 has not timed the other values yet (bench/h200_hot_path.sh deterministic,
+# DET_ROWS), so 1 stays the default.
+ROWS_PER_PROGRAM = 1
 # Programs the interpreter's launches aim for (on a GPU: two per SM). One: programs run
 # one after the other there, so splitting a row's work only adds some; tests raise it
 # to run the other way of computing a row.
@@ -215,6 +247,140 @@ def _invariant_attention_kernel(
                  mask=out_mask)
 
 
+# The same specialisation rules as the one-row kernel, for the same reasons.
+@triton.jit(do_not_specialize=["info_off", "split_programs", "bt_stride", "tail_stride",
+                               "sa_r", "sa_h", "sa_s", "sm_r", "sm_h", "sm_s"])
+def _invariant_rows_kernel(
+    Q, K, V, KC, VC, Out, PartAcc, PartMl, Ints, BlockTable, RowSeq, Chain, Depth, Tail, Groups,
+    info_off, split_programs, bt_stride, tail_stride,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+    skc_b, skc_s, skc_h, svc_b, svc_s, svc_h, so_t, so_h,
+    sa_r, sa_h, sa_s, sm_r, sm_h, sm_s,
+    qk_scale,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # Program (group, kv head, p): up to ROWS rows of one sequence (Groups[group]: first
+    # row, count), M-row m holding query head m % GROUP of the group's row m // GROUP,
+    # over the rows' splits p, p + split_programs, ...; with one program per group it
+    # also folds them. Each row's arithmetic is the one-row kernel's (module docstring).
+    group = tl.program_id(0)
+    kvh = tl.program_id(1)
+    first_split = tl.program_id(2)
+    count = tl.load(Groups + 2 * group + 1)
+    if count == 0:  # past the step's groups
+        return
+    first = tl.load(Groups + 2 * group)
+    seq = tl.load(RowSeq + first)
+    info = Ints + info_off + seq * 4  # the sequence's prefix_len, first row, count, table row
+    prefix_len = tl.load(info)
+    offs_m = tl.arange(0, BLOCK_M)
+    slot = offs_m // GROUP  # the group's row that M-row m belongs to
+    m_ok = (offs_m < ROWS * GROUP) & (slot < count)
+    row_m = first + slot
+    head = kvh * GROUP + offs_m % GROUP
+    length_m = prefix_len + tl.load(Depth + row_m, mask=m_ok, other=0)
+    length = tl.max(length_m, 0)  # the group's longest row
+    # The rows' split_len, the same for all of them (row_groups sees to it).
+    split_len = length * 0 + SPLIT_LEN
+    while length > split_len * MAX_SPLITS:
+        split_len *= 2
+    num_splits = (length + split_len - 1) // split_len
+    if first_split >= num_splits:
+        return
+    row0 = tl.load(info + 1)
+    table = BlockTable + tl.load(info + 3).to(tl.int64) * bt_stride
+    shared_end = prefix_len // BLOCK_N * BLOCK_N  # tiles before it hold committed keys only
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    out_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + row_m[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :], mask=out_mask, other=0.0)
+    k_cache, v_cache = KC + kvh * skc_h, VC + kvh * svc_h
+    k_step, v_step = K + kvh * sk_h, V + kvh * sv_h
+    m_row = tl.full([BLOCK_M], 0.0, tl.float32)
+    l_row = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc_row = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    for split in range(first_split, num_splits, split_programs):
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        lo = split * split_len
+        hi = tl.minimum(length, lo + split_len)
+        # Tiles wholly inside the committed prefix come first, in a loop of their own (no
+        # branch in it, so the compiler can pipeline its loads); then the tiles that reach
+        # the step's nodes. Either way the tiles run in position order, as for a lone row.
+        for start in range(lo, tl.minimum(hi, shared_end), BLOCK_N):
+            # Committed keys only, the same for every row (and all visible: each row is
+            # longer than the prefix): one load and one update for all M-rows.
+            pos = start + tl.arange(0, BLOCK_N)
+            block = tl.load(table + pos // PAGE).to(tl.int64)
+            within = pos % PAGE
+            k = tl.load(k_cache + (block * skc_b + within * skc_s)[:, None] + offs_d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_cache + (block * svc_b + within * svc_s)[:, None] + offs_d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+            s = _logits(q, k, qk_scale, F32_DOT)
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+        for start in range(tl.maximum(lo, shared_end), hi, BLOCK_N):
+            # The tile reaches the step's nodes, each row's own ancestors: per row, as the
+            # one-row kernel loads it, the update kept in that row's M-rows only.
+            pos = start + tl.arange(0, BLOCK_N)
+            for r in range(0, count):
+                row = first + r
+                length_r = prefix_len + tl.load(Depth + row)
+                if start < length_r:  # a row shorter than the tile's start has no such tile
+                    chain = tl.load(Chain + row)
+                    tail_at = Tail + row * tail_stride - chain
+                    ok = pos < length_r
+                    cached = pos < prefix_len
+                    own = pos - prefix_len
+                    from_tail = ok & (own >= chain)
+                    listed = tl.load(tail_at + own, mask=from_tail, other=0)
+                    own_row = (row0 + tl.where(from_tail, listed, own)).to(tl.int64)
+                    block = tl.load(table + pos // PAGE, mask=cached, other=0).to(tl.int64)
+                    within = pos % PAGE
+                    c_mask = cached[:, None] & d_ok[None, :]
+                    s_mask = (ok & ~cached)[:, None] & d_ok[None, :]
+                    k = tl.where(cached[:, None],
+                                 tl.load(k_cache + (block * skc_b + within * skc_s)[:, None] + offs_d[None, :],
+                                         mask=c_mask, other=0.0),
+                                 tl.load(k_step + own_row[:, None] * sk_t + offs_d[None, :], mask=s_mask,
+                                         other=0.0))
+                    v = tl.where(cached[:, None],
+                                 tl.load(v_cache + (block * svc_b + within * svc_s)[:, None] + offs_d[None, :],
+                                         mask=c_mask, other=0.0),
+                                 tl.load(v_step + own_row[:, None] * sv_t + offs_d[None, :], mask=s_mask,
+                                         other=0.0))
+                    s = _logits(q, k, qk_scale, F32_DOT)
+                    s = tl.where(ok[None, :], s, float("-inf"))
+                    m_r, l_r, acc_r = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+                    # Padding M-rows take every row's update too: their q is 0, so they stay
+                    # finite (a split they never saw would fold -inf with -inf into NaN).
+                    mine = (slot == r) | ~m_ok
+                    m_i = tl.where(mine, m_r, m_i)
+                    l_i = tl.where(mine, l_r, l_i)
+                    acc = tl.where(mine[:, None], acc_r, acc)
+        has = m_ok & (lo < length_m)  # the rows that have this split
+        if split_programs > 1:
+            tl.store(PartAcc + row_m[:, None] * sa_r + head[:, None] * sa_h + split * sa_s + offs_d[None, :], acc,
+                     mask=has[:, None] & d_ok[None, :])
+            tl.store(PartMl + row_m * sm_r + head * sm_h + split * sm_s, m_i, mask=has)
+            tl.store(PartMl + row_m * sm_r + head * sm_h + split * sm_s + 1, l_i, mask=has)
+        elif split == 0:  # every row has split 0
+            m_row, l_row, acc_row = m_i, l_i, acc
+        else:
+            m_f, l_f, acc_f = _fold_split(m_row, l_row, acc_row, m_i, l_i, acc)
+            m_row = tl.where(has, m_f, m_row)
+            l_row = tl.where(has, l_f, l_row)
+            acc_row = tl.where(has[:, None], acc_f, acc_row)
+    if split_programs == 1:
+        out = acc_row / tl.where(l_row > 0, l_row, 1.0)[:, None]
+        tl.store(Out + row_m[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["info_off"])
 def _merge_splits_kernel(
     PartAcc, PartMl, Ints, RowSeq, Depth, Out, info_off,
@@ -259,6 +425,17 @@ class InvariantPlan:
     meta: TreeAttnMetadata
     tails: AncestorTails
     row_seq: torch.Tensor  # int32 [rows]: the sequence of each step row; -1 where none (padding)
+    groups: RowGroups | None = None  # for several rows per program; None: one row per program
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """Which rows each program of the multi-row kernel computes, for one grouping."""
+
+    rows_per_program: int
+    split_len: int
+    max_splits: int
+    groups: torch.Tensor  # int32 [rows, 2]: program g's first row and row count; count 0 past the last
 
 
 def row_sequences(meta: TreeAttnMetadata) -> torch.Tensor:
@@ -277,8 +454,61 @@ def row_sequences(meta: TreeAttnMetadata) -> torch.Tensor:
     return row_seq[:rows]
 
 
-def plan_invariant(meta: TreeAttnMetadata) -> InvariantPlan:
-    return InvariantPlan(meta=meta, tails=ancestor_tails(meta.mask_words), row_seq=row_sequences(meta))
+def rows_per_program_for(group: int, rows_per_program: int | None = None) -> int:
+    """Rows one program computes: rows_per_program (None: ROWS_PER_PROGRAM), capped by the
+    M-rows of one row's tile, whose BLOCK_M must not change (it sets the dots' shape)."""
+    wanted = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
+    return max(1, min(wanted, _block_m(group) // group))
+
+
+def _block_m(group: int) -> int:
+    # A lone row's GROUP query heads, padded to tl.dot's 16 rows at least.
+    return max(16, triton.next_power_of_2(group))
+
+
+def row_groups(meta: TreeAttnMetadata, row_seq: torch.Tensor, depth: torch.Tensor, rows_per_program: int, *,
+               split_len: int = SPLIT_LEN, max_splits: int = MAX_SPLITS) -> RowGroups:
+    """Step rows in programs of up to rows_per_program consecutive rows of one sequence that
+    split alike, from torch ops of fixed shapes on the metadata's device (a CUDA graph can
+    capture them). Windows of rows_per_program rows are aligned to each sequence's first row;
+    a window breaks where split_len changes (only near the SPLIT_LEN * MAX_SPLITS doubling
+    threshold), so a program never holds rows of two split lengths."""
+    rows = row_seq.shape[0]
+    device = row_seq.device
+    real = row_seq >= 0
+    seq = row_seq.long().clamp(min=0)
+    info = meta.seq_info.long()
+    index = torch.arange(rows, device=device)
+    local = index - info[seq, 1]
+    length = info[seq, 0] + depth[:rows].long()
+    # The kernel doubles split_len while length > split_len * max_splits: the doublings a
+    # row gets are the thresholds it passes (32 of them reach far past any context).
+    thresholds = split_len * max_splits * torch.pow(
+        2, torch.arange(32, device=device, dtype=torch.int64))
+    doublings = (length[:, None] > thresholds).sum(1)
+    same_as_previous = torch.zeros(rows, dtype=torch.bool, device=device)
+    same_as_previous[1:] = (row_seq[1:] == row_seq[:-1]) & (doublings[1:] == doublings[:-1])
+    starts = real & ((local % rows_per_program == 0) | ~same_as_previous)
+    group = torch.cumsum(starts, 0) - 1
+    # Rows that start no group (or are padding) write to a spare entry, dropped.
+    groups = torch.zeros(rows + 1, 2, dtype=torch.int32, device=device)
+    groups[:, 0].scatter_(0, torch.where(starts, group, rows), index.to(torch.int32))
+    groups[:, 1].scatter_add_(0, torch.where(real, group, rows), real.to(torch.int32))
+    return RowGroups(rows_per_program=rows_per_program, split_len=split_len, max_splits=max_splits,
+                     groups=groups[:rows].contiguous())
+
+
+def plan_invariant(meta: TreeAttnMetadata, rows_per_program: int | None = None, *, split_len: int = SPLIT_LEN,
+                   max_splits: int = MAX_SPLITS) -> InvariantPlan:
+    """What every layer's call reads; with several rows per program (rows_per_program, None:
+    ROWS_PER_PROGRAM) also their grouping, for calls with this split_len and max_splits."""
+    tails = ancestor_tails(meta.mask_words)
+    row_seq = row_sequences(meta)
+    rows = rows_per_program_for(meta.group, rows_per_program)
+    groups = None
+    if rows > 1:
+        groups = row_groups(meta, row_seq, tails.depth, rows, split_len=split_len, max_splits=max_splits)
+    return InvariantPlan(meta=meta, tails=tails, row_seq=row_seq, groups=groups)
 
 
 def _split_programs(row_programs: int, max_splits: int, device: torch.device) -> int:
@@ -295,13 +525,14 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cache_k: torch.Tensor, cache_v: torch.Tensor,
                              plan: InvariantPlan | TreeAttnMetadata | StepLayout, scale: float, *,
                              block_n: int = BLOCK_N, split_len: int = SPLIT_LEN,
-                             max_splits: int = MAX_SPLITS) -> torch.Tensor:
+                             max_splits: int = MAX_SPLITS, rows_per_program: int | None = None) -> torch.Tensor:
     """Same contract as tree_attention_reference, each node's result independent of the
     rest of the step (see the module's docstring).
 
     block_n, split_len and max_splits set every row's reduction order: results are
     bitwise comparable only between calls with the same values (tests lower them so
-    that tiny sequences get several tiles and splits)."""
+    that tiny sequences get several tiles and splits). rows_per_program (None:
+    ROWS_PER_PROGRAM) picks the kernel, not the result: see the module's docstring."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     if split_len % block_n or max_splits < 1:
@@ -311,7 +542,7 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         plan = metadata_from_layout(plan, block_size=cache_k.shape[1], num_q_heads=Hq, num_kv_heads=Hkv,
                                     device=q.device)
     if isinstance(plan, TreeAttnMetadata):
-        plan = plan_invariant(plan)
+        plan = plan_invariant(plan, rows_per_program, split_len=split_len, max_splits=max_splits)
     meta, tails = plan.meta, plan.tails
     if meta.block_size != cache_k.shape[1] or meta.group * Hkv != Hq or cache_k.shape[2] != Hkv:
         raise ValueError(f"metadata for block size {meta.block_size} and {meta.group} query heads per kv "
@@ -329,13 +560,27 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # No row is longer than the prefix its table can hold plus the step's rows.
     longest = meta.block_table.shape[1] * meta.block_size + T
     splits = min(max_splits, triton.cdiv(longest, split_len))
-    split_programs = _split_programs(rows * Hkv, splits, q.device)
+    per_program = rows_per_program_for(meta.group, rows_per_program)
+    groups = None
+    if per_program > 1:
+        groups = plan.groups
+        if groups is None or (groups.rows_per_program, groups.split_len, groups.max_splits) != (
+                per_program, split_len, max_splits):  # a plan made for other calls
+            groups = row_groups(meta, plan.row_seq, tails.depth, per_program, split_len=split_len,
+                                max_splits=max_splits)
+        # The programs with rows: at most a program per window of per_program rows plus one
+        # per sequence for its last, partial window (more only where split_len changes
+        # inside a window: rows near the doubling threshold, where this guess is too low).
+        programs = min(rows, triton.cdiv(rows, per_program) + meta.batch)
+    else:
+        programs = rows
+    split_programs = _split_programs(programs * Hkv, splits, q.device)
     # The workspace: a partial per (row, query head, split). Only launches of fewer rows
     # than the GPU has programs to give use it, so it stays small: rows x Hkv < 2 x SMs
     # bounds it by 2 x SMs x GROUP x splits x (head_dim + 2) floats (Llama-8B on an H200:
-    # 264 x 4 x 16 x 130 x 4 B = 8.8 MB), where a partial per split for every row of a
-    # 4k-token prefill chunk would take 1.1 GB. Larger launches fold in registers and
-    # pass a placeholder, never touched.
+    # 264 x 4 x 16 x 130 x 4 B = 8.8 MB; with R rows per program, R times that at most),
+    # where a partial per split for every row of a 4k-token prefill chunk would take
+    # 1.1 GB. Larger launches fold in registers and pass a placeholder, never touched.
     if split_programs > 1:
         part_acc = torch.empty(rows, Hq, splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(rows, Hq, splits, 2, dtype=torch.float32, device=q.device)
@@ -343,20 +588,26 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         part_acc = part_ml = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     f32_dot = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreting())
-    _invariant_attention_kernel[(rows, Hkv, split_programs)](
-        q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,
-        tails.chain, tails.depth, tails.tail,
-        meta.info_off, split_programs, meta.block_table.stride(0), tails.tail.stride(0),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
-        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
-        scale * LOG2E,
-        GROUP=meta.group, BLOCK_M=max(16, triton.next_power_of_2(meta.group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, HEAD_DIM=D, PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits,
-        F32_DOT=f32_dot, num_warps=4,
-    )
+    common = (meta.info_off, split_programs, meta.block_table.stride(0), tails.tail.stride(0),
+              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+              cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+              cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), out.stride(0), out.stride(1),
+              part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+              part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+              scale * LOG2E)
+    # BLOCK_M is a lone row's whatever the rows per program: it sets the dots' shape.
+    shape = dict(GROUP=meta.group, BLOCK_M=_block_m(meta.group), BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D,
+                 PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits, F32_DOT=f32_dot, num_warps=4)
+    if groups is None:
+        _invariant_attention_kernel[(rows, Hkv, split_programs)](
+            q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,
+            tails.chain, tails.depth, tails.tail, *common, **shape)
+    else:
+        # A program per step row, as above: groups never outnumber rows, and the programs past
+        # the last group return at once (their number is only known on the device).
+        _invariant_rows_kernel[(rows, Hkv, split_programs)](
+            q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,
+            tails.chain, tails.depth, tails.tail, groups.groups, *common, ROWS=per_program, **shape)
     if split_programs > 1:
         _merge_splits_kernel[(rows, Hkv)](
             part_acc, part_ml, meta.ints, plan.row_seq, tails.depth, out, meta.info_off,

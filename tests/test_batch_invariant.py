@@ -25,6 +25,7 @@ from kernels.invariant_attention import (
     MAX_TAIL,
     SPLIT_LEN,
     ancestor_tails,
+    plan_invariant,
     row_sequences,
     tree_attention_invariant,
 )
@@ -193,9 +194,14 @@ SPLITS = {"cpu": dict(block_n=8, split_len=8, max_splits=3), "cuda": {}}
 REFERENCE_SPLITS = {"cpu": dict(split_len=32, max_splits=2), "cuda": {}}
 
 
-def run_invariant(step: Step, splits: dict[str, dict[str, int]] = SPLITS) -> torch.Tensor:
+# Rows per program: today's kernel, and the multi-row one with four rows of a sequence per
+# program (4 nodes x 4 heads fill the 16 M-rows for GQA group 4; group 1 leaves 12 spare).
+ROWS = [1, 4]
+
+
+def run_invariant(step: Step, splits: dict[str, dict[str, int]] = SPLITS, rows: int = 1) -> torch.Tensor:
     return tree_attention_invariant(step.q, step.k, step.v, step.cache_k, step.cache_v, step.layout, 0.17,
-                                    **splits[step.q.device.type])
+                                    rows_per_program=rows, **splits[step.q.device.type])
 
 
 @pytest.fixture
@@ -209,9 +215,11 @@ def split_programs(monkeypatch) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("group", [0, 2], ids=lambda i: f"gqa{i}")
 @pytest.mark.parametrize("name", ["decode_ragged", "trees", "prefill_chunk", "wide", "mixed"])
-def test_invariant_tree_attention_equals_the_reference(device, group, name):
+@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"rows{r}")
+def test_invariant_tree_attention_equals_the_reference(device, group, name, rows):
     step = make_step(scenarios(device)[name], SHAPES[device].gqa[group], device, torch.float32)
-    torch.testing.assert_close(run_invariant(step, REFERENCE_SPLITS), reference(step, 0.17), **TOL[torch.float32])
+    torch.testing.assert_close(run_invariant(step, REFERENCE_SPLITS, rows), reference(step, 0.17),
+                               **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,21 +238,28 @@ def _only(step: Step, index: int) -> Step:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("others", OTHERS)
-def test_an_attention_row_alone_equals_the_same_row_among_other_sequences(device, dtype, others, split_programs):
+# GQA group 4 with one and four rows per program in both dtypes, and group 1 (four rows of one
+# head each: 4 of the 16 M-rows) in float32 only, to spare the interpreter's time.
+@pytest.mark.parametrize("rows,group,dtype", [(1, 2, torch.float32), (1, 2, torch.bfloat16), (4, 2, torch.float32),
+                                              (4, 2, torch.bfloat16), (4, 0, torch.float32)],
+                         ids=["rows1-gqa4-f32", "rows1-gqa4-bf16", "rows4-gqa4-f32", "rows4-gqa4-bf16",
+                              "rows4-gqa1-f32"])
+def test_an_attention_row_alone_equals_the_same_row_among_other_sequences(device, others, rows, group, dtype,
+                                                                           split_programs):
     bs, long = SHAPES[device].block_size, SHAPES[device].long_prefix
     rng = random.Random(others)
     kinds = [[-1], BRANCHY, chain(5), random_tree(9, 4)]
     seqs = [(rng.randrange(0, long + 1), rng.choice(kinds)) for _ in range(others)]
     at = others // 2
     seqs.insert(at, (long + bs // 2, CHAIN_THEN_TREE))
-    step = make_step(seqs, SHAPES[device].gqa[2], device, dtype, seed=others)
+    step = make_step(seqs, SHAPES[device].gqa[group], device, dtype, seed=others)
     # Among 7 or 63 others a program runs all of a row's splits and folds them; alone
     # (too few rows to fill the machine) its splits run in programs of their own and a
-    # second kernel folds them.
-    together = run_invariant(step)
-    alone = run_invariant(_only(step, at))
+    # second kernel folds them. With four rows per program the sequence's 8 nodes are two
+    # programs, alone and among others, beside programs of other sequences' rows.
+    together = run_invariant(step, rows=rows)
+    alone = run_invariant(_only(step, at), rows=rows)
     start, count = step.layout.node_starts[at], step.layout.node_counts[at]
     assert torch.equal(together[start: start + count], alone)
 
@@ -276,33 +291,113 @@ def _plain_decode_of(step: Step, node: int) -> Step:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("parents", [BRANCHY, CHAIN_THEN_TREE, random_tree(12, 7)],
                          ids=["branchy", "chain_then_tree", "random12"])
-def test_a_tree_node_attends_bitwise_as_its_token_decoded_plainly(device, dtype, parents, split_programs):
+@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"rows{r}")
+def test_a_tree_node_attends_bitwise_as_its_token_decoded_plainly(device, dtype, parents, rows, split_programs):
     # The prefix ends 2 keys before a split boundary (also a tile's and a block's): the
     # split holding a node's first ancestors mixes cache and step keys, and nodes deeper
     # than 2 have one split more. The tree's rows fold their splits in one program each,
-    # a plain decode's single row gives each split a program (split_programs).
+    # a plain decode's single row gives each split a program (split_programs). With four
+    # rows per program a node shares its program with three others, its plain decode with none.
     split_len = SPLITS[device].get("split_len", SPLIT_LEN)
     step = make_step([(2 * split_len - 2, parents)], SHAPES[device].gqa[1], device, dtype, seed=len(parents))
-    tree = run_invariant(step)
+    tree = run_invariant(step, rows=rows)
     for node in range(len(parents)):
-        plain = run_invariant(_plain_decode_of(step, node))
+        plain = run_invariant(_plain_decode_of(step, node), rows=rows)
         assert torch.equal(tree[node], plain[0]), f"node {node}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_padding_rows_and_tiles_of_a_bucket_belong_to_no_sequence_and_change_no_row(device):
+@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"rows{r}")
+def test_padding_rows_and_tiles_of_a_bucket_belong_to_no_sequence_and_change_no_row(device, rows):
     """A CUDA graph's bucket pads the step's rows, tiles and sequences: the padding rows
     map to no sequence, and the step's rows come out bitwise as without the padding."""
     shapes = SHAPES[device]
     hq, hkv = shapes.gqa[1]
     step = make_step([(5, [-1]), (2 * shapes.block_size + 1, BRANCHY)], (hq, hkv), device, torch.float32, seed=5)
-    rows, pad = step.q.shape[0], 3
+    real, pad = step.q.shape[0], 3
     meta = metadata_from_layout(step.layout, block_size=shapes.block_size, num_q_heads=hq, num_kv_heads=hkv,
-                                device=device, max_batch=4, max_blocks=8, max_tiles=8, max_rows=rows + pad)
+                                device=device, max_batch=4, max_blocks=8, max_tiles=8, max_rows=real + pad)
     assert row_sequences(meta).tolist() == [0] + [1] * len(BRANCHY) + [-1] * pad
     q, k, v = (torch.cat((x, torch.randn(pad, *x.shape[1:], device=device))) for x in (step.q, step.k, step.v))
-    padded = tree_attention_invariant(q, k, v, step.cache_k, step.cache_v, meta, 0.17, **SPLITS[device])
-    assert torch.equal(padded[:rows], run_invariant(step))
+    padded = tree_attention_invariant(q, k, v, step.cache_k, step.cache_v, meta, 0.17, rows_per_program=rows,
+                                      **SPLITS[device])
+    assert torch.equal(padded[:real], run_invariant(step, rows=rows))
+
+
+# --- several rows per program --------------------------------------------------------
+
+
+def _doubling_threshold(device: str) -> int:
+    """Rows longer than this split in doubled lengths (SPLITS' split_len x max_splits)."""
+    splits = SPLITS[device]
+    return splits.get("split_len", SPLIT_LEN) * splits.get("max_splits", invariant_attention.MAX_SPLITS)
+
+
+def _straddling_step(device: str, heads: tuple[int, int], dtype: torch.dtype) -> Step:
+    """Decodes, a chain longer than a program's rows, and a tree whose deepest rows are past
+    the split-doubling threshold while the others are not (so they split differently)."""
+    edge = _doubling_threshold(device)
+    return make_step([(5, [-1]), (2, chain(9)), (edge - 4, CHAIN_THEN_TREE), (0, random_tree(6, 3))], heads,
+                     device, dtype, seed=9)
+
+
+def _split_doublings(length: int, device: str) -> int:
+    splits = SPLITS[device]
+    split_len, max_splits = splits.get("split_len", SPLIT_LEN), splits.get("max_splits", invariant_attention.MAX_SPLITS)
+    doublings = 0
+    while length > split_len * max_splits:
+        split_len *= 2
+        doublings += 1
+    return doublings
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_groups_hold_up_to_four_consecutive_rows_of_one_sequence_that_split_alike(device):
+    shapes = SHAPES[device]
+    hq, hkv = shapes.gqa[2]
+    step = _straddling_step(device, (hq, hkv), torch.float32)
+    lay, pad = step.layout, 3
+    meta = metadata_from_layout(lay, block_size=shapes.block_size, num_q_heads=hq, num_kv_heads=hkv, device=device,
+                                max_batch=6, max_tiles=12, max_rows=step.q.shape[0] + pad)
+    plan = plan_invariant(meta, 4, **{k: v for k, v in SPLITS[device].items() if k != "block_n"})
+    expect = []
+    for start, count, slots, mask in zip(lay.node_starts, lay.node_counts, lay.prefix_slots, lay.masks):
+        classes = [_split_doublings(len(slots) + int(mask[i].sum()), device) for i in range(count)]
+        for local in range(count):
+            if local % 4 == 0 or classes[local] != classes[local - 1]:
+                expect.append([start + local, 0])
+            expect[-1][1] += 1
+    got = plan.groups.groups.tolist()
+    assert got == expect + [[0, 0]] * (len(got) - len(expect))
+    # The tree's deepest node (depth 5) is past the threshold, the rest of its window is not.
+    tree_start = lay.node_starts[2]
+    assert [tree_start + 7, 1] in expect and [tree_start + 4, 3] in expect
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [0, 2], ids=["gqa1", "gqa4"])
+@pytest.mark.parametrize("fold", ["registers", "workspace"])
+def test_several_rows_per_program_compute_each_row_bitwise_as_one_row_per_program(device, dtype, group, fold,
+                                                                                 monkeypatch):
+    # The interpreter folds a row's splits in its program unless its target of programs is
+    # raised; then every split gets a program and the merge kernel folds them.
+    monkeypatch.setattr(invariant_attention, "INTERPRETER_PROGRAMS", 1 if fold == "registers" else 64)
+    step = _straddling_step(device, SHAPES[device].gqa[group], dtype)
+    assert torch.equal(run_invariant(step, rows=4), run_invariant(step, rows=1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tree_straddling_the_split_doubling_threshold_attends_bitwise_as_its_tokens_decoded_plainly(
+        device, split_programs):
+    # Nodes of depth 5 are past the threshold (their splits are twice as long): the
+    # multi-row kernel puts them in programs of their own, beside the shallower nodes'.
+    step = make_step([(_doubling_threshold(device) - 4, CHAIN_THEN_TREE)], SHAPES[device].gqa[2], device,
+                     torch.float32, seed=11)
+    tree = run_invariant(step, rows=4)
+    for node in range(len(CHAIN_THEN_TREE)):
+        assert torch.equal(tree[node], run_invariant(_plain_decode_of(step, node), rows=4)[0]), f"node {node}"
+    torch.testing.assert_close(tree, reference(step, 0.17), **TOL[torch.float32])
 
 
 # --- the target in the batch-invariant mode ---------------------------------------------
@@ -337,10 +432,34 @@ def invariant_model(request, tiny_llama) -> LlamaModel:
 
 
 def test_the_batch_invariant_target_verifies_a_tree_bitwise_as_plain_decoding(invariant_model):
-    ref, ref_logprobs, plain = _greedy_alone(invariant_model, 8)
-    engine = _engine(invariant_model)
+    _verify_a_tree_as_plain_decoding(invariant_model)
+
+
+def test_with_four_rows_per_program_the_batch_invariant_target_verifies_a_tree_bitwise_as_plain_decoding(
+        tiny_llama, monkeypatch):
+    # The engine's plans group the rows (ROWS_PER_PROGRAM read when a step is planned), in
+    # float32 only to spare the interpreter's time.
+    monkeypatch.setattr(invariant_attention, "ROWS_PER_PROGRAM", 4)
+    launches = []
+    kernel = invariant_attention._invariant_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(invariant_attention, "_invariant_rows_kernel", Spy())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _verify_a_tree_as_plain_decoding(LlamaModel(tiny_llama("gqa"), dtype=torch.float32, device=device,
+                                                batch_invariant=True))
+    assert launches  # the multi-row kernel computed the steps
+
+
+def _verify_a_tree_as_plain_decoding(model: LlamaModel) -> None:
+    ref, ref_logprobs, plain = _greedy_alone(model, 8)
+    engine = _engine(model)
     assert engine.step([SequenceStep.chain("t", PROMPT, create=True)])[0].tokens == ref[:1]
-    vocab = invariant_model.cfg.vocab_size
+    vocab = model.cfg.vocab_size
     # The greedy path with two wrong siblings before it at every depth.
     tokens, parents, parent = [ref[0]], [-1], 0
     for token in ref[1:7]:
