@@ -132,11 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmul", metavar="MIN_PROGRAMS,SPLIT_PROGRAMS",
                     help="with --deterministic: try another configuration of the invariant linear kernel "
                          "(kernels.matmul.MIN_PROGRAMS and SPLIT_K_PROGRAMS; 0,1: 64-wide tiles, no split-K)")
+    ap.add_argument("--attention-rows", type=int, metavar="R",
+                    help="with --deterministic: step rows of one sequence per program of the invariant attention "
+                         "(kernels.invariant_attention.ROWS_PER_PROGRAM; 1: one row per program)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.matmul:
         import kernels.matmul as matmul
         matmul.MIN_PROGRAMS, matmul.SPLIT_K_PROGRAMS = (int(x) for x in args.matmul.split(","))
+    if args.attention_rows is not None:
+        # Read by every plan and call: set before the engine (and its graphs) exist.
+        import kernels.invariant_attention as invariant_attention
+        invariant_attention.ROWS_PER_PROGRAM = args.attention_rows
     device = "cpu" if args.tiny else "cuda"
     cfg = LLAMA_31_8B
     if args.tiny:
@@ -180,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
-                                        "prefix": args.prefix, "deterministic": args.deterministic, "rows": rows},
+                                        "prefix": args.prefix, "deterministic": args.deterministic,
+                                        "attention_rows": args.attention_rows, "rows": rows},
                                        indent=2))
     return 0
 

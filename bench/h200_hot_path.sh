@@ -38,7 +38,9 @@
 #            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64); DET_MATMUL="0,1 0,264" also times the
-#            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS)
+#            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="1 4" times
+#            the mode with those rows of a sequence per invariant-attention program, back to back
+#            (kernels.invariant_attention.ROWS_PER_PROGRAM; the plain "on" run takes the default)
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
 #   equality after only (EQUALITY_RUNS picks among demo_off demo_on scale_off scale_on), the mode off against on: bench/greedy_equality.py (64 held-out
@@ -207,6 +209,10 @@ for stage in "$@"; do
       for config in ${DET_MATMUL:-}; do  # other configurations of the invariant linear kernel, mode on
         run "engine_det_on_$config" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
           --iters 20 --modes graphs --deterministic --matmul "$config" --out "$OUT/engine_det_on_$config.json"
+      done
+      for rows in ${DET_ROWS:-}; do  # rows of one sequence per invariant-attention program, mode on
+        run "engine_det_on_rows$rows" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
+          --iters 20 --modes graphs --deterministic --attention-rows "$rows" --out "$OUT/engine_det_on_rows$rows.json"
       done ;;
     linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel in several configurations
       run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 \
