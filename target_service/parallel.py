@@ -134,9 +134,9 @@ def _recv(pipe: Connection) -> tuple[dict, bytes]:
 
 
 def _destroy_group(timeout: float, who: str) -> None:
-    """Tear the process group down, giving up after `timeout` s (the process is ending anyway):
-    on two H200s the TP=2 target outlived its stop grace, and NCCL's teardown is the phase
-    that may wait for the other ranks."""
+    """Tear the process group down, giving up after `timeout` s (the process is ending anyway).
+    On two H200s the TP=2 target outlived its stop grace, with no log of which phase hung;
+    a teardown that waits for the other ranks is one candidate, so no rank waits on it long."""
     t0 = time.perf_counter()
     done = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
     done.start()
