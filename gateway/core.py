@@ -135,6 +135,7 @@ class GatewayCore:
         self._threads: list[threading.Thread] = []
         self.step_count = 0
         self._quiet = 0  # consecutive steps in which auto chose no tree
+        self._explored = False  # this step's auto trees are exploration (see _explore_now)
         # The load gate measured that plain decoding pays at this step's load: auto requests then
         # run as plain decoding really runs (dormant: no features, no ingest, grantable), so the
         # plain arm is measured as `never` would run and not taxed by feature traffic (issue 14).
@@ -400,7 +401,9 @@ class GatewayCore:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
             search = None
         probe = bool(cands) and probing_trees
-        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe, search)
+        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe, search,
+                                 self._explore_now())
+        self._explored = self.book.explored
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
         for rid, budget in list(budgets.items()):
@@ -420,7 +423,11 @@ class GatewayCore:
     WAKE_EVERY = 128
 
     def _track_quiet(self, plan: StepPlan) -> None:
-        if any(not b.empty for b in plan.budgets.values()):
+        # An exploration tree is no choice to speculate: it counts as a quiet step, so a draft that
+        # is never right still leaves its requests dormant (one tree per wake, not one per
+        # QUIET_STEPS steps, and features flowing all the while). Trees the figures then choose reset it.
+        if any(not plan.budgets.get(it.request.request_id, NO_SPEC).empty
+               and not (self._explored and self._mode(it.request) == SpecMode.AUTO) for it in plan.items):
             self._quiet = 0  # speculating
         elif self._quiet >= self.QUIET_STEPS or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
@@ -429,6 +436,23 @@ class GatewayCore:
             # the prompts of a filling batch are no verdict, and going dormant then (seen on the
             # CI machine) kept 48 requests from ever being offered a tree.
             self._quiet += 1
+
+    def _explore_now(self) -> bool:
+        """Whether this step is the last but one before auto requests go dormant (see _dormant):
+        then the policy drafts its best single tree even where the figures decline it (if any tree
+        could pay at all), and on the step after, the figures know how it went.
+
+        A dormant request is no candidate, so once auto declines trees nothing refreshes the
+        acceptance figures that made it decline, and the policy's own exploration (after
+        AcceptanceBook.explore_after = 32 quiet steps with candidates) never comes: dormancy cuts
+        the count at QUIET_STEPS = 16, and a wake-up adds at most 16 more. Below the gate's
+        minimum batch, where the figures alone decide, a lone request on the emulated-cost CI
+        track priced by whole rounds breaks even at 0.75 accepted per 3-token chain; the first
+        prompt's trees at positions 2, 6 and 10 accept nothing (later ones 2 on average), the
+        figures then fell to 0.6-0.75, and in some runs no tree came before dormancy: plain for
+        the rest of the request and, through the global book, for the next ones.
+        """
+        return self.QUIET_STEPS >= 2 and (self._quiet + 2) % self.WAKE_EVERY == self.QUIET_STEPS
 
     def _dormant(self, req: Request) -> bool:
         q = self._quiet
@@ -661,14 +685,12 @@ class GatewayCore:
         decode = all(it.is_decode for it in outcome.items)
         seqs = len(outcome.items)
         if decode:
-            # Below the gate's minimum batch the cost model alone decides, and it still prices a step
-            # by the target's step: priced by the whole round, auto alone on the emulated-cost track
-            # (tests/test_gateway_auto_phases.py) fell back to plain decoding in 2 of 3 runs (1-36% of
-            # steps speculative, against 89-96%) though its trees paid there. Cause not found yet.
+            # At every load the cost model learns whole rounds, as the gate does. (Below the gate's
+            # minimum batch it learned the target's step for a while, which left a tree's draft call
+            # unpriced: trees looked ~23% cheaper on the emulated-cost track, and that hid how a lone
+            # request could stop speculating for good after unlucky first trees; see _explore_now.)
             budgets = [plan.budgets[rid] for rid in outcome.trees]
-            light = seqs < self.gate.min_batch
-            self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets,
-                               outcome.seconds if light else seconds)
+            self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
         # For the gate, a plain step that fed the draft is neither arm: plain decoding, as `never` runs
         # it, feeds nothing and is granted (such steps had the gate read plain decoding at 0.7x
         # `never`). The cost model still learns from it: below the gate's minimum batch it prices

@@ -70,10 +70,9 @@ class CostModel:
     draft call at 64 requests ingests and catches up 64 requests). So decode
     steps correct it at every load: `ratios` holds measured over profiled wall
     time per batch bucket, for steps with trees and without, and scales what
-    `step_time` predicts. From LoadGate.min_batch on, a step's measured time is
-    its whole round, and the gate decides on measured goodput while the
-    corrected model still chooses the trees; below it, the time of the target's
-    step (see GatewayCore._record).
+    `step_time` predicts. A step's measured time is its whole round (see
+    GatewayCore._record). From LoadGate.min_batch on, the gate decides on
+    measured goodput; the corrected model still chooses the trees.
     """
 
     target_base: float = 5e-3
@@ -131,8 +130,12 @@ class AcceptanceBook:
     # per `explore_after` quiet steps: bounded, unlike fading the evidence towards the
     # prior, whose retry rate grows as speculation looks cheaper (tried: with a random
     # draft on the demo target, 23% of a lone request's steps went to trees).
+    # The gateway's dormancy stops this count short (a dormant request is no candidate,
+    # and auto requests go dormant after GatewayCore.QUIET_STEPS < explore_after quiet
+    # steps), so the gateway also asks for a tree just before they go dormant (`explore`).
     explore_after: int = 32
     quiet_steps: int = 0  # steps since auto last chose a tree
+    explored: bool = False  # the last choice's auto trees were exploration: the figures chose none
 
     def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
@@ -178,6 +181,7 @@ class BudgetSearch(NamedTuple):
     single: tuple[float, DraftBudget, Candidate] | None  # the best one-tree choice
     every: tuple[float, DraftBudget] | None  # the best option given to every auto candidate
     rates: Rates
+    ceiling: float | None  # the best one-tree goodput were every drafted token accepted
 
 
 def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -200,26 +204,31 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     base_committed = float(len(candidates))  # + the fixed-budget requests' acceptance, same for all choices
     plain_rate = best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed) if candidates else 0.0
     top_tree_rate: float | None = None
+    ceiling: float | None = None
     for o in cfg.auto_options() if auto else ():
         ranked = sorted(auto, key=lambda c: -book.expected(o, c.own_stats.get(o)))
         committed, tokens = base_committed, base_tokens
         for k, c in enumerate(ranked, start=1):
             committed += book.expected(o, c.own_stats.get(o))
             tokens += o.max_nodes
-            rate = committed / costs.step_time(tokens, base_seqs, fixed + [o] * k)
+            seconds = costs.step_time(tokens, base_seqs, fixed + [o] * k)
+            rate = committed / seconds
             top_tree_rate = rate if top_tree_rate is None else max(top_tree_rate, rate)
+            if k == 1:
+                full = (base_committed + o.steps) / seconds
+                ceiling = full if ceiling is None else max(ceiling, full)
             if k == 1 and (single is None or rate > single[0]):
                 single = (rate, o, c)
             if k == len(ranked) and (every is None or rate > every[0]):
                 every = (rate, o)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
-    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate))
+    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate), ceiling)
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
                    other_tokens: int, other_seqs: int, probe: bool = False,
-                   search: BudgetSearch | None = None) -> dict[str, DraftBudget]:
+                   search: BudgetSearch | None = None, explore: bool = False) -> dict[str, DraftBudget]:
     """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
 
     For `auto`, each option o is tried on the k requests expected to accept most
@@ -229,17 +238,27 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     the figures say they do not pay: every auto candidate gets the option that
     comes closest while the load gate measures trees at this load (`probe`: a
     probe the figures decline would measure nothing), and the best single tree
-    is taken after `book.explore_after` steps without one. `search`: search_budgets' result for
-    these very arguments, when the caller already has it.
+    is taken after `book.explore_after` steps without one, or now (`explore`: the
+    caller's last chance to refresh the figures before nothing would) where some
+    tree could pay were all its drafted tokens accepted. `search`: search_budgets'
+    result for these very arguments, when the caller already has it.
+    `book.explored` says afterwards whether the auto trees were exploration.
     """
-    out, auto, best, single, every, _ = search or search_budgets(cfg, costs, book, candidates, other_tokens,
-                                                                 other_seqs)
+    search = search or search_budgets(cfg, costs, book, candidates, other_tokens, other_seqs)
+    out, auto, best, single, every = search.out, search.auto, search.best, search.single, search.every
+    book.explored = False
     if not auto:
         return out
+    # `explore` only where acceptance could change the choice: were all its drafted tokens
+    # accepted, the tree would beat plain decoding (with trees that cannot pay, as on costs
+    # where a tree step takes many plain ones, the caller would draft one per wake-up for nothing).
+    could_pay = search.ceiling is not None and search.ceiling > search.rates.plain
     if best is None and probe and every is not None:
         best = (every[1], auto)
-    elif best is None and single is not None and book.quiet_steps >= book.explore_after:
+    elif best is None and single is not None and (
+            (explore and could_pay) or book.quiet_steps >= book.explore_after):
         best = (single[1], [single[2]])
+        book.explored = True
     if best is not None:
         for c in best[1]:
             out[c.key] = best[0]

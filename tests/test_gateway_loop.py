@@ -132,6 +132,7 @@ class FakeDraft:
         self.ingest_calls: list[list[str]] = []
         self.draft_calls = 0
         self.fail = False
+        self.wrong_trees = 0  # the first n trees propose wrong tokens (nothing of them is accepted)
         self.reads_target_features = False  # fed by the gateway, as a DraftClient before info()
         self.feature_sink = ""
         self.ingested: list[IngestItem] = []
@@ -171,9 +172,10 @@ class FakeDraft:
             for rid, budget, n in calls:
                 root = self.known[rid][-1]
                 chain, t = [], root
+                wrong = self.draft_calls <= self.wrong_trees
                 for _ in range(budget.steps):
                     t = next_token(t)
-                    chain.append(t)
+                    chain.append((t + 1) % VOCAB if wrong else t)
                 trees.append(DraftTree(rid, root, n - 1, chain, list(range(-1, len(chain) - 1)),
                                        list(range(1, len(chain) + 1)), [0.0] * len(chain), [0.0] * len(chain)))
         return trees, self.load()
@@ -407,6 +409,24 @@ def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_ar
     assert target.grants > 0, "dormant plain steps were never granted"
     fed = [any(it.return_features for it in step) for step in target.steps]
     assert not any(fed[core.QUIET_STEPS + 4: core.WAKE_EVERY - 4]), "features kept flowing while dormant"
+
+
+def test_auto_at_light_load_tries_a_tree_again_before_going_dormant_so_unlucky_first_trees_do_not_end_it(
+        tokenizer):
+    """A lone request whose first trees accept nothing (the hardest positions after a prompt), then
+    everything, on prices where a tree step costs 1.75 plain ones (the demo's emulated-cost CI
+    track, priced by whole rounds). After the misses the figures decline trees; a dormant request
+    is no candidate, so without a tree tried before dormancy none was drafted again."""
+    core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+    drafts[0].wrong_trees = 2
+    core.costs = CostModel(target_base=0.03, target_per_token=0.004, target_per_seq=0.0, draft_base=0.0065,
+                           draft_per_level=0.0, draft_per_expansion=0.003)
+    core.costs.observe = lambda *args: None  # the fake's steps take microseconds: these prices decide
+    out = submit(core, "solo", [4, 5, 6], max_tokens=120)
+    run_until_idle(core)
+    assert tokens_of(out) == expected([4, 5, 6], 120)
+    spec = out[-1].spec
+    assert spec.verify_steps > 20, f"auto stopped speculating after its first misses: {spec}"
 
 
 def test_auto_measures_the_plain_arm_as_plain_decoding_runs_without_feeding_the_draft(tokenizer):

@@ -121,6 +121,23 @@ def test_auto_explores_again_after_unlucky_trees_and_keeps_going_if_they_pay():
     assert choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)["r0"] == tried
 
 
+def test_asked_to_explore_the_policy_drafts_its_best_single_tree_where_a_tree_could_pay():
+    # The gateway asks just before its auto requests go dormant (they are no candidates then).
+    costs = CostModel(target_base=1.2e-2, target_per_token=5e-4, target_per_seq=4e-3, draft_base=5e-3,
+                      draft_per_level=3e-3, draft_per_expansion=4e-4)
+    book = AcceptanceBook()
+    for o in CFG.auto_options():  # the first trees after the prompt were all rejected
+        book.record(o, 0)
+    assert choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"] == NO_SPEC
+    assert not book.explored
+    tried = choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0, explore=True)["r0"]
+    assert not tried.empty and book.explored
+    # Where a tree step costs many plain ones, no acceptance could make one pay: nothing to learn.
+    dear = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)
+    assert choose_budgets(CFG, dear, book, candidates(1, stats={}), 0, 0, explore=True)["r0"] == NO_SPEC
+    assert not book.explored
+
+
 def test_measured_step_times_correct_a_noisy_profile():
     # The profile saw the draft at 38 ms a call; in service a 5/4/8 step takes 60 ms, a plain one 28 ms.
     costs = CostModel(target_base=2e-2, target_per_token=3.4e-4, target_per_seq=6.3e-3, draft_base=3.8e-2,
