@@ -322,22 +322,36 @@ def test_auto_requests_go_dormant_under_load_and_wake_to_be_offered_trees_again(
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     n = core.gate.min_batch + 2
     for i in range(n):
-        submit(core, f"d{i}", [1 + i, 2, 3], max_tokens=400)
+        submit(core, f"d{i}", [1 + i, 2, 3], max_tokens=1000)
     core._take_inbox()
+    long_enough = core.WAKE_EVERY - 2 * core.QUIET_STEPS
+
+    def first_dormancy(features_asked: str) -> int | None:
+        """The run index of the first long dormancy that a complete wake-up follows."""
+        runs = _runs(features_asked)
+        for i, (kind, run) in enumerate(runs):
+            if kind == "." and len(run) >= long_enough and i + 2 < len(runs):
+                return i
+        return None
+
+    # Fed while the load gate measures trees, then dormant for most of each WAKE_EVERY steps, then
+    # awake again to catch up. (The gate's first probe, of plain decoding, is dormant too.) Where in
+    # the steps the first dormancy starts depends on when the drafts have taken in the prompts (their
+    # workers run beside the loop), so the loop runs until a wake-up has ended, within a bound.
     features_asked = ""
-    for _ in range(2 * core.WAKE_EVERY + core.QUIET_STEPS):
+    for _ in range(3 * core.WAKE_EVERY + 2 * core.QUIET_STEPS):
         core._step()
         core._take_inbox()
         time.sleep(0.001)
         features_asked += "F" if any(it.return_features for it in target.steps[-1]) else "."
-    # Fed while the load gate measures trees, then dormant for most of each WAKE_EVERY steps, then
-    # awake again to catch up. (The gate's first probe, of plain decoding, is dormant too.)
+        if first_dormancy(features_asked) is not None:
+            break
+    at = first_dormancy(features_asked)
+    assert at is not None, f"no long dormancy followed by a complete wake-up: {features_asked}"
     runs = [(kind, len(run)) for kind, run in _runs(features_asked)]
-    longest = max(range(len(runs)), key=lambda i: runs[i][1] if runs[i][0] == "." else 0)
-    assert runs[longest][1] >= core.WAKE_EVERY - 2 * core.QUIET_STEPS, f"dormancy did not last: {features_asked}"
-    assert longest > 0 and runs[longest - 1][0] == "F", features_asked
-    assert longest + 1 < len(runs) and runs[longest + 1][0] == "F", f"no wake-up: {features_asked}"
-    assert core.QUIET_STEPS <= runs[longest + 1][1] <= 2 * core.QUIET_STEPS, "the wake-up did not end"
+    assert at > 0 and runs[at - 1][0] == "F", features_asked
+    assert runs[at + 1][0] == "F", f"no wake-up: {features_asked}"
+    assert core.QUIET_STEPS <= runs[at + 1][1] <= 2 * core.QUIET_STEPS, f"the wake-up did not end: {features_asked}"
 
 
 def _runs(text: str) -> list[tuple[str, str]]:
