@@ -1,13 +1,17 @@
 """Time the target's step on a random tiny Llama: one-node decode vs a 16-node tree.
 
-    python bench/target_step.py [--hidden 256 --layers 4 --vocab 4096 --prefix 128 --device cpu]
+    python bench/target_step.py [--hidden 256 --layers 4 --vocab 4096 --prefix 128 --device cpu] [--host-part]
 
-Prints mean and median milliseconds per step. A benchmark, not a test.
+Prints mean and median milliseconds per step; with --host-part also the median of the
+model's forward inside the step, and the rest (the step's host work: validating,
+packing, deciding, committing). `PYTHONPATH=<other checkout>` times another tree's
+engine with this script. A benchmark, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -38,6 +42,29 @@ def binary_tree(pending: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, .
     return tuple(tokens), tuple(parents)
 
 
+class ForwardTimer:
+    """Times every LlamaModel.forward call while installed (the forward inside each step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._forward = LlamaModel.forward
+
+    def __enter__(self) -> ForwardTimer:
+        timer, forward = self, self._forward
+
+        def timed(model, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = forward(model, *args, **kwargs)
+            timer.times.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        LlamaModel.forward = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        LlamaModel.forward = self._forward
+
+
 def time_steps(engine: TargetEngine, make_item, iters: int) -> list[float]:
     times = []
     for _ in range(iters):
@@ -57,6 +84,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--host-part", action="store_true", help="also time the forward inside each step")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = LlamaModel(make_model(Path(tmp), args.hidden, args.layers, args.vocab), device=args.device)
@@ -76,8 +104,13 @@ def main() -> None:
             return SequenceStep("b", tokens, parents, num_fixed=1)
 
         time_steps(engine, item, 5)  # warm-up
-        t = time_steps(engine, item, args.iters)
-        print(f"{nodes:>3}-node step: mean {statistics.mean(t):7.2f} ms  median {statistics.median(t):7.2f} ms")
+        with ForwardTimer() if args.host_part else contextlib.nullcontext() as forward:
+            t = time_steps(engine, item, args.iters)
+        line = f"{nodes:>3}-node step: mean {statistics.mean(t):7.2f} ms  median {statistics.median(t):7.2f} ms"
+        if forward is not None:
+            f = statistics.median(forward.times)
+            line += f"  forward {f:6.3f} ms  host part {statistics.median(t) - f:6.3f} ms"
+        print(line)
 
 
 if __name__ == "__main__":
