@@ -21,6 +21,9 @@
 #            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
+#   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
+#            draft on the target's GPU against on a GPU of its own (--draft-gpus 1), at PLACEMENT_CONCURRENCY
+#            (default 1,8,64), each with its round breakdown
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
 #            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
 #            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8); TP_SCALE_EQUALITY=0 skips the
@@ -164,6 +167,15 @@ for stage in "$@"; do
       scale_serve $scale 0.8
       serve_bench features_gateway 8510 "${SPEC_CONCURRENCY:-1,8,64}" always "${serve[@]}" --features-through-gateway
       serve_bench features_target 8520 "${SPEC_CONCURRENCY:-1,8,64}" never,always "${serve[@]}" ;;
+    placement)
+      need_scale scale_track $scale
+      for where in shared own; do
+        scale_serve $scale 0.8
+        [[ $where == own ]] && serve+=(--draft-gpus 1)
+        serve_bench placement_$where 8270 "${PLACEMENT_CONCURRENCY:-1,8,64}" never,always "${serve[@]}"
+        python3 bench/round_breakdown.py "$OUT/placement_$where" always --since never \
+          > "$OUT/placement_${where}_always.txt"
+      done ;;
     allreduce)
       run allreduce after 300 python3 bench/allreduce_cost.py --world "${ALLREDUCE_WORLD:-2}" \
         --out "$OUT/allreduce.json"

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC tandem.v1.Generation port (default 50051)")
     p.add_argument("--draft-replicas", type=int, default=1, metavar="N",
                    help="draft service processes; a request sticks to one (default 1)")
+    p.add_argument("--draft-gpus", metavar="LIST", default=None,
+                   help="with --device cuda: the GPUs (indices as this process sees them) the draft replicas run "
+                        "on, in turn, e.g. 1 to give the draft a GPU of its own beside a --tp 1 target on GPU 0 "
+                        "(default: every replica on the first GPU, beside the target's rank 0)")
     p.add_argument("--api-key", metavar="KEY", default=None,
                    help="require 'Authorization: Bearer KEY' on the REST API and on gRPC Generation")
     p.add_argument("--protect-metrics", action="store_true", help="with --api-key, require the key on /metrics")
@@ -208,6 +212,14 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise ServeError(f"{flag} must be a port number (1-65535), got {value}")
     if args.port == args.grpc_port:
         raise ServeError("--port and --grpc-port must differ")
+    if args.draft_gpus is not None:
+        gpus = draft_gpus(args.draft_gpus)
+        if (args.device or _default_device()) != "cuda":
+            raise ServeError("--draft-gpus needs --device cuda")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None and max(gpus) >= len(visible.split(",")):
+            raise ServeError(f"--draft-gpus {args.draft_gpus}: only {len(visible.split(','))} GPUs are visible "
+                             f"(CUDA_VISIBLE_DEVICES={visible})")
     for flag, value in (("--target-args", args.target_args), ("--draft-args", args.draft_args),
                         ("--gateway-args", args.gateway_args)):
         try:
@@ -229,6 +241,27 @@ def resolve(args: argparse.Namespace) -> Plan:
     return Plan(model=model.resolve(), draft=draft.resolve() if draft else None,
                 device=args.device or _default_device(), log_dir=log_dir.resolve(), public_tls=public_tls,
                 service_tls=service_tls, gateway_tls=gateway_tls)
+
+
+def draft_gpus(text: str) -> list[int]:
+    """--draft-gpus as indices: comma-separated integers >= 0 (ServeError otherwise)."""
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or min(gpus) < 0:
+        raise ServeError(f"--draft-gpus must list GPU indices >= 0, comma-separated, got {text!r}")
+    return gpus
+
+
+def draft_env(args: argparse.Namespace, replica: int) -> dict[str, str]:
+    """Environment of draft replica `replica`: with --draft-gpus, only its GPU visible (as cuda:0)."""
+    if args.draft_gpus is None:
+        return {}
+    gpus = draft_gpus(args.draft_gpus)
+    gpu = gpus[replica % len(gpus)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {"CUDA_VISIBLE_DEVICES": visible.split(",")[gpu].strip() if visible is not None else str(gpu)}
 
 
 def resolve_tls(args: argparse.Namespace) -> tuple[ServerTLS | None, ServerTLS | None, ClientTLS | None]:
@@ -380,9 +413,11 @@ def _die_with_parent() -> Callable[[], None] | None:
 class Child:
     """One service process, its log file, its stop sequence and its restarts."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, metrics_port: int = 0):
+    def __init__(self, name: str, argv: list[str], log_dir: Path, metrics_port: int = 0,
+                 env: dict[str, str] | None = None):
         self.name = name
         self.argv = list(argv)
+        self.env = dict(env or {})  # set for this child on top of tandem serve's own environment
         self.log_path = log_dir / f"{name}.log"
         self.port_file = log_dir / f"{name}.port"
         self.address = ""
@@ -398,6 +433,7 @@ class Child:
         # start an OpenMP thread per core, and threads spinning against each other
         # make small CPU ops orders of magnitude slower. An explicit setting wins.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 3)))
+        env.update(self.env)
         with open(self.log_path, log_mode) as log:
             return subprocess.Popen([*TANDEM, *self.argv], stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -498,8 +534,8 @@ class Supervisor:
         else:
             _say("forcing stop")
 
-    def start(self, name: str, argv: list[str], metrics_port: int = 0) -> Child:
-        child = Child(name, argv, self.log_dir, metrics_port)
+    def start(self, name: str, argv: list[str], metrics_port: int = 0, env: dict[str, str] | None = None) -> Child:
+        child = Child(name, argv, self.log_dir, metrics_port, env)
         self.children.append(child)
         return child
 
@@ -604,7 +640,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                 _say(f"starting {name}: {plan.draft}")
                 port, metrics_port = next(ports), next(ports)
                 drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", metrics_port,
-                                                            port, target_address), metrics_port))
+                                                            port, target_address), metrics_port,
+                                        draft_env(args, i)))
         else:
             _say("no draft: serving without speculation")
         for child in [target, *drafts]:

@@ -115,6 +115,25 @@ def test_child_command_lines(dirs, tmp_path):
         "--target", "127.0.0.1:9200"]
 
 
+def test_draft_replicas_take_the_listed_gpus_in_turn(dirs, monkeypatch, capsys):
+    model, draft = dirs
+    args = serve.build_parser().parse_args(["--model", str(model), "--draft", str(draft), "--device", "cuda",
+                                            "--draft-gpus", "1,2"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [serve.draft_env(args, i) for i in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    # Indices are as tandem serve sees the GPUs: within CUDA_VISIBLE_DEVICES when that is set.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert serve.draft_env(args, 0) == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert serve.draft_env(serve.build_parser().parse_args(["--model", str(model)]), 0) == {}
+    for bad, why in ((["--draft-gpus", "1,x", "--device", "cuda"], "GPU indices"),
+                     (["--draft-gpus", "-1", "--device", "cuda"], "GPU indices"),
+                     (["--draft-gpus", "1", "--device", "cpu"], "needs --device cuda"),
+                     (["--draft-gpus", "3", "--device", "cuda"], "only 3 GPUs are visible")):
+        assert serve.main(["--model", str(model), *bad]) == 2
+        assert why in capsys.readouterr().err
+
+
 class ServeProcess:
     """`tandem serve` in a subprocess whose children are the stand-ins of tests/fake_services.py."""
 
