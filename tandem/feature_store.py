@@ -34,9 +34,9 @@ class _Held:
 
 
 class FeatureStore:
-    """Held feature rows per sequence, each run contiguous in position. Thread-safe: one
-    thread writes (the target's step, the draft's subscription), calls read them; a reader
-    may wait for rows still on their way (wait_for)."""
+    """Held feature rows per sequence, each run contiguous in position. Thread-safe: a writer
+    (the target's step thread, the draft's subscription thread) and readers (calls) may run at
+    once, and a reader may wait for rows still on their way (wait_for)."""
 
     def __init__(self, max_rows: int):
         if max_rows < 1:
@@ -122,4 +122,3 @@ class FeatureStore:
                 return
             del self._held[rid]
             self._rows -= held.rows
-
