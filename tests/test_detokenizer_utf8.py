@@ -103,6 +103,22 @@ def test_pieces_of_valid_text_never_hold_a_replacement_character_once_complete(t
     assert "\ufffd" not in "".join(pieces) or "\ufffd" in text
 
 
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(output=st.lists(st.integers(0, BYTE_VOCAB - 1), min_size=1, max_size=24),
+       skip=st.booleans())
+def test_a_tokenizer_without_a_fast_backend_gives_the_same_pieces_through_its_decode(tokenizer, output, skip):
+    """The detokenizer decodes with a fast tokenizer's backend directly; a tokenizer with only
+    decode() (a slow one) goes through decode(), and the pieces are the same."""
+
+    class Slow:
+        def decode(self, ids, **kwargs):
+            return tokenizer.decode(ids, **kwargs)
+
+    fast, slow = IncrementalDetokenizer(tokenizer, [], skip), IncrementalDetokenizer(Slow(), [], skip)
+    assert fast._backend_decode is not None and slow._backend_decode is None
+    assert [fast.push(t) for t in output] + [fast.flush()] == [slow.push(t) for t in output] + [slow.flush()]
+
+
 # ---------------------------------------------------------------------------- end to end
 
 PROMPTS = ["def f(x):", "naïve café ", "€ = ", "// 日本語\n"]
