@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -62,23 +64,28 @@ def test_tp2_over_gloo_matches_tp1(tiny_llama, tmp_path, target):
     stub1.Release(target_pb2.ReleaseRequest(request_ids=["tp-cmp"]))
 
 
-def test_tp2_of_a_tied_model_with_one_kv_head_matches_tp1(tiny_llama, tmp_path):
-    """The lm_head split by vocabulary when it is the embedding (tied), 97 rows over 2 ranks
-    (one padded row), and the one KV head kept by both ranks."""
-    model = str(tiny_llama("llama3_tied"))
+def assert_tp2_matches_tp1(model_args: list[str], tmp_path: Path, name: str, steps: int) -> None:
+    """The same greedy steps on a target at TP=1 and at TP=2: the same tokens, top log-probs
+    within 1e-5."""
     runs = []
     for tp in ("1", "2"):
-        svc = Service(["target", "--model", model, "--tp", tp, "--num-blocks", "64", "--block-size", "4"],
-                      tmp_path, f"tied-tp{tp}")
+        svc = Service(["target", *model_args, "--tp", tp, "--num-blocks", "64", "--block-size", "4"], tmp_path,
+                      f"{name}-tp{tp}")
         try:
             svc.wait_serving()
-            runs.append(run_steps(target_pb2_grpc.TargetServiceStub(svc.channel), "tied", 8))
+            runs.append(run_steps(target_pb2_grpc.TargetServiceStub(svc.channel), name, steps))
         finally:
             assert svc.stop() == 0
     (tokens1, tops1), (tokens2, tops2) = runs
     assert tokens2 == tokens1
     for a, b in zip(tops1, tops2, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_tp2_of_a_tied_model_with_one_kv_head_matches_tp1(tiny_llama, tmp_path):
+    """The lm_head split by vocabulary when it is the embedding (tied), 97 rows over 2 ranks
+    (one padded row), and the one KV head kept by both ranks."""
+    assert_tp2_matches_tp1(["--model", str(tiny_llama("llama3_tied"))], tmp_path, "tied", 8)
 
 
 def test_tp_that_does_not_divide_heads_is_refused(tiny_llama, tmp_path):
@@ -171,19 +178,7 @@ def test_the_random_weights_model_is_the_same_at_tp2_and_tp1(tiny_llama, tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (tiny_llama("gqa") / name).exists():
             shutil.copy(tiny_llama("gqa") / name, model / name)
-    outputs = []
-    for tp in ("1", "2"):
-        svc = Service(["target", "--model", str(model), "--random-weights", "--tp", tp, "--num-blocks", "64",
-                       "--block-size", "4"], tmp_path, f"random-tp{tp}")
-        try:
-            svc.wait_serving()
-            outputs.append(run_steps(target_pb2_grpc.TargetServiceStub(svc.channel), "r", 12))
-        finally:
-            assert svc.stop() == 0
-    (tokens1, tops1), (tokens2, tops2) = outputs
-    assert tokens2 == tokens1
-    for a, b in zip(tops1, tops2, strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
+    assert_tp2_matches_tp1(["--model", str(model), "--random-weights"], tmp_path, "random", 12)
 
 
 def test_tp2_serves_the_step_stream_and_grants_with_packed_broadcasts(tiny_llama, tmp_path, target):
