@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import interpreting, tl, triton
-from kernels.tree_attention import LOG2E, StepLayout, _logits, _online_softmax_step
+from kernels.tree_attention import LOG2E, StepLayout
 from kernels.tree_metadata import TreeAttnMetadata, _sm_count, metadata_from_layout
 
 # Keys per tile: fixed, since it sets the reduction order.
@@ -92,9 +92,10 @@ MAX_TAIL = 64
 # Step rows of one sequence that one program computes together (see "Several rows per
 # program" above); 1: one row per program, the kernel as it was first measured. Rows per
 # program are also capped by the M-rows one GQA group leaves free (BLOCK_M // GROUP).
-# An H200 has not timed the other values yet (bench/h200_hot_path.sh deterministic,
-# DET_ROWS), so 1 stays the default.
-ROWS_PER_PROGRAM = 1
+# On an H200 (8B shapes, prefix 1k, bf16) 4 took a target step of 64 requests x 8 nodes
+# from 66.6 to 36.4 ms and 8 x 8 from 11.4 to 7.8 ms, the rest within noise, with each
+# node still bitwise its plain decode (BENCHMARKS.md, issue 19).
+ROWS_PER_PROGRAM = 4
 # Programs the interpreter's launches aim for (on a GPU: two per SM). One: programs run
 # one after the other there, so splitting a row's work only adds some; tests raise it
 # to run the other way of computing a row.
@@ -128,6 +129,38 @@ def ancestor_tails(mask_words: torch.Tensor, max_tail: int = MAX_TAIL) -> Ancest
     tail.scatter_(1, where, cols.expand(rows, -1))
     return AncestorTails(chain=chain.to(torch.int32), depth=bits.sum(1).to(torch.int32),
                          tail=tail[:, :max_tail].to(torch.int32).contiguous())
+
+
+@triton.jit
+def _tile_logits(q, k, F32_DOT: tl.constexpr):
+    # Unscaled: the scale is applied inside the explicit fma of _tile_update.
+    if F32_DOT:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _tile_update(s, v, m_i, l_i, acc, qk_scale, F32_DOT: tl.constexpr):
+    # One tile's online-softmax update (s: unscaled logits, -inf where not visible), with
+    # every multiply-add written as an explicit fma. Left as a multiply then an add, the
+    # compiler decides per kernel whether to contract them (the scale into the exp2's
+    # subtraction, say, unless a select sits between them) or to fold the add into the
+    # dot as its accumulator; the kernels below differ in exactly such surroundings, and
+    # on an H200 they differed in the last bits (issue 19). An fma is one rounding
+    # wherever it sits.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    # A row that has seen nothing visible yet keeps m = -inf; subtract 0 instead so that
+    # exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(tl.fma(s, qk_scale, -m_safe[:, None]))
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
+    if F32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = tl.fma(acc, alpha[:, None], pv)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -229,9 +262,9 @@ def _invariant_attention_kernel(
                          tl.load(v_cache + (block * svc_b + within * svc_s)[:, None] + offs_d[None, :],
                                  mask=c_mask, other=0.0),
                          tl.load(v_step + own_row[:, None] * sv_t + offs_d[None, :], mask=s_mask, other=0.0))
-            s = _logits(q, k, qk_scale, F32_DOT)
+            s = _tile_logits(q, k, F32_DOT)
             s = tl.where(ok[None, :], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+            m_i, l_i, acc = _tile_update(s, v, m_i, l_i, acc, qk_scale, F32_DOT)
         if split_programs > 1:
             tl.store(PartAcc + row * sa_r + head[:, None] * sa_h + split * sa_s + offs_d[None, :], acc,
                      mask=out_mask)
@@ -321,8 +354,8 @@ def _invariant_rows_kernel(
                         mask=d_ok[None, :], other=0.0)
             v = tl.load(v_cache + (block * svc_b + within * svc_s)[:, None] + offs_d[None, :],
                         mask=d_ok[None, :], other=0.0)
-            s = _logits(q, k, qk_scale, F32_DOT)
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+            s = _tile_logits(q, k, F32_DOT)
+            m_i, l_i, acc = _tile_update(s, v, m_i, l_i, acc, qk_scale, F32_DOT)
         for start in range(tl.maximum(lo, shared_end), hi, BLOCK_N):
             # The tile reaches the step's nodes, each row's own ancestors: per row, as the
             # one-row kernel loads it, the update kept in that row's M-rows only.
@@ -353,9 +386,9 @@ def _invariant_rows_kernel(
                                          mask=c_mask, other=0.0),
                                  tl.load(v_step + own_row[:, None] * sv_t + offs_d[None, :], mask=s_mask,
                                          other=0.0))
-                    s = _logits(q, k, qk_scale, F32_DOT)
+                    s = _tile_logits(q, k, F32_DOT)
                     s = tl.where(ok[None, :], s, float("-inf"))
-                    m_r, l_r, acc_r = _online_softmax_step(s, v, m_i, l_i, acc, F32_DOT)
+                    m_r, l_r, acc_r = _tile_update(s, v, m_i, l_i, acc, qk_scale, F32_DOT)
                     # Padding M-rows take every row's update too: their q is 0, so they stay
                     # finite (a split they never saw would fold -inf with -inf into NaN).
                     mine = (slot == r) | ~m_ok
