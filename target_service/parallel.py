@@ -8,6 +8,13 @@ rank makes the same acceptance decisions and keeps identical KV bookkeeping.
 (Commands went as two gloo broadcasts before: about 0.4 ms per step on the
 2-core dev machine, where a pipe takes about 6 us, and rank 0's first
 all-reduce of the step waits for the last rank to have its command.)
+
+A grant (k plain steps, each feeding its tokens to the next) goes as one command:
+every rank runs the engine's own grant loop, two steps in flight on CUDA graphs,
+so no rank waits on the host between granted steps. The loop's decisions follow
+from the tokens, which every rank computes alike, except whether to stop early
+(an interrupt, known to rank 0 only): each time rank 0's loop asks, its answer
+goes to every rank as a one-byte message, and their loops ask at the same points.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -37,11 +46,12 @@ from tandem.model_config import load_llama_config
 from tandem.v1 import target_pb2
 from target_service.cuda_graphs import GraphConfig
 from target_service.engine import TargetEngine, batch_of_items
+from target_service.grant import GrantStep
 from target_service.model import LlamaModel, ParallelSpec, check_tp
 from target_service.random_model import RandomInit, random_llama_model
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import KvLoad, SequenceResult, SequenceStep
-from target_service.wire import batch_from_proto, batch_to_proto
+from target_service.wire import GrantStops, batch_from_proto, batch_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +136,37 @@ def _send(obj: dict, pipes: list[Connection], packed: bytes = b"") -> None:
         pipe.send_bytes(message)
 
 
+# A grant's "stop early?" answers, one byte each; a command is never this short.
+_GO_ON, _STOP = b"\x00", b"\x01"
+
+
 def _recv(pipe: Connection) -> tuple[dict, bytes]:
     raw = pipe.recv_bytes()
+    if len(raw) == 1:
+        raise RuntimeError("tensor-parallel ranks out of step: a grant's answer arrived where a command was due")
     (n,) = _HEADER.unpack_from(raw)
     at = _HEADER.size
     return json.loads(raw[at: at + n]), raw[at + n:]
+
+
+def _answers_from(pipe: Connection) -> Callable[[], bool]:
+    """A worker's side of a grant's "stop early?": rank 0's next answer."""
+    def interrupted() -> bool:
+        raw = pipe.recv_bytes()
+        if raw not in (_GO_ON, _STOP):
+            raise RuntimeError("tensor-parallel ranks out of step: a command arrived where a grant's answer "
+                               "was due")
+        return raw == _STOP
+    return interrupted
+
+
+def _run_grant(engine: TargetEngine, packed: bytes, commands: Connection) -> None:
+    call = target_pb2.PackedStep()
+    call.ParseFromString(packed)
+    batch = batch_from_proto(call.items)
+    for _ in engine.grant(batch, GrantStops.from_proto(call.stops, batch.size), call.grant_steps,
+                          _answers_from(commands)):
+        pass
 
 
 def _destroy_group(timeout: float, who: str) -> None:
@@ -165,6 +201,8 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: 
                 items = target_pb2.PackedItems()
                 items.ParseFromString(packed)
                 engine.run(batch_from_proto(items), tuple(cmd["layers"]))
+            elif cmd["op"] == "grant":
+                _run_grant(engine, packed, commands)
             elif cmd["op"] == "release":
                 engine.release(cmd["ids"])
         except (InvalidArgument, ResourceExhausted):
@@ -217,6 +255,38 @@ class ParallelEngine:
             _send({"op": "run", "layers": list(feature_layers)}, self._pipes,
                   batch_to_proto(batch).SerializeToString())
         return self.engine.run(batch, feature_layers)
+
+    def grant(self, batch: StepBatch, stops: GrantStops, steps: int,
+              interrupted: Callable[[], bool]) -> Iterator[GrantStep]:
+        """Up to `steps` plain steps of `batch` (seeds filled in by the caller), each rank
+        running the engine's grant loop (see the module's docstring). Closing this before
+        its last step ends the grant after the steps in flight, on every rank alike."""
+        if self._group is None:
+            yield from self.engine.grant(batch, stops, steps, interrupted)
+            return
+        self._check_workers()
+        call = target_pb2.PackedStep(items=batch_to_proto(batch), grant_steps=steps, stops=stops.to_proto())
+        _send({"op": "grant"}, self._pipes, call.SerializeToString())
+        abandoned = False
+
+        def told_to_every_rank() -> bool:
+            stop = abandoned or interrupted()
+            for pipe in self._pipes:
+                pipe.send_bytes(_STOP if stop else _GO_ON)
+            return stop
+
+        granted_steps = self.engine.grant(batch, stops, steps, told_to_every_rank)
+        try:
+            # Not `yield from`: that would close granted_steps with this generator, unfinished.
+            for granted in granted_steps:  # noqa: UP028
+                yield granted
+        finally:
+            # Closed early (the caller went away): rank 0's loop must still ask, and hear "stop",
+            # as often as the other ranks' loops do, or the next command would be read as an answer.
+            abandoned = True
+            with suppress(InvalidArgument, ResourceExhausted):
+                for _ in granted_steps:
+                    pass
 
     def release(self, request_ids: list[str]) -> int:
         if self._group is not None:

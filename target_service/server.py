@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -186,10 +187,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _grant(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], stops: GrantStops,
                steps: int, interrupted) -> Iterator[tuple[GrantStep, KvLoad, float]]:
-        """The grant's steps with the load after each and its seconds. At TP=1 without emulated
-        costs the engine runs it (two steps in flight on CUDA graphs) under the lock throughout;
-        otherwise step by step through _run."""
-        if self.pacing is not None or engine.tp_size > 1:
+        """The grant's steps with the load after each and its seconds. Without emulated costs the
+        engine runs it (two steps in flight on CUDA graphs; at TP > 1 on every rank) under the
+        lock throughout; with them step by step through _run."""
+        if self.pacing is not None:
             timing: dict[str, object] = {}
 
             def step(part: StepBatch) -> StepResults:
@@ -199,9 +200,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             for granted in run_grant(step, batch, stops, steps, interrupted):
                 yield granted, timing.get("load") or engine.load(), timing.get("seconds", 0.0)
             return
-        with self._lock:
+        granted_steps = engine.grant(batch, stops, steps, interrupted)
+        # closing(): a caller that goes away ends the grant here, under the lock (at TP > 1 the
+        # other ranks finish it alike before the next command).
+        with self._lock, closing(granted_steps):
             t0 = time.perf_counter()
-            for granted in engine.engine.grant(batch, stops, steps, interrupted):
+            for granted in granted_steps:
                 now = time.perf_counter()
                 load = engine.load()
                 if self.metrics is not None and granted.results is not None:

@@ -183,7 +183,7 @@ def test_the_random_weights_model_is_the_same_at_tp2_and_tp1(tiny_llama, tmp_pat
 
 def test_tp2_serves_the_step_stream_and_grants_with_packed_broadcasts(tiny_llama, tmp_path, target):
     """The gateway's path at TP=2: steps over the stream reach the other rank as packed columns,
-    a grant runs step by step on both ranks, and the tokens equal TP=1's."""
+    a grant goes to it as one command and runs on both ranks, and the tokens equal TP=1's."""
     import numpy as np
 
     from gateway.clients import TargetClient
