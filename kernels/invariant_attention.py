@@ -143,11 +143,11 @@ def _tile_logits(q, k, F32_DOT: tl.constexpr):
 def _tile_update(s, v, m_i, l_i, acc, qk_scale, F32_DOT: tl.constexpr):
     # One tile's online-softmax update (s: unscaled logits, -inf where not visible), with
     # every multiply-add written as an explicit fma. Left as a multiply then an add, the
-    # compiler decides per kernel whether to contract them (the scale into the exp2's
+    # compiler may decide per kernel whether to contract them (the scale into the exp2's
     # subtraction, say, unless a select sits between them) or to fold the add into the
-    # dot as its accumulator; the kernels below differ in exactly such surroundings, and
-    # on an H200 they differed in the last bits (issue 19). An fma is one rounding
-    # wherever it sits.
+    # dot as its accumulator; the kernels below differ in such surroundings, and on an
+    # H200 they differed in the last bits until this was written with fmas (issue 19).
+    # An fma is one rounding wherever it sits.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     # A row that has seen nothing visible yet keeps m = -inf; subtract 0 instead so that
     # exp2 gives 0, not NaN.
