@@ -2,6 +2,7 @@
 
     python bench/engine_step.py --out engine_step.json     # 8B-shaped random bf16 target on a GPU
     python bench/engine_step.py --tiny                     # CPU smoke run (eager only)
+    python bench/engine_step.py --tp 2 --modes graphs      # the same steps on a TP=2 engine (2 GPUs)
 
 bench/step_cost.py times the model's forward alone; this times what the target
 service does per Step call minus gRPC: build the layout, pack the attention
@@ -10,6 +11,16 @@ log-probs to the host, walk acceptance, write the accepted KV. Every request has
 a committed prefix (default 1024 tokens); decode steps are one node, verify
 steps a tree of N nodes (a chain of N/2 with a sibling per level). A benchmark,
 not a test; figures are from the "8B-shaped random weights" track.
+
+With --tp N > 1 the engine is the served target's own tensor-parallel one
+(target_service.parallel.ParallelEngine: rank 0 in this process, ranks 1..N-1
+spawned, NCCL on CUDA, gloo on CPU), built from a config.json of the same shape
+and the same random weights, and each time is rank 0's whole step as the server
+sees it, including sending the step's command to the other ranks. Its graphs are
+those `tandem target` captures (node buckets up to 64, batch up to the largest
+--batches); the buckets timed are the same as at TP=1. The graph replays alone
+("replay" rows) are not timed at N > 1: a replay on rank 0 alone would wait on
+all-reduces the other ranks never join.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +41,8 @@ sys.path.insert(0, str(REPO))
 
 from target_service.cuda_graphs import GraphConfig  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
-from target_service.random_model import LLAMA_31_8B, random_llama_model  # noqa: E402
+from target_service.parallel import EngineSpec, ParallelEngine  # noqa: E402
+from target_service.random_model import LLAMA_31_8B, RandomInit, random_llama_model  # noqa: E402
 from target_service.types import SequenceStep  # noqa: E402
 
 
@@ -43,6 +56,26 @@ def tree(root: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
             parents.append(tip)
         tip = len(tokens) - 1
     return tuple(tokens), tuple(parents)
+
+
+def parallel_engine(cfg, args, device: str, blocks: int, graph_max_batch: int | None,
+                    model_dir: Path) -> ParallelEngine:
+    """A TP=args.tp engine of `cfg` with the random weights random_llama_model draws at TP=1
+    (every rank draws each tensor whole from its own seed, then takes its slice)."""
+    from bench.scale_track import hf_config  # the scale track's config.json, whose weights are drawn
+
+    raw = dict(hf_config(cfg, max_position=cfg.max_position), tandem_random_init=dataclasses.asdict(RandomInit()))
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    spec = EngineSpec(model_dir=str(model_dir), dtype="bfloat16" if device == "cuda" else "float32", device=device,
+                      num_blocks=blocks, block_size=16, max_model_len=4096, random_weights=True,
+                      cuda_graphs=graph_max_batch is not None, graph_max_batch=graph_max_batch or 1,
+                      batch_invariant=args.deterministic)
+    t0 = time.perf_counter()
+    engine = ParallelEngine(spec, tp_size=args.tp)
+    captured = engine.engine.graphs
+    print(f"TP={args.tp} engine built in {time.perf_counter() - t0:.1f} s"
+          + (f" ({len(captured.keys)} graphs captured on each rank)" if captured is not None else ""), flush=True)
+    return engine
 
 
 def prefill(engine: TargetEngine, batch: int, prefix: int) -> list[str]:
@@ -117,6 +150,28 @@ def time_replays(engine: TargetEngine, batch: int, nodes: int, iters: int) -> di
     return out
 
 
+def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int], nodes: list[int], args,
+             device: str, rows: list[dict]) -> None:
+    for b in batches:
+        ids = prefill(engine, b, args.prefix)
+        for n in nodes:
+            ms = time_steps(engine, ids, n, args.iters, device)
+            rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms})
+            print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step", flush=True)
+            # Right after steps of this shape: the shared input buffer holds this bucket's layout.
+            replay = time_replays(engine, b, n, args.iters) if mode == "graphs" and args.tp == 1 else None
+            if replay is not None:
+                rows.append({"mode": "replay", "batch": b, "nodes": n, **replay})
+                print(f"replay batch {b:>4} nodes {n:>3}: forward {replay['forward']:.2f} ms, "
+                      f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
+        if args.grant:
+            ms = time_grant(engine, ids, args.grant, device)
+            if ms is not None:
+                rows.append({"mode": mode, "batch": b, "nodes": 1, "grant": args.grant, "ms": ms})
+                print(f"{mode:>6} batch {b:>4} grant {args.grant:>2}: {ms:8.2f} ms per step", flush=True)
+        engine.release(ids)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
@@ -135,8 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-rows", type=int, metavar="R",
                     help="with --deterministic: step rows of one sequence per program of the invariant attention "
                          "(kernels.invariant_attention.ROWS_PER_PROGRAM; 1: one row per program)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor-parallel degree: N > 1 times rank 0's whole steps on the served target's "
+                         "ParallelEngine over N GPUs (N processes, gloo on CPU with --tiny); graph replays alone "
+                         "are not timed there (default 1: a TargetEngine in this process)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.tp < 1:
+        ap.error("--tp must be at least 1")
+    if args.tp > 1 and (args.matmul or args.attention_rows is not None):
+        ap.error("--matmul and --attention-rows set module globals in this process only, not on the other ranks")
     if args.matmul:
         import kernels.matmul as matmul
         matmul.MIN_PROGRAMS, matmul.SPLIT_K_PROGRAMS = (int(x) for x in args.matmul.split(","))
@@ -153,41 +216,39 @@ def main(argv: list[str] | None = None) -> int:
         args.grant = args.grant and 4
     batches = [int(b) for b in args.batches.split(",")]
     nodes = [int(n) for n in args.nodes.split(",")]
-    model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device,
-                               batch_invariant=args.deterministic)
+    model = None
+    if args.tp == 1:  # at TP > 1 every rank draws its own share
+        model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device,
+                                   batch_invariant=args.deterministic)
     blocks = max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
     wanted = ["eager"] if args.tiny else args.modes.split(",")
     modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes)) if mode == "graphs" else None
              for mode in wanted}
     rows = []
+    if args.tp > 1 and "graphs" in modes:
+        print(f"TP={args.tp}: graph replays alone (\"replay\" rows) are not timed; rank 0 cannot replay "
+              "them without the other ranks", flush=True)
     for mode, graphs in modes.items():
-        engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs)
-        if engine.graphs is not None:
-            print(f"captured {len(engine.graphs.keys)} graphs in {engine.graphs.capture_all():.1f} s", flush=True)
-        for b in batches:
-            ids = prefill(engine, b, args.prefix)
-            for n in nodes:
-                ms = time_steps(engine, ids, n, args.iters, device)
-                rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms})
-                print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step", flush=True)
-                # Right after steps of this shape: the shared input buffer holds this bucket's layout.
-                replay = time_replays(engine, b, n, args.iters) if mode == "graphs" else None
-                if replay is not None:
-                    rows.append({"mode": "replay", "batch": b, "nodes": n, **replay})
-                    print(f"replay batch {b:>4} nodes {n:>3}: forward {replay['forward']:.2f} ms, "
-                          f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
-            if args.grant:
-                ms = time_grant(engine, ids, args.grant, device)
-                if ms is not None:
-                    rows.append({"mode": mode, "batch": b, "nodes": 1, "grant": args.grant, "ms": ms})
-                    print(f"{mode:>6} batch {b:>4} grant {args.grant:>2}: {ms:8.2f} ms per step", flush=True)
-            engine.release(ids)
+        if args.tp > 1:
+            with tempfile.TemporaryDirectory(prefix="engine-step-tp") as model_dir:
+                engine = parallel_engine(cfg, args, device, blocks, graphs.max_batch if graphs else None,
+                                         Path(model_dir))
+            try:
+                run_mode(engine, mode, batches, nodes, args, device, rows)
+            finally:
+                engine.shutdown()
+        else:
+            engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs)
+            if engine.graphs is not None:
+                print(f"captured {len(engine.graphs.keys)} graphs in {engine.graphs.capture_all():.1f} s",
+                      flush=True)
+            run_mode(engine, mode, batches, nodes, args, device, rows)
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
-                                        "prefix": args.prefix, "deterministic": args.deterministic,
+                                        "prefix": args.prefix, "tp": args.tp, "deterministic": args.deterministic,
                                         "attention_rows": args.attention_rows, "rows": rows},
                                        indent=2))
     return 0

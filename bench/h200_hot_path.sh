@@ -32,6 +32,9 @@
 #            all-reduce of 1..128 rows x 4096 bf16, NCCL against torch's symmetric-memory one-shot and
 #            two-shot, eager and inside a CUDA graph of 64; and bench/tp_control.py (a step's command to
 #            another rank: gloo broadcasts against a pipe)
+#   tpengine after only, on nvidia-h200-x2: bench/engine_step.py at --tp 1 then --tp 2, back to back (CUDA
+#            graphs, batch 1/8/64, decode and verify 8, and grants of 16 plain steps): a whole target step at
+#            TP=2 (the served ParallelEngine, rank 0's time) against TP=1, without the serving path around it
 #   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
@@ -180,6 +183,11 @@ for stage in "$@"; do
       run allreduce after 300 python3 bench/allreduce_cost.py --world "${ALLREDUCE_WORLD:-2}" \
         --out "$OUT/allreduce.json"
       run tp_control after 60 python3 bench/tp_control.py ;;
+    tpengine)  # after only: whole engine steps at TP=1 then TP=2, no server around them
+      for tp in 1 2; do
+        run "tpengine_tp$tp" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+          --modes graphs --grant 16 --tp $tp --out "$OUT/tpengine_tp$tp.json"
+      done ;;
     tp)
       need_scale scale_track $scale
       scale_serve $scale 0.8

@@ -33,7 +33,8 @@ def grant(engine, last, steps, limits, interrupt_after=None, close_after=None):
                        stop_token_ids=tuple(frozenset() for _ in rids))
     seen = {rid: [] for rid in rids}
     yielded = 0
-    granted_steps = engine.grant(batch, stops, steps, lambda: interrupt_after is not None and yielded >= interrupt_after)
+    granted_steps = engine.grant(batch, stops, steps,
+                                 lambda: interrupt_after is not None and yielded >= interrupt_after)
     for granted in granted_steps:
         yielded += 1
         if granted.results is not None:
@@ -47,7 +48,8 @@ def grant(engine, last, steps, limits, interrupt_after=None, close_after=None):
 
 def scenario(engine):
     log = []
-    first = engine.step([SequenceStep.chain("a", PROMPT, create=True), SequenceStep.chain("b", PROMPT[:5], create=True)])
+    first = engine.step([SequenceStep.chain("a", PROMPT, create=True),
+                         SequenceStep.chain("b", PROMPT[:5], create=True)])
     last = {r.request_id: r.tokens[-1] for r in first}
     log.append(last)
     for kw in (dict(steps=6, limits={"a": 6, "b": 3}), dict(steps=8, limits={"a": 8, "b": 8}, interrupt_after=2),
