@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gateway.policy import AuditRow
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -30,28 +32,45 @@ class _VerifySeries:
         return child
 
 
-Audit = list[tuple[str, bool, float | None, float | None]]  # LoadGate.audit()
-
-
 class _PolicyAudit:
-    """`tandem_policy_goodput_tokens_per_second{arm, sequences, figure}`, read from the load gate
-    at each scrape: per batch bucket and arm (trees or plain), what the cost model predicted
-    and what the gate measured (committed tokens per second of step time, decayed means)."""
+    """auto's decisions against what followed, read from the load gate at each scrape, per batch
+    bucket (`sequences`) and arm (trees or plain):
 
-    def __init__(self, audit: Callable[[], Audit]):
+    - `tandem_policy_goodput_tokens_per_second{figure}`: the cost model's prediction and the
+      gate's measurement (committed tokens per second of step time), decayed means: now;
+    - counters whose differences between two scrapes audit that interval (a `tandem bench`
+      level, say): `tandem_policy_predictions_total` and `tandem_policy_predicted_goodput_total`
+      (the predictions, summed: their mean is the second over the first), and
+      `tandem_policy_arm_committed_tokens_total` and `tandem_policy_arm_step_seconds_total` (what
+      the arm's steps committed and took: the measured goodput is the first over the second)."""
+
+    def __init__(self, audit: Callable[[], list[AuditRow]]):
         self.audit = audit
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily("tandem_policy_goodput_tokens_per_second",
-                                   "auto's decisions against what followed: goodput per batch bucket and arm, "
-                                   "as the cost model predicted it and as the load gate measured it",
-                                   labels=["arm", "sequences", "figure"])
-        for sequences, trees, predicted, measured in self.audit():
-            arm = "trees" if trees else "plain"
-            for figure, value in (("predicted", predicted), ("measured", measured)):
+        labels = ["arm", "sequences"]
+        now = GaugeMetricFamily("tandem_policy_goodput_tokens_per_second",
+                                "auto's decisions against what followed: goodput per batch bucket and arm, "
+                                "as the cost model predicted it and as the load gate measured it (decayed means)",
+                                labels=[*labels, "figure"])
+        predictions = CounterMetricFamily("tandem_policy_predictions", "Steps at which auto's cost model "
+                                          "predicted this arm's goodput", labels=labels)
+        predicted = CounterMetricFamily("tandem_policy_predicted_goodput", "auto's predictions of this arm's "
+                                        "goodput (tok/s), summed over its predictions", labels=labels)
+        committed = CounterMetricFamily("tandem_policy_arm_committed_tokens", "Tokens committed by the steps "
+                                        "the load gate measured for this arm", labels=labels)
+        seconds = CounterMetricFamily("tandem_policy_arm_step_seconds", "Wall time of the steps the load gate "
+                                      "measured for this arm", labels=labels)
+        for row in self.audit():
+            key = ["trees" if row.trees else "plain", row.sequences]
+            for figure, value in (("predicted", row.predicted), ("measured", row.measured)):
                 if value is not None:
-                    family.add_metric([arm, sequences, figure], value)
-        yield family
+                    now.add_metric([*key, figure], value)
+            predictions.add_metric(key, row.predictions)
+            predicted.add_metric(key, row.predicted_sum)
+            committed.add_metric(key, row.committed_total)
+            seconds.add_metric(key, row.seconds_total)
+        yield from (now, predictions, predicted, committed, seconds)
 
 
 class GatewayMetrics:
@@ -108,7 +127,7 @@ class GatewayMetrics:
         self._verify_series: dict[str, _VerifySeries] = {}  # model name -> its children
         self._audit: _PolicyAudit | None = None
 
-    def watch_policy(self, audit: Callable[[], Audit]) -> None:
+    def watch_policy(self, audit: Callable[[], list[AuditRow]]) -> None:
         """Export the policy's audit (LoadGate.audit) at every scrape; once per registry."""
         if self._audit is None:
             self._audit = _PolicyAudit(audit)

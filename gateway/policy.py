@@ -273,6 +273,26 @@ class Arm:
     samples: int = 0
     since: int = 0  # steps of this bucket since the arm was last measured
     predicted: float | None = None  # what the cost model predicted for this arm (decayed mean), for the audit
+    # Running sums since start, for an audit over any interval (the difference of two scrapes):
+    # the predictions and how many, and the committed tokens and wall seconds of every step of
+    # this arm the gate was given (its warm-up steps included: what the arm really delivered).
+    predicted_sum: float = 0.0
+    predictions: int = 0
+    committed_total: int = 0
+    seconds_total: float = 0.0
+
+
+class AuditRow(NamedTuple):
+    """One bucket's arm in LoadGate.audit."""
+
+    sequences: str  # the bucket, as "lo-hi"
+    trees: bool  # the arm: steps with trees, or plain
+    predicted: float | None  # decayed mean of the cost model's predictions, tok/s
+    measured: float | None  # the gate's decayed mean goodput, tok/s
+    predicted_sum: float  # running sums: see Arm
+    predictions: int
+    committed_total: int
+    seconds_total: float
 
 
 class Probe(NamedTuple):
@@ -389,12 +409,15 @@ class LoadGate:
                 continue
             arm = self.arms.setdefault((b, spec), Arm())
             arm.predicted = rate if arm.predicted is None else 0.7 * arm.predicted + 0.3 * rate
+            arm.predicted_sum += rate
+            arm.predictions += 1
 
-    def audit(self) -> list[tuple[str, bool, float | None, float | None]]:
-        """(sequences, trees?, predicted tok/s, measured tok/s) per bucket and arm seen so far; a
-        figure is None where nothing was predicted or measured (below min_batch nothing is measured)."""
+    def audit(self) -> list[AuditRow]:
+        """Per bucket and arm seen so far, what was predicted and measured: decayed means (None where
+        nothing was) and running sums (see Arm)."""
         arms = list(self.arms.items())  # one snapshot: the loop thread adds arms while a scrape reads
-        return [(bucket_range(b), spec, arm.predicted, arm.goodput if arm.samples else None)
+        return [AuditRow(bucket_range(b), spec, arm.predicted, arm.goodput if arm.samples else None,
+                         arm.predicted_sum, arm.predictions, arm.committed_total, arm.seconds_total)
                 for (b, spec), arm in sorted(arms)]
 
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
@@ -410,6 +433,8 @@ class LoadGate:
         rate = committed / seconds
         this = self.arms.setdefault((b, spec), Arm())
         other = self.arms.setdefault((b, not spec), Arm())
+        this.committed_total += committed
+        this.seconds_total += seconds
         if recorded:
             this.goodput = rate if this.samples == 0 else 0.7 * this.goodput + 0.3 * rate
             this.seconds = seconds if this.samples == 0 else 0.7 * this.seconds + 0.3 * seconds

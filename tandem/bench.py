@@ -6,6 +6,13 @@ each mode, and reports per mode and concurrency: total output tok/s, tok/s per
 request, time to first token p50, inter-chunk latency p50/p99 and acceptance
 length (tokens committed per verify step, bonus included). Writes a JSON file
 and a PNG plot of the curves.
+
+Each level also reports the rate at which its requests decode (concurrency x a
+request's tokens after the first over its time after the first token: what a
+step's goodput compares with, prefill left out) and, for `auto`, the policy's
+audit over the level: what its cost model predicted for trees and for plain
+decoding, and what the load gate measured each arm's steps deliver, read from
+the gateway's /metrics before and after the level.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "demo" / "heldout_prompts.jsonl"
@@ -52,6 +60,10 @@ class LevelResult:
     itl_p50_s: float
     itl_p99_s: float
     acceptance_length: float | None
+    decode_tok_s: float = 0.0  # concurrency x mean of (tokens - 1) / (seconds - ttft): prefill left out
+    # auto's audit over the level (read_policy_sums): per arm ("trees", "plain"), the mean predicted
+    # and the measured goodput in tok/s (None where there were none); None when /metrics was unread.
+    audit: dict[str, dict[str, float | None]] | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -103,13 +115,55 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
     wall = time.perf_counter() - t0
     tokens = sum(r.tokens for r in results)
     verify = sum(r.verify_steps for r in results)
+    decoding = [(r.tokens - 1) / (r.seconds - r.ttft) for r in results if r.tokens > 1 and r.seconds > r.ttft]
     return LevelResult(
         mode, concurrency, len(results), tokens / wall,
         statistics.mean(r.tokens / r.seconds for r in results),
         percentile([r.ttft for r in results], 0.5),
         percentile([g for r in results for g in r.gaps], 0.5),
         percentile([g for r in results for g in r.gaps], 0.99),
-        (sum(r.accepted for r in results) + verify) / verify if verify else None)
+        (sum(r.accepted for r in results) + verify) / verify if verify else None,
+        concurrency * statistics.mean(decoding) if decoding else 0.0)
+
+
+# The gateway's running sums of auto's audit (gateway/metrics.py, _PolicyAudit).
+PREDICTIONS = "tandem_policy_predictions_total"
+PREDICTED = "tandem_policy_predicted_goodput_total"
+COMMITTED = "tandem_policy_arm_committed_tokens_total"
+SECONDS = "tandem_policy_arm_step_seconds_total"
+
+
+def read_policy_sums(url: str) -> dict[tuple[str, str], float] | None:
+    """auto's audit sums from the gateway's /metrics, per (sample name, arm), over all batch buckets;
+    None where /metrics cannot be read (a gateway that guards it with its API key, say)."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    sums: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in (PREDICTIONS, PREDICTED, COMMITTED, SECONDS):
+                key = (sample.name, sample.labels["arm"])
+                sums[key] = sums.get(key, 0.0) + sample.value
+    return sums
+
+
+def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[str, str], float] | None
+                ) -> dict[str, dict[str, float | None]] | None:
+    """Per arm, the mean prediction over the level's steps and the goodput its measured steps delivered."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for arm in ("trees", "plain"):
+        def grew(name: str, arm: str = arm) -> float:
+            return after.get((name, arm), 0.0) - before.get((name, arm), 0.0)
+        predictions, seconds = grew(PREDICTIONS), grew(SECONDS)
+        out[arm] = {"predicted": grew(PREDICTED) / predictions if predictions > 0 else None,
+                    "measured": grew(COMMITTED) / seconds if seconds > 0 else None}
+    return out
 
 
 def print_table(rows: list[LevelResult]) -> None:
@@ -126,6 +180,28 @@ def print_table(rows: list[LevelResult]) -> None:
     if all((m, c) in by for m in MODES for c in concs):
         print("\nauto / max(never, always): " + ", ".join(
             f"c={c}: {by[('auto', c)] / max(by[('never', c)], by[('always', c)]):.2f}" for c in concs))
+    print_audit(rows)
+
+
+def print_audit(rows: list[LevelResult]) -> None:
+    """auto's audit per level, beside the decode rates the other modes delivered (where run)."""
+    audited = [r for r in rows if r.mode == "auto" and r.audit is not None]
+    if not audited:
+        return
+    decode = {(r.mode, r.concurrency): r.decode_tok_s for r in rows}
+
+    def cell(value: float | None) -> str:
+        return f"{value:10.1f}" if value else f"{'-':>10}"
+
+    print("\nauto's audit, tok/s while decoding: the policy's mean prediction and the gate's measurement per arm,"
+          "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token)")
+    print(f"{'conc':>5} {'trees pred':>10} {'trees meas':>10} {'always':>10} {'plain pred':>10} {'plain meas':>10} "
+          f"{'never':>10} {'auto':>10}")
+    for r in audited:
+        trees, plain = r.audit["trees"], r.audit["plain"]
+        print(f"{r.concurrency:>5} {cell(trees['predicted'])} {cell(trees['measured'])} "
+              f"{cell(decode.get(('always', r.concurrency)))} {cell(plain['predicted'])} {cell(plain['measured'])} "
+              f"{cell(decode.get(('never', r.concurrency)))} {cell(r.decode_tok_s)}")
 
 
 def plot(rows: list[LevelResult], path: Path, title: str) -> None:
@@ -233,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in modes:
                     n = args.requests_per_level or max(4, 2 * conc)
                     bar.set_postfix(mode=mode, concurrency=conc)
+                    before = read_policy_sums(url) if mode == "auto" else None
                     rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
+                    if mode == "auto":
+                        rows[-1].audit = level_audit(before, read_policy_sums(url))
                     bar.update()
     finally:
         if proc is not None:

@@ -480,6 +480,15 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
                if family.name == "tandem_policy_goodput_tokens_per_second" for s in family.samples}
     assert samples[("plain", "4-7", "predicted")] > 0 and samples[("trees", "4-7", "predicted")] > 0
     assert any(figure == "measured" and value > 0 for (_, _, figure), value in samples.items())
+    # The running sums an interval is audited from (tandem bench reads them before and after a level).
+    sums = {(s.name, s.labels["arm"], s.labels["sequences"]): s.value
+            for family in core.metrics.registry.collect() if family.name.startswith("tandem_policy_")
+            for s in family.samples if s.name.endswith("_total")}
+    assert sums[("tandem_policy_predictions_total", "plain", "4-7")] > 0
+    assert sums[("tandem_policy_predicted_goodput_total", "trees", "4-7")] > 0
+    measured = [(arm, seqs) for (name, arm, seqs), value in sums.items()
+                if name == "tandem_policy_arm_step_seconds_total" and value > 0]
+    assert measured and all(sums[("tandem_policy_arm_committed_tokens_total", *key)] > 0 for key in measured)
 
 
 class PacedTarget(FakeTarget):

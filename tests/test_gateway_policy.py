@@ -292,8 +292,28 @@ def test_the_gate_keeps_predictions_next_to_measurements_for_the_audit():
     gate = LoadGate()
     gate.predict(9, Rates(plain=900.0, trees=1500.0))
     gate.predict(9, Rates(plain=1000.0, trees=None))
-    assert gate.audit() == [("8-15", False, pytest.approx(930.0), None), ("8-15", True, 1500.0, None)]
+    plain, trees = gate.audit()
+    assert plain[:4] == ("8-15", False, pytest.approx(930.0), None)
+    assert trees[:4] == ("8-15", True, 1500.0, None)
     gate.record(9, False, 9, 0.01)  # a measured plain step: 900 tok/s
-    assert gate.audit()[0][3] == pytest.approx(900.0)
+    assert gate.audit()[0].measured == pytest.approx(900.0)
     assert "plain 900.0 tok/s (1 steps, predicted 930.0)" in gate.describe(9)
     assert "trees 0.0 tok/s (0 steps, predicted 1500.0)" in gate.describe(12)
+
+
+def test_the_audit_sums_let_an_interval_be_audited_from_two_readings():
+    gate = LoadGate()
+    gate.predict(9, Rates(plain=900.0, trees=1500.0))
+    gate.record(9, False, 9, 0.01)
+    before = {(row.sequences, row.trees): row for row in gate.audit()}
+    gate.predict(9, Rates(plain=1000.0, trees=1200.0))
+    gate.predict(10, Rates(plain=1100.0, trees=1300.0))
+    gate.record(9, False, 9, 0.02)  # slower steps: 450, then 600 tok/s
+    gate.record(10, False, 12, 0.02)
+    after = {(row.sequences, row.trees): row for row in gate.audit()}
+    plain0, plain1 = before[("8-15", False)], after[("8-15", False)]
+    # The interval's mean prediction and its time-weighted measured goodput, not the decayed means.
+    assert (plain1.predicted_sum - plain0.predicted_sum) / (plain1.predictions - plain0.predictions) == 1050.0
+    measured = (plain1.committed_total - plain0.committed_total) / (plain1.seconds_total - plain0.seconds_total)
+    assert measured == pytest.approx(525.0)
+    assert after[("8-15", True)].committed_total == 0 and after[("8-15", True)].predictions == 3
