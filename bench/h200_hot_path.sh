@@ -38,10 +38,11 @@
 #   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
-#   auto     after only: never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
-#            and 0.6 (AUTO_CONCURRENCY and AUTO_ACCEPTANCES override the levels and rates); each mode's
-#            metrics scraped after it hold
-#            auto's audit (tandem_policy_goodput_tokens_per_second: predicted and measured per bucket)
+#   auto     never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
+#            and 0.6 (AUTO_CONCURRENCY, AUTO_ACCEPTANCES and AUTO_MODES override the levels, rates and
+#            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before); tandem bench
+#            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
+#            and each mode's metrics are scraped after it
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64); DET_MATMUL="0,1 0,264" also times the
 #            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="1 4" times
@@ -105,10 +106,11 @@ scale_serve() {  # scale_serve DIR [ACCEPTANCE]: tandem serve flags for a scale 
   fi
 }
 
-serve_bench() {  # serve_bench NAME PORT CONCURRENCY MODES SERVE_FLAGS...: tandem bench, 128 tokens, after tree
+serve_bench() {  # serve_bench NAME PORT CONCURRENCY MODES SERVE_FLAGS...: tandem bench, 128 tokens, in the tree
+                 # $SERVE_TREE (default after)
   local name=$1 port=$2 conc=$3 modes=$4; shift 4
-  run "$name" after 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" "$OUT/$name" "$conc" "$modes" \
-    128 "$@"
+  run "$name" "${SERVE_TREE:-after}" 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" "$OUT/$name" \
+    "$conc" "$modes" 128 "$@"
 }
 
 equality() {  # equality NAME PORT PROMPTS AGAINST SERVE_FLAGS...: bench/greedy_equality.py (96 tokens) on a fresh
@@ -216,8 +218,11 @@ for stage in "$@"; do
       need_scale scale_track $scale
       for acceptance in ${AUTO_ACCEPTANCES:-0.8 0.6}; do
         scale_serve $scale $acceptance
-        serve_bench "auto_scale_$acceptance" $((8700 + ${acceptance#0.})) "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" \
-          never,always,auto "${serve[@]}"
+        for tree in ${AUTO_TREES:-after}; do
+          suffix=""; [[ $tree == before ]] && suffix=_before
+          SERVE_TREE=$tree serve_bench "auto_scale_$acceptance$suffix" $((8700 + ${acceptance#0.})) \
+            "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "${AUTO_MODES:-never,always,auto}" "${serve[@]}"
+        done
       done ;;
     deterministic)
       run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py

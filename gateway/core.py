@@ -684,18 +684,19 @@ class GatewayCore:
         # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
         decode = all(it.is_decode for it in outcome.items)
         seqs = len(outcome.items)
-        if decode:
+        # A plain step that fed the draft belongs to neither arm: plain decoding, as `never` runs it,
+        # feeds nothing and is granted. (Such steps had the gate read plain decoding at 0.7x `never`;
+        # and while the cost model learned from them too, it priced plain decoding at 0.38-0.56x of
+        # what the gate measured in every bucket on the H200, so below the gate's minimum batch auto
+        # speculated at 2 requests where `never` was faster: BENCHMARKS.md, issue 14.)
+        arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft)
+        if arm_step:
             # At every load the cost model learns whole rounds, as the gate does. (Below the gate's
             # minimum batch it learned the target's step for a while, which left a tree's draft call
             # unpriced: trees looked ~23% cheaper on the emulated-cost track, and that hid how a lone
             # request could stop speculating for good after unlucky first trees; see _explore_now.)
             budgets = [plan.budgets[rid] for rid in outcome.trees]
             self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
-        # For the gate, a plain step that fed the draft is neither arm: plain decoding, as `never` runs
-        # it, feeds nothing and is granted (such steps had the gate read plain decoding at 0.7x
-        # `never`). The cost model still learns from it: below the gate's minimum batch it prices
-        # the plain steps auto takes between trees, which do feed the draft.
-        arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft)
         if arm_step and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
             committed = sum(len(res.tokens) for res in outcome.results)
             verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds)

@@ -470,6 +470,31 @@ def test_auto_measures_the_plain_arm_as_plain_decoding_runs_without_feeding_the_
         assert tokens_of(out) == expected([1 + i, 2, 3], 120)
 
 
+def test_auto_prices_plain_decoding_from_steps_that_run_as_plain_decoding_runs(tokenizer):
+    """Issue 14: the cost model's correction for plain steps, like the gate's plain figure, comes
+    from steps as `never` runs them (granted, feeding nothing), not from the plain steps a request
+    takes while its draft is still fed: on the H200 those cost a whole round, twice a granted step,
+    and auto priced plain decoding at half what it delivered."""
+    core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # the model prefers plain
+    out = submit(core, "solo", [3, 4, 5], max_tokens=80)
+    fed_when_priced: list[bool] = []
+    real_observe = core.costs.observe
+
+    def observe(tokens, seqs, budgets, seconds):
+        if not budgets:  # a plain step priced
+            fed_when_priced.append(any(it.return_features for it in target.steps[-1]))
+        return real_observe(tokens, seqs, budgets, seconds)
+
+    core.costs.observe = observe
+    run_until_idle(core)
+    assert tokens_of(out) == expected([3, 4, 5], 80)
+    assert any(any(it.return_features for it in step) for step in target.steps), "no plain step fed the draft"
+    assert fed_when_priced, "plain decoding was never priced"
+    assert not any(fed_when_priced), f"plain steps that fed the draft were priced: {fed_when_priced}"
+    assert target.grants > 0
+
+
 def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(tokenizer):
     core, _, _ = new_core(tokenizer, mode="auto")
     for i in range(6):  # from the gate's min_batch on, the arms are measured too
