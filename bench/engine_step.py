@@ -169,7 +169,25 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
             if ms is not None:
                 rows.append({"mode": mode, "batch": b, "nodes": 1, "grant": args.grant, "ms": ms})
                 print(f"{mode:>6} batch {b:>4} grant {args.grant:>2}: {ms:8.2f} ms per step", flush=True)
+        if args.profile and b == batches[-1]:
+            profile_steps(engine, ids, nodes[-1], device, args.profile, f"{mode}, batch {b}, {nodes[-1]} nodes")
         engine.release(ids)
+
+
+def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: int, device: str, path: Path,
+                  what: str) -> None:
+    """Where a step's time goes, by kernel (device time) and by op (host time), over 5 steps of
+    `nodes` nodes per request: torch.profiler (on CUDA it sees the kernels inside graph replays)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        time_steps(engine, ids, nodes, 2, device)  # 3 unrecorded warm-up steps + 2: 5 steps
+    ops = prof.key_averages()
+    device_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    path.write_text(f"{what}, 5 steps\n\nby device time:\n{ops.table(sort_by=device_key, row_limit=40)}\n\n"
+                    f"by host time:\n{ops.table(sort_by='self_cpu_time_total', row_limit=25)}\n")
+    print(f"profile: {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tensor-parallel degree: N > 1 times rank 0's whole steps on the served target's "
                          "ParallelEngine over N GPUs (N processes, gloo on CPU with --tiny); graph replays alone "
                          "are not timed there (default 1: a TargetEngine in this process)")
+    ap.add_argument("--profile", type=Path, metavar="FILE",
+                    help="also profile 5 steps of the last batch and tree size of each mode (torch.profiler) and "
+                         "write the tables (kernels by device time, ops by host time) to FILE")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:

@@ -47,7 +47,8 @@
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64); DET_MATMUL="0,1 0,264" also times the
 #            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="1 4" times
 #            the mode with those rows of a sequence per invariant-attention program, back to back
-#            (kernels.invariant_attention.ROWS_PER_PROGRAM; the plain "on" run takes the default)
+#            (kernels.invariant_attention.ROWS_PER_PROGRAM; the plain "on" run takes the default);
+#            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile)
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
 #   equality after only (EQUALITY_RUNS picks among demo_off demo_on scale_off scale_on), the mode off against on: bench/greedy_equality.py (64 held-out
@@ -238,7 +239,14 @@ for stage in "$@"; do
       for rows in ${DET_ROWS:-}; do  # rows of one sequence per invariant-attention program, mode on
         run "engine_det_on_rows$rows" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
           --iters 20 --modes graphs --deterministic --attention-rows "$rows" --out "$OUT/engine_det_on_rows$rows.json"
-      done ;;
+      done
+      if [[ ${DET_PROFILE:-0} == 1 ]]; then  # where 64 x 8 goes, by kernel, mode off and on
+        for mode in off on; do
+          flag=(); [[ $mode == on ]] && flag=(--deterministic)
+          run "det_profile_$mode" after 200 python3 bench/engine_step.py --batches 64 --nodes 8 --iters 5 \
+            --modes graphs "${flag[@]}" --profile "$OUT/det_profile_$mode.txt"
+        done
+      fi ;;
     linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel in several configurations
       run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 \
         --configs "${LINEAR_CONFIGS:-256,264;0,1;0,264;0,528}" --out "$OUT/linear.json" ;;
