@@ -32,10 +32,13 @@ Several rows per program (ROWS_PER_PROGRAM > 1, _invariant_rows_kernel): a
 program's BLOCK_M M-rows are R rows of one sequence x GROUP query heads (for
 Llama-8B, 4 tree nodes x 4 heads fill the 16 M-rows one row left 12 of), so the
 prefix tiles they share are loaded once instead of once per row. It stays
-invariant because BLOCK_M, BLOCK_N, BLOCK_D and the dot's precision are those of
-a lone row, and an element of a dot depends on its A row and B column only, in
-a fixed order, whatever the other M-rows hold; the online softmax and the folds
-are per M-row. So:
+invariant because BLOCK_M (set by R alone), BLOCK_N, BLOCK_D and the dot's
+precision are the same for every call, a lone row's included, and an element of
+a dot depends on its A row and B column only, in a fixed order, whatever the
+other M-rows hold; the online softmax and the folds are per M-row (each
+multiply-add an explicit fma, see _tile_update). With R = 1 or 4 (Llama-8B) a
+row's result also equals the one-row kernel's, bitwise, on an H200; R = 8 widens
+BLOCK_M to 32, which the GPU tests check the same way. So:
 
 - a tile wholly inside the committed prefix holds the same keys for every row
   of the sequence: one load, one dot and one update for all the program's rows;
@@ -96,6 +99,10 @@ MAX_TAIL = 64
 # from 66.6 to 36.4 ms and 8 x 8 from 11.4 to 7.8 ms, the rest within noise, with each
 # node still bitwise its plain decode (BENCHMARKS.md, issue 19).
 ROWS_PER_PROGRAM = 4
+# The M-rows of a multi-row program at most: 8 rows of Llama-8B's 4 query heads per KV head.
+# Rows per program beyond 4 (for group 4) widen BLOCK_M to 32: an H200 has not yet timed that, nor
+# checked that a row computes the same bits in a 32-row tile as in a 16-row one (the tests do).
+MAX_BLOCK_M = 32
 # Programs the interpreter's launches aim for (on a GPU: two per SM). One: programs run
 # one after the other there, so splitting a row's work only adds some; tests raise it
 # to run the other way of computing a row.
@@ -488,15 +495,16 @@ def row_sequences(meta: TreeAttnMetadata) -> torch.Tensor:
 
 
 def rows_per_program_for(group: int, rows_per_program: int | None = None) -> int:
-    """Rows one program computes: rows_per_program (None: ROWS_PER_PROGRAM), capped by the
-    M-rows of one row's tile, whose BLOCK_M must not change (it sets the dots' shape)."""
+    """Rows one program computes: rows_per_program (None: ROWS_PER_PROGRAM), as many as
+    MAX_BLOCK_M M-rows hold (GROUP query heads each)."""
     wanted = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
-    return max(1, min(wanted, _block_m(group) // group))
+    return max(1, min(wanted, MAX_BLOCK_M // group))
 
 
-def _block_m(group: int) -> int:
-    # A lone row's GROUP query heads, padded to tl.dot's 16 rows at least.
-    return max(16, triton.next_power_of_2(group))
+def _block_m(group: int, rows: int) -> int:
+    # `rows` rows of GROUP query heads, padded to tl.dot's 16 at least. It sets the dots' shape,
+    # so every call with the same rows per program uses it: a tree's rows and a plain decode's one.
+    return max(16, triton.next_power_of_2(group * rows))
 
 
 def row_groups(meta: TreeAttnMetadata, row_seq: torch.Tensor, depth: torch.Tensor, rows_per_program: int, *,
@@ -628,9 +636,10 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
               part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
               scale * LOG2E)
-    # BLOCK_M is a lone row's whatever the rows per program: it sets the dots' shape.
-    shape = dict(GROUP=meta.group, BLOCK_M=_block_m(meta.group), BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D,
-                 PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits, F32_DOT=f32_dot, num_warps=4)
+    # BLOCK_M follows the rows per program alone, never the step: it sets the dots' shape.
+    shape = dict(GROUP=meta.group, BLOCK_M=_block_m(meta.group, per_program), BLOCK_N=block_n, BLOCK_D=block_d,
+                 HEAD_DIM=D, PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits, F32_DOT=f32_dot,
+                 num_warps=4)
     if groups is None:
         _invariant_attention_kernel[(rows, Hkv, split_programs)](
             q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,

@@ -194,9 +194,10 @@ SPLITS = {"cpu": dict(block_n=8, split_len=8, max_splits=3), "cuda": {}}
 REFERENCE_SPLITS = {"cpu": dict(split_len=32, max_splits=2), "cuda": {}}
 
 
-# Rows per program: today's kernel, and the multi-row one with four rows of a sequence per
-# program (4 nodes x 4 heads fill the 16 M-rows for GQA group 4; group 1 leaves 12 spare).
-ROWS = [1, 4]
+# Rows per program: the one-row kernel, and the multi-row one with four rows of a sequence per
+# program (4 nodes x 4 heads fill the 16 M-rows for GQA group 4; group 1 leaves 12 spare) and
+# with eight (a 32-row tile for group 4).
+ROWS = [1, 4, 8]
 
 
 def run_invariant(step: Step, splits: dict[str, dict[str, int]] = SPLITS, rows: int = 1) -> torch.Tensor:
@@ -378,13 +379,14 @@ def test_row_groups_hold_up_to_four_consecutive_rows_of_one_sequence_that_split_
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [0, 2], ids=["gqa1", "gqa4"])
 @pytest.mark.parametrize("fold", ["registers", "workspace"])
-def test_several_rows_per_program_compute_each_row_bitwise_as_one_row_per_program(device, dtype, group, fold,
+@pytest.mark.parametrize("rows", [4, 8], ids=lambda r: f"rows{r}")
+def test_several_rows_per_program_compute_each_row_bitwise_as_one_row_per_program(device, dtype, group, fold, rows,
                                                                                  monkeypatch):
     # The interpreter folds a row's splits in its program unless its target of programs is
     # raised; then every split gets a program and the merge kernel folds them.
     monkeypatch.setattr(invariant_attention, "INTERPRETER_PROGRAMS", 1 if fold == "registers" else 64)
     step = _straddling_step(device, SHAPES[device].gqa[group], dtype)
-    assert torch.equal(run_invariant(step, rows=4), run_invariant(step, rows=1))
+    assert torch.equal(run_invariant(step, rows=rows), run_invariant(step, rows=1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
