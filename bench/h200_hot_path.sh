@@ -45,7 +45,7 @@
 #            and each mode's metrics are scraped after it
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64); DET_MATMUL="0,1 0,264" also times the
-#            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="1 4" times
+#            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="4 8" times
 #            the mode with those rows of a sequence per invariant-attention program, back to back
 #            (kernels.invariant_attention.ROWS_PER_PROGRAM; the plain "on" run takes the default);
 #            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile)
