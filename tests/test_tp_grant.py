@@ -56,7 +56,8 @@ def scenario(engine):
                dict(steps=8, limits={"a": 8, "b": 8}, close_after=1)):
         seen = grant(engine, last, **kw)
         log.append(seen)
-    # Where each sequence really is now: a plain step of one node each, fed its last token.
+    # Where each sequence is now, then a plain step after the grants. (Each grant feeds the
+    # first step's token again rather than the last one emitted: TP=1 and TP=2 are fed alike.)
     lengths = {rid: engine.engine.kv.seqs[rid].length for rid in ("a", "b")}
     log.append(lengths)
     plain = engine.step([SequenceStep.chain(rid, [7]) for rid in ("a", "b")])
