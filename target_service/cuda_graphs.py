@@ -211,6 +211,17 @@ class StepGraphs:
             bucket.capture(self.pool)
         return bucket
 
+    def release(self) -> None:
+        """Drop every captured graph: at TP > 1 before the process group their all-reduces use is
+        torn down (on two H200s NCCL's teardown never finished within 5 s on either rank while the
+        graphs lived; whether they are why is for the next GPU run to show)."""
+        for bucket in self._buckets.values():
+            for graph in (bucket.forward_graph, bucket.tail_graph):
+                if graph is not None:
+                    graph.reset()
+            bucket.forward_graph = bucket.tail_graph = None
+        self._buckets.clear()
+
     def capture_all(self) -> float:
         """Capture every bucket now (largest first, so smaller graphs reuse the pool); returns seconds."""
         t0 = time.perf_counter()

@@ -169,6 +169,15 @@ def _run_grant(engine: TargetEngine, packed: bytes, commands: Connection) -> Non
         pass
 
 
+def _teardown(engine: TargetEngine, who: str) -> None:
+    """A rank's end: its graphs, which hold the group's all-reduces (StepGraphs.release), then the
+    group itself."""
+    if engine.graphs is not None:
+        torch.cuda.synchronize(engine.model.device)
+        engine.graphs.release()
+    _destroy_group(5.0, who)
+
+
 def _destroy_group(timeout: float, who: str) -> None:
     """Tear the process group down, giving up after `timeout` s (the process is ending anyway).
     On two H200s the TP=2 target outlived its stop grace, with no log of which phase hung;
@@ -207,7 +216,7 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: 
                 engine.release(cmd["ids"])
         except (InvalidArgument, ResourceExhausted):
             pass  # rank 0 raised the same error and reported it
-    _destroy_group(5.0, f"rank {rank}")
+    _teardown(engine, f"rank {rank}")
 
 
 class ParallelEngine:
@@ -313,7 +322,7 @@ class ParallelEngine:
                 pipe.close()
             # Every rank tears its group down at once (a teardown may wait for the other ranks),
             # rank 0 while it waits for the workers to end.
-            teardown = threading.Thread(target=_destroy_group, args=(5.0, "rank 0"), daemon=True)
+            teardown = threading.Thread(target=_teardown, args=(self.engine, "rank 0"), daemon=True)
             teardown.start()
             for p in self._procs:
                 p.join(timeout=10)
