@@ -142,8 +142,13 @@ def read_policy_sums(url: str) -> dict[tuple[str, str], float] | None:
         return None
     if response.status_code != 200:
         return None
+    return policy_sums(response.text)
+
+
+def policy_sums(exposition: str) -> dict[tuple[str, str], float]:
+    """auto's audit sums in a Prometheus text exposition, per (sample name, arm), over all buckets."""
     sums: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name in (PREDICTIONS, PREDICTED, COMMITTED, SECONDS):
                 key = (sample.name, sample.labels["arm"])
@@ -156,13 +161,15 @@ def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[s
     """Per arm, the mean prediction over the level's steps and the goodput its measured steps delivered."""
     if before is None or after is None:
         return None
+
+    def grew(name: str, arm: str) -> float:
+        return after.get((name, arm), 0.0) - before.get((name, arm), 0.0)
+
     out = {}
     for arm in ("trees", "plain"):
-        def grew(name: str, arm: str = arm) -> float:
-            return after.get((name, arm), 0.0) - before.get((name, arm), 0.0)
-        predictions, seconds = grew(PREDICTIONS), grew(SECONDS)
-        out[arm] = {"predicted": grew(PREDICTED) / predictions if predictions > 0 else None,
-                    "measured": grew(COMMITTED) / seconds if seconds > 0 else None}
+        predictions, seconds = grew(PREDICTIONS, arm), grew(SECONDS, arm)
+        out[arm] = {"predicted": grew(PREDICTED, arm) / predictions if predictions > 0 else None,
+                    "measured": grew(COMMITTED, arm) / seconds if seconds > 0 else None}
     return out
 
 
