@@ -121,6 +121,28 @@ def test_auto_explores_again_after_unlucky_trees_and_keeps_going_if_they_pay():
     assert choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)["r0"] == tried
 
 
+def test_exploration_tries_the_tree_with_the_most_plausible_upside_not_the_best_guess():
+    """A chain whose 3 trees at the hardest positions accepted nothing, against a wide tree seen
+    16 times at 2 accepted (which does not pay at that): by expected acceptance exploration kept
+    drafting the wide tree; the chain, which pays from 0.94 accepted, may well do better."""
+    costs = CostModel(target_base=0.03, target_per_token=0.004, target_per_seq=0.0, draft_base=0.0065,
+                      draft_per_level=0.0, draft_per_expansion=0.003)  # the demo's emulated-cost CI track
+    chain, wide = CFG.auto_options()[:2]
+    book = AcceptanceBook()
+    for _ in range(3):
+        book.record(chain, 0)
+    for _ in range(16):
+        book.record(wide, 2)
+    own = {chain: (0.0, 3.0), wide: (2.0, 4.0)}
+    search = search_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)
+    assert search.best is None  # the figures decline every tree
+    by_expected = max(CFG.auto_options(), key=lambda o: (1 + book.expected(o, own.get(o)))
+                      / costs.step_time(1 + o.max_nodes, 1, [o]))
+    assert by_expected == wide
+    tried = choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0, search=search, explore=True)["r0"]
+    assert tried == chain and book.explored
+
+
 def test_asked_to_explore_the_policy_drafts_its_best_single_tree_where_a_tree_could_pay():
     # The gateway asks just before its auto requests go dormant (they are no candidates then).
     costs = CostModel(target_base=1.2e-2, target_per_token=5e-4, target_per_seq=4e-3, draft_base=5e-3,
