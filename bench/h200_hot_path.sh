@@ -43,6 +43,8 @@
 #            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before); tandem bench
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
 #            and each mode's metrics are scraped after it
+#   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
+#            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
 #            bench/engine_step.py (decode and verify 8, batch 1/8/64); DET_MATMUL="0,1 0,264" also times the
 #            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="4 8" times
@@ -224,6 +226,12 @@ for stage in "$@"; do
           SERVE_TREE=$tree serve_bench "auto_scale_$acceptance$suffix" $((8700 + ${acceptance#0.})) \
             "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "${AUTO_MODES:-never,always,auto}" "${serve[@]}"
         done
+      done ;;
+    autodemo)
+      for tree in ${AUTO_TREES:-after}; do
+        suffix=""; [[ $tree == before ]] && suffix=_before
+        SERVE_TREE=$tree serve_bench "auto_demo$suffix" 8360 "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" \
+          "${AUTO_MODES:-never,always,auto}" --device cuda --dtype bfloat16
       done ;;
     deterministic)
       run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
