@@ -236,11 +236,11 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
             if k == 1:
                 full = (base_committed + o.steps) / seconds
                 ceiling = full if ceiling is None else max(ceiling, full)
-                # Exploration's pick: the request and option with the most plausible upside.
-                hopeful = max(ranked, key=lambda cand: book.optimistic(o, cand.own_stats.get(o)))
-                upside = (base_committed + book.optimistic(o, hopeful.own_stats.get(o))) / seconds
+                # Exploration's pick: the option with the most plausible upside, for its likeliest
+                # request (optimistic adds the same doubt to every request's expectation of o).
+                upside = (base_committed + book.optimistic(o, c.own_stats.get(o))) / seconds
                 if single is None or upside > single[0]:
-                    single = (upside, o, hopeful)
+                    single = (upside, o, c)
             if k == len(ranked) and (every is None or rate > every[0]):
                 every = (rate, o)
             if rate > best_rate * (1 + 1e-9):

@@ -430,6 +430,14 @@ def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_ar
     assert not any(fed[core.QUIET_STEPS + 4: core.WAKE_EVERY - 4]), "features kept flowing while dormant"
 
 
+def price_as_the_emulated_ci_track(core) -> None:
+    """The start-up profile of the demo's emulated-cost CI track (tests/test_gateway_auto_phases.py at
+    4 ms a token), fixed: the fake's steps take microseconds, so these prices decide, not its timing."""
+    core.costs = CostModel(target_base=0.03, target_per_token=0.004, target_per_seq=0.0, draft_base=0.0065,
+                           draft_per_level=0.0, draft_per_expansion=0.003)
+    core.costs.observe = lambda *args: None
+
+
 @pytest.mark.parametrize("wrong_trees", [2, 3])
 def test_auto_at_light_load_tries_a_tree_again_before_going_dormant_so_unlucky_first_trees_do_not_end_it(
         tokenizer, wrong_trees):
@@ -441,9 +449,7 @@ def test_auto_at_light_load_tries_a_tree_again_before_going_dormant_so_unlucky_f
     is thin, auto explores 2, 6 and 14 steps into a spell."""
     core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
     drafts[0].wrong_trees = wrong_trees
-    core.costs = CostModel(target_base=0.03, target_per_token=0.004, target_per_seq=0.0, draft_base=0.0065,
-                           draft_per_level=0.0, draft_per_expansion=0.003)
-    core.costs.observe = lambda *args: None  # the fake's steps take microseconds: these prices decide
+    price_as_the_emulated_ci_track(core)
     out = submit(core, "solo", [4, 5, 6], max_tokens=120)
     run_until_idle(core)
     assert tokens_of(out) == expected([4, 5, 6], 120)
@@ -456,9 +462,7 @@ def test_auto_explores_a_draft_that_is_never_right_less_once_the_evidence_is_in(
     `thin_evidence` trees, then the one tree before each dormancy."""
     core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
     drafts[0].wrong_trees = 10**6
-    core.costs = CostModel(target_base=0.03, target_per_token=0.004, target_per_seq=0.0, draft_base=0.0065,
-                           draft_per_level=0.0, draft_per_expansion=0.003)
-    core.costs.observe = lambda *args: None
+    price_as_the_emulated_ci_track(core)
     spells = 6
     out = submit(core, "solo", [4, 5, 6], max_tokens=spells * core.WAKE_EVERY)
     run_until_idle(core)
