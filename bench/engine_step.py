@@ -150,6 +150,65 @@ def time_replays(engine: TargetEngine, batch: int, nodes: int, iters: int) -> di
     return out
 
 
+class HostPhases:
+    """--phases: wall time of each part of a TargetEngine step, by wrapping the parts of this
+    engine (and the graph and stream calls they make). Parts nest: `run` holds `validate`,
+    `execute`; `execute` holds `pack`, `load_inputs`, `replay`, `read_results`; `read_results`
+    holds `gpu_wait` (the one synchronize: the GPU's time not hidden behind host work). What a
+    part holds beyond its listed children is its own host work."""
+
+    def __init__(self, engine: TargetEngine):
+        import target_service.cuda_graphs as cuda_graphs
+        import target_service.engine as engine_module
+        from target_service.step_batch import StepResults
+
+        self.seconds: dict[str, float] = {}
+        self._undo: list[tuple[object, str, object]] = []
+        for owner, name, label in ((engine_module, "batch_of_items", "batch_of_items"), (engine, "run", "run"),
+                                   (engine, "_validate", "validate"), (engine, "_execute", "execute"),
+                                   (engine, "pack", "pack"), (cuda_graphs.BucketGraph, "load_inputs", "load_inputs"),
+                                   (cuda_graphs.BucketGraph, "replay", "replay"),
+                                   (engine, "_read_results", "read_results"),
+                                   (torch.cuda.Stream, "synchronize", "gpu_wait"),
+                                   (StepResults, "sequence_results", "sequence_results")):
+            self._wrap(owner, name, label)
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+        seconds = self.seconds
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t0
+
+        # An instance's own attribute goes away on close; a class's or module's is put back.
+        self._undo.append((owner, name, None if isinstance(owner, TargetEngine) else inner))
+        setattr(owner, name, timed)
+
+    def measure(self, engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str) -> dict[str, float]:
+        """Microseconds per step of each part, over `iters` + 3 steps (after 4 untimed ones)."""
+        time_steps(engine, ids, nodes, 1, device)  # warm-up
+        self.seconds.clear()
+        t0 = time.perf_counter()
+        time_steps(engine, ids, nodes, iters, device)
+        steps = iters + 3
+        total = time.perf_counter() - t0
+        parts = {label: round(1e6 * s / steps, 1) for label, s in self.seconds.items()}
+        parts["whole"] = round(1e6 * total / steps, 1)
+        return parts
+
+    def close(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._undo.clear()
+
+
 def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int], nodes: list[int], args,
              device: str, rows: list[dict]) -> None:
     for b in batches:
@@ -164,6 +223,16 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
                 rows.append({"mode": "replay", "batch": b, "nodes": n, **replay})
                 print(f"replay batch {b:>4} nodes {n:>3}: forward {replay['forward']:.2f} ms, "
                       f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
+        if args.phases and args.tp == 1:
+            phases = HostPhases(engine)
+            try:
+                for n in nodes:
+                    parts = phases.measure(engine, ids, n, max(args.iters, 8), device)
+                    rows.append({"mode": f"{mode}-phases", "batch": b, "nodes": n, "us": parts})
+                    print(f"phases batch {b:>4} nodes {n:>3}: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+                          + " us per step", flush=True)
+            finally:
+                phases.close()
         if args.grant:
             ms = time_grant(engine, ids, args.grant, device)
             if ms is not None:
@@ -215,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="also profile 5 steps of the last batch and tree size of each mode (torch.profiler) and "
                          "write the tables (kernels by device time, ops by host time) to FILE")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each part of a step (validate, pack, graph replay, the wait for the GPU, "
+                         "results...) in microseconds per step, TP=1 only")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:

@@ -8,6 +8,8 @@
 #   tests    the kernel, graph and engine tests on the GPU (compiled Triton, real CUDA graphs)
 #   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
 #   engine   bench/engine_step.py: a whole TargetEngine.step, batch 1/8/64, decode and verify 8
+#   phases   after only: bench/engine_step.py --phases, a standalone step's host time part by part (validate,
+#            pack, graph replay, the wait for the GPU, results), batch 1/8/64, decode and verify 8
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
 #            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
 #   drafttests  the draft's tree-growth tests on the GPU (captured graphs)
@@ -141,6 +143,9 @@ for stage in "$@"; do
         run "engine_$tree" $tree 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           "${extra[@]}" --out "$OUT/engine_$tree.json"
       done ;;
+    phases)  # after only: where a standalone step's host time goes, part by part (bench/engine_step.py --phases)
+      run engine_phases after 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+        --modes graphs --phases --out "$OUT/engine_phases.json" ;;
     drafttests)
       run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py ;;
     draft)
