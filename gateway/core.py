@@ -702,6 +702,11 @@ class GatewayCore:
         # what the gate measured in every bucket on the H200, so below the gate's minimum batch auto
         # speculated at 2 requests where `never` was faster: BENCHMARKS.md, issue 14.)
         arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft)
+        if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
+            log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
+                      "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),
+                      outcome.granted, outcome.fed_draft, decode, sum(len(res.tokens) for res in outcome.results),
+                      1000 * seconds, self._quiet, sum(len(q) for q in self._ingest_queue.values()))
         if arm_step:
             # At every load the cost model learns whole rounds, as the gate does. (Below the gate's
             # minimum batch it learned the target's step for a while, which left a tree's draft call
