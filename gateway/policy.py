@@ -378,6 +378,13 @@ class LoadGate:
             return self._probing[b].spec
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
+        # Above a load where plain decoding clearly won, trees are not even probed: they only cost
+        # more as the batch grows, and a probe there is dear (every request's draft catches up
+        # from its tokens first: on the H200 scale track a probe at 32-63 sequences took 27 steps
+        # that fed the draft at 3x a granted step, then a 431 ms round; probes cost auto a third of
+        # `never`'s throughput at 64 requests). Where trees later win below, this bucket is new again.
+        if spec.samples == 0 and self._plain_clearly_won_below(b):
+            return False
         # A new bucket measures plain decoding first where it won at the nearest lighter load
         # (trees only cost more as the batch grows) or where the cost model predicts it: the
         # probe of trees, measured second, then ends after one recorded step if they clearly
@@ -410,6 +417,16 @@ class LoadGate:
         """The verdict of the nearest smaller bucket that has one (None: no such bucket)."""
         lower = [x for x in self._verdict if x < b]
         return self._verdict[max(lower)] if lower else None
+
+    def _plain_clearly_won_below(self, b: int) -> bool:
+        """Whether at the nearest smaller bucket with a verdict plain decoding won by `clear`."""
+        lower = [x for x in self._verdict if x < b]
+        if not lower:
+            return False
+        below = max(lower)
+        spec, plain = self.arms[(below, True)], self.arms[(below, False)]
+        return (not self._verdict[below] and spec.samples > 0
+                and plain.goodput >= self.clear * spec.goodput)
 
     def _judge(self, b: int) -> bool:
         # The cost model already chose to speculate; overrule it only on clear evidence.
