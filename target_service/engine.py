@@ -43,7 +43,6 @@ from target_service.step_inputs import (
     pack_step,
     shape_for,
     tree_depths,
-    tree_part_parents,
 )
 from target_service.step_tail import StepTail, output_width
 from target_service.types import InvalidStep, KvLoad, OutOfCapacity, SequenceResult, SequenceStep
@@ -135,7 +134,9 @@ class TargetEngine:
             p = batch.parents.astype(np.int64)
             wrong = np.where(local < nf_row, p != local - 1, (p >= local) | (p < nf_row - 1))
             bad |= np.bincount(seq_of_row[wrong], minlength=batch.size) > 0
-        for b in np.flatnonzero(bad).tolist():
+        # Each check asks .any() first: a valid step (the usual one) pays one reduction per check.
+        if bad.any():
+            b = int(np.argmax(bad))
             problem = validate_tree(batch.parents[starts[b]: starts[b + 1]].tolist(), int(nf[b]))
             raise InvalidStep(f"request {batch.request_ids[b]!r}: {problem}")
         vocab = self.model.cfg.vocab_size
@@ -146,22 +147,26 @@ class TargetEngine:
             raise InvalidStep(f"request {batch.request_ids[b]!r}: token id {int(batch.tokens[row])} out of range "
                               f"[0, {vocab})")
         t = batch.temperature
-        for b in np.flatnonzero(~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)).tolist():
+        bad = ~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)
+        if bad.any():
+            b = int(np.argmax(bad))
             what = (f"temperature must be >= 0, got {t[b]}" if not t[b] >= 0 else
                     f"top_k must be >= 0, got {batch.top_k[b]}" if batch.top_k[b] < 0 else "top_p must be a number")
             raise InvalidStep(f"request {batch.request_ids[b]!r}: {what}")
-        for b in np.flatnonzero((batch.top_logprobs < 0) | (batch.top_logprobs > MAX_TOP_LOGPROBS)).tolist():
+        bad = (batch.top_logprobs < 0) | (batch.top_logprobs > MAX_TOP_LOGPROBS)
+        if bad.any():
+            b = int(np.argmax(bad))
             raise InvalidStep(f"request {batch.request_ids[b]!r}: top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         depth = nf - 1
-        for b in np.flatnonzero(n > nf).tolist():  # drafted trees: few, shapes cached
-            parents = tree_part_parents(batch.parents[starts[b]: starts[b + 1]], int(nf[b]))
+        for b, parents in batch.drafted_trees.items():
             tree_depth = int(tree_depths(parents).max())
             if self.model.batch_invariant and tree_depth > MAX_TAIL:
                 raise InvalidStep(f"request {batch.request_ids[b]!r}: a drafted tree {tree_depth} deep; the "
                                   f"batch-invariant mode takes trees up to {MAX_TAIL} deep")
             depth[b] += tree_depth
         end = prefix + depth + 1
-        for b in np.flatnonzero(end > self.max_model_len).tolist():
+        if (end > self.max_model_len).any():
+            b = int(np.argmax(end > self.max_model_len))
             raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "
                               f"model's maximum length {self.max_model_len}")
         return end

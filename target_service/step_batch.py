@@ -10,6 +10,7 @@ want it (tests, tools).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -53,14 +54,29 @@ class StepBatch:
     def size(self) -> int:
         return len(self.request_ids)
 
-    @property
+    # Computed once per batch (read-only): validation, packing and results each ask.
+    @cached_property
     def starts(self) -> np.ndarray:
         """int64 [B + 1]: where each item's nodes begin, then the total."""
         out = np.zeros(self.size + 1, dtype=np.int64)
         np.cumsum(self.num_nodes, out=out[1:])
         return out
 
-    @property
+    @cached_property
+    def drafted_trees(self) -> dict[int, tuple[int, ...]]:
+        """Per item with drafted nodes (few: plain decode has none), the parents of its tree part:
+        the root (its last fixed node) is 0, its parent 0. Validation and packing both walk them."""
+        if len(self.tokens) == self.size:
+            return {}
+        starts, nf = self.starts, self.num_fixed
+        trees = {}
+        for b in np.flatnonzero(self.num_nodes > nf).tolist():
+            root = int(nf[b]) - 1
+            drafted = self.parents[starts[b] + root + 1: starts[b + 1]] - root
+            trees[b] = (0, *drafted.tolist())
+        return trees
+
+    @cached_property
     def greedy(self) -> np.ndarray:
         return ~(self.temperature > 0)
 

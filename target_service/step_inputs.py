@@ -103,13 +103,6 @@ def layout_for(shape: InputShape) -> InputLayout:
     return InputLayout(shape)
 
 
-def tree_part_parents(parents: np.ndarray, num_fixed: int) -> tuple[int, ...]:
-    """Parents within the tree part (root = 0, its parent 0) of one item's parents."""
-    root = num_fixed - 1
-    drafted = parents[num_fixed:]
-    return (0, *(int(p) - root for p in drafted))
-
-
 @functools.lru_cache(maxsize=4096)
 def tree_depths(tree_parents: tuple[int, ...]) -> np.ndarray:
     depth = np.zeros(len(tree_parents), dtype=np.int32)
@@ -196,9 +189,8 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
         tree_idx = local - (nf_row - 1)  # >= 0 for the root and drafted rows
         depth = np.minimum(local, nf_row - 1)  # the chain part; drafted rows get their tree depth added below
         chains = np.ones(R, dtype=bool)
-        for b in np.flatnonzero(n > nf).tolist():  # sequences with drafted nodes: few, and their shapes repeat
+        for b, parents in batch.drafted_trees.items():  # sequences with drafted nodes: few, shapes repeat
             lo, hi = int(starts[b]), int(starts[b + 1])
-            parents = tree_part_parents(batch.parents[lo:hi], int(nf[b]))
             tree_parent[b, : len(parents)] = parents
             depth[lo + int(nf[b]) - 1: hi] += tree_depths(parents)
             mask[lo:hi] = _tree_mask_rows(int(nf[b]), parents, shape.words)
