@@ -137,6 +137,7 @@ class AcceptanceBook:
     explore_after: int = 32
     quiet_steps: int = 0  # steps since auto last chose a tree
     explored: bool = False  # the last choice's auto trees were exploration: the figures chose none
+    speculating: bool = False  # the figures chose the last choice's auto trees (see KEEP_TREES_WITHIN)
     # A decline that rests on fewer trees than this (decayed count, all budgets) is thin: the first
     # trees after a prompt are the hardest to guess (demo pair, first held-out prompt: 0.6 accepted
     # per 3-token chain over its first 11 trees, 2.3 after), so the gateway explores more often
@@ -201,6 +202,14 @@ class BudgetSearch(NamedTuple):
     every: tuple[float, DraftBudget] | None  # the best option given to every auto candidate
     rates: Rates
     ceiling: float | None  # the best one-tree goodput were every drafted token accepted
+
+
+# While the figures choose trees, plain decoding must beat them by this share to stop them. A
+# plain step between trees is no plain step as `never` runs it: the request stays awake, so the
+# step feeds the draft and is not granted (9-10 ms against 4.7 on the H200 scale track at one
+# request), while the figures price plain decoding as granted. Near a tie the choice flipped from
+# step to step, and such mixed runs delivered 0.64-0.83x the better arm at one request.
+KEEP_TREES_WITHIN = 0.05
 
 
 def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -268,6 +277,7 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     """
     search = search or search_budgets(cfg, costs, book, candidates, other_tokens, other_seqs)
     out, auto, best, single, every = search.out, search.auto, search.best, search.single, search.every
+    speculating, book.speculating = book.speculating, best is not None
     book.explored = False
     if not auto:
         return out
@@ -277,6 +287,10 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     could_pay = search.ceiling is not None and search.ceiling > search.rates.plain
     if best is None and probe and every is not None:
         best = (every[1], auto)
+    elif (best is None and speculating and every is not None
+          and every[0] >= (1 - KEEP_TREES_WITHIN) * search.rates.plain):
+        best = (every[1], auto)  # a near tie: keep speculating (see KEEP_TREES_WITHIN)
+        book.speculating = True
     elif best is None and single is not None and (
             (explore and could_pay) or book.quiet_steps >= book.explore_after):
         best = (single[1], [single[2]])

@@ -110,15 +110,41 @@ def test_auto_explores_again_after_unlucky_trees_and_keeps_going_if_they_pay():
     assert not first.empty  # untried: the prior is optimistic
     for o in CFG.auto_options():  # the first trees after the prompt were all rejected
         book.record(o, 0)
-    chosen = [choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"] for _ in range(9)]
-    assert all(b.empty for b in chosen[:8]) and not chosen[8].empty  # quiet for 8 steps, then one try
-    book.record(chosen[8], 0)  # the draft is still wrong: quiet again, for another 8 steps
-    assert all(choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"].empty for _ in range(8))
+
+    def step() -> DraftBudget:  # one step's choice, its tree (if any) rejected too
+        budget = choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"]
+        if not budget.empty:
+            book.record(budget, 0)
+        return budget
+
+    chosen = [step() for _ in range(10)]
+    # Still near a tie, the figures' last choice is kept once (KEEP_TREES_WITHIN); rejected again,
+    # auto goes quiet for 8 steps, then tries one tree.
+    assert not chosen[0].empty and all(b.empty for b in chosen[1:9]) and not chosen[9].empty
+    assert all(step().empty for _ in range(8))  # the draft is still wrong: quiet again, 8 steps
     tried = choose_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)["r0"]
     assert not tried.empty
     book.record(tried, tried.steps)  # now it is right: the request keeps speculating on its own evidence
     own = {tried: (float(tried.steps), 1.0)}
     assert choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)["r0"] == tried
+
+
+def test_near_a_tie_auto_keeps_its_trees_rather_than_mix_in_plain_steps():
+    """Trees predicted 3% below plain decoding: after trees the figures chose, auto keeps them (a
+    plain step between trees feeds the draft and is not granted); after plain steps (or an
+    exploration tree, which the figures did not choose) it decodes plainly; 10% below, it stops."""
+    tree_rate = search_budgets(CFG, gpu_like_costs(), AcceptanceBook(), candidates(1), 0, 0).every[0]
+
+    def choose(book: AcceptanceBook, ratio: float) -> DraftBudget:
+        costs = gpu_like_costs()  # plain steps scaled so that the best tree predicts `ratio` of plain's rate
+        costs.ratios[(1, False)] = ratio / (tree_rate * costs.step_time(1, 1, []))
+        return choose_budgets(CFG, costs, book, candidates(1), 0, 0)["r0"]
+
+    assert not choose(AcceptanceBook(speculating=True), 0.97).empty
+    assert choose(AcceptanceBook(), 0.97).empty  # after plain steps, or a first step
+    assert choose(AcceptanceBook(speculating=True), 0.90).empty
+    book = AcceptanceBook(speculating=True)
+    assert all(not choose(book, 0.97).empty for _ in range(3))  # kept while the tie lasts
 
 
 def test_exploration_tries_the_tree_with_the_most_plausible_upside_not_the_best_guess():
