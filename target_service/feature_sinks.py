@@ -2,9 +2,10 @@
 
 Either they wait in the FeatureStore until a reader pulls them (ReadFeatures),
 or, when the step names a feature sink for the item and a reader is subscribed
-under that name (SubscribeFeatures), they are pushed to it as the step ends.
-A push is one hop that leaves with the step's reply, so the reader has the rows
-by the time it is asked to use them; a pull is a round trip on the speculative
+under that name (SubscribeFeatures), they are pushed to it right after the step's
+reply has left (the reply does not wait for them; the reader waits for pushed rows).
+A push is one hop beside the step's reply, so the reader has the rows by about
+the time it is asked to use them; a pull is a round trip on the speculative
 round's critical path (about 1.85 ms of a 17 ms round at one request on the
 H200, where the draft read features before every tree).
 
@@ -99,6 +100,11 @@ class FeatureSinks:
         if old is not None:
             old.close()
         return sub
+
+    def subscribed(self, name: str) -> bool:
+        with self._lock:
+            sub = self._subs.get(name)
+            return sub is not None and not sub.closed
 
     def leave(self, sub: Subscription) -> None:
         sub.close()
