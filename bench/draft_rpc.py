@@ -39,7 +39,7 @@ def unary(client: DraftClient, calls: list[tuple[str, DraftBudget, int]]) -> lis
     return [(list(t.tokens), list(t.parents), list(t.depths), list(t.logprobs), list(t.scores)) for t in reply.trees]
 
 
-def median_ms(fn, n: int) -> float:
+def median_ms(fn, n: int, think_s: float = 0.0) -> float:
     for _ in range(5):
         fn()
     times = []
@@ -47,6 +47,7 @@ def median_ms(fn, n: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        time.sleep(think_s)
     return 1000 * statistics.median(times)
 
 
@@ -55,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--metrics", action="store_true", help="the draft service records its metrics (--metrics-port), "
+                    "as `tandem serve` runs it")
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="pause between calls, where the gateway would run the target's step (default 0: back to back)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     tmp = Path(f"/tmp/tandem-draft-rpc-{time.time_ns()}")
     tmp.mkdir(parents=True)
     svc = Service(["draft", "--model", str(DEMO / "draft"), "--target-model", str(DEMO / "target"), "--device",
-                   args.device], tmp, "draft")
+                   args.device, *(["--metrics-port", "0"] if args.metrics else [])], tmp, "draft")
     rows = []
     try:
         svc.wait_serving()
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 calls = [(rid, budget, len(prompt)) for rid in ids]
                 for path, fn in (("unary", lambda calls=calls: unary(client, calls)),
                                  ("stream+packed", lambda calls=calls: client.draft([], calls))):
-                    ms = median_ms(fn, args.calls)
+                    ms = median_ms(fn, args.calls, args.think_ms / 1000)
                     rows.append({"batch": batch, "budget": name, "path": path, "ms": ms})
                     print(f"batch {batch:>3} budget {name:>5} {path:>14}: {ms:7.3f} ms per call", flush=True)
             client.release(ids)
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         svc.stop()
     if args.out:
-        args.out.write_text(json.dumps({"device": args.device, "calls": args.calls, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"device": args.device, "calls": args.calls, "metrics": args.metrics,
+                                        "think_ms": args.think_ms, "rows": rows}, indent=1))
     return 0
 
 

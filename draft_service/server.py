@@ -6,6 +6,7 @@ import argparse
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -131,7 +132,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.metrics.record_ingest(items, request.catch_up, seconds)
         return draft_pb2.IngestResponse(requests=[status_to_proto(s) for s in statuses], load=load_to_proto(load))
 
-    def _draft(self, request: draft_pb2.DraftRequest) -> draft_pb2.DraftResponse:
+    def _draft(self, request: draft_pb2.DraftRequest) -> tuple[draft_pb2.DraftResponse, Callable[[], None]]:
+        """The reply, and the recording of the call's metrics, which need not delay it."""
         engine = self._ready()
         ingest = self._with_features([ingest_from_proto(m) for m in request.ingest])
         items = [item_from_proto(m) for m in request.items]
@@ -145,30 +147,36 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.pacing.hold(t0, sum(it.budget.steps * it.budget.topk for it in items if not it.budget.empty))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
-        if self.metrics is not None:
-            self.metrics.record_draft(ingest, items, trees, seconds)
+
+        def record() -> None:
+            if self.metrics is not None:
+                self.metrics.record_draft(ingest, items, trees, seconds)
+
         if request.packed_trees:
             return draft_pb2.DraftResponse(packed=trees_to_proto(trees), load=load_to_proto(load),
-                                           draft_seconds=seconds)
+                                           draft_seconds=seconds), record
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
-                                       load=load_to_proto(load), draft_seconds=seconds)
+                                       load=load_to_proto(load), draft_seconds=seconds), record
 
     @map_errors
     def Draft(self, request, context):
-        return self._draft(request)
+        response, record = self._draft(request)
+        record()
+        return response
 
     def DraftStream(self, request_iterator, context):
         # map_errors covers unary calls; a stream maps its error the same way and ends.
         for request in request_iterator:
             try:
                 with telemetry.continued_span(DRAFT_CALL, request.traceparent):
-                    response = self._draft(request)
+                    response, record = self._draft(request)
             except Exception as exc:
                 code, message = status_for(exc)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("DraftStream failed")
                 context.abort(code, message)
             yield response
+            record()  # the reply has left: metrics off the round's critical path
 
     @map_errors
     def Release(self, request, context):
