@@ -148,9 +148,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
 
-        def record() -> None:
+        def record() -> None:  # never raises: on a stream the reply has already left
             if self.metrics is not None:
-                self.metrics.record_draft(ingest, items, trees, seconds)
+                try:
+                    self.metrics.record_draft(ingest, items, trees, seconds)
+                except Exception:
+                    log.exception("recording a draft call's metrics failed")
 
         if request.packed_trees:
             return draft_pb2.DraftResponse(packed=trees_to_proto(trees), load=load_to_proto(load),

@@ -123,6 +123,42 @@ def test_rows_are_pushed_only_to_a_live_subscriber_and_a_newer_one_replaces_it()
     assert sinks.subscribe("late").closed
 
 
+def test_a_steps_features_are_pushed_once_its_reply_has_left_and_what_follows_it_never_raises(caplog):
+    """The target keeps a step's rows for a sink with a live subscriber until _after_reply (the
+    reply leaves first); rows for no sink, or a subscriber gone by then, are held for a pull; a
+    metrics failure there is logged, not raised (on a stream it would become a second reply)."""
+    from target_service.server import TargetServicer, _StepRun
+    from target_service.step_batch import StepBatch
+    from target_service.types import KvLoad
+
+    class BrokenMetrics:
+        held_feature_bytes = pushed_feature_bytes = type("Counter", (), {"inc": lambda self, n: None})()
+
+        def record_batch(self, *args) -> None:
+            raise RuntimeError("broken metrics")
+
+    servicer = TargetServicer(Path("."), metrics=BrokenMetrics())
+    sub = servicer.feature_sinks.subscribe("live")
+    results = StepResults(request_ids=("a", "b", "c"), num_accepted=np.zeros(3, np.int32),
+                          accepted_nodes=np.zeros((3, 1), np.int32), new_tokens=np.zeros((3, 1), np.int32),
+                          logprobs=np.zeros((3, 1), np.float32), num_committed=np.array([5, 9, 2]),
+                          features=torch.cat((rows(3, 2), rows(0, 9), rows(1, 1))),
+                          feature_counts=np.array([2, 9, 1]))
+    light, pushes = servicer._keep_features(results, ["live", None, "gone"])
+    assert light.features is None and [(sink, r.request_id) for sink, r in pushes] == [("live", "a")]
+    assert servicer.held_features.read("b", 0, 9)[1] is not None  # no sink: held before the reply
+    assert servicer.held_features.read("c", 1, 2)[1] is not None  # a sink nobody subscribed to: held
+    assert servicer.held_features.read("a", 3, 5)[1] is None  # not pushed yet, and not held
+    servicer.feature_sinks.leave(sub)
+    resubscribed = servicer.feature_sinks.subscribe("live")
+    batch = StepBatch.from_items([SequenceStep.chain(rid, (1,)) for rid in ("a", "b", "c")])
+    load = KvLoad(num_sequences=3, block_size=16, total_blocks=8, free_blocks=8)
+    servicer._after_reply(_StepRun(batch, light, load, 0.001, pushes))
+    resubscribed.close()
+    assert [r.request_id for r in resubscribed] == ["a"]
+    assert "broken metrics" in caplog.text
+
+
 # --- the target service and the draft's reader --------------------------------------------------
 
 
