@@ -384,9 +384,14 @@ class GatewayCore:
             other = [it for it in plan.items if it.request.request_id not in keys]
             return sum(len(it.tokens) for it in other), len(other)
 
+        # What the step's other items commit whatever the policy chooses: one token each that
+        # reaches its end (a decode, a prompt's last chunk). Candidates all decode.
+        ending = sum(1 for it in plan.items if it.reaches_end)
+
         # One search of the figures per step: the audit's prediction, the gate's first guess at a new
         # load and the budgets all read it (unless the gate takes the auto requests out).
-        search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands))
+        search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands),
+                                other_committed=ending - len(cands))
         if search.auto:  # the audit: what the figures predict for each arm
             self.gate.predict(len(plan.items), search.rates)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
@@ -402,7 +407,7 @@ class GatewayCore:
             search = None
         probe = bool(cands) and probing_trees
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe, search,
-                                 self._explore_now())
+                                 self._explore_now(), other_committed=ending - len(cands))
         self._explored = self.book.explored
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}

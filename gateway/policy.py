@@ -213,9 +213,15 @@ KEEP_TREES_WITHIN = 0.05
 
 
 def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-                   other_tokens: int, other_seqs: int) -> BudgetSearch:
+                   other_tokens: int, other_seqs: int, *, other_committed: float = 0.0) -> BudgetSearch:
     """Every (option, k best requests) for the auto candidates, by predicted goodput: the best
-    choice (`best` is None when the figures alone give no tree), and the predicted rates."""
+    choice (`best` is None when the figures alone give no tree), and the predicted rates.
+
+    other_committed: the tokens the step's other items commit whatever the choice (a decode
+    that cannot draft, the last chunk of a prefill): goodput is the whole step's, as the load
+    gate measures it. (Counting the candidates' tokens alone priced plain decoding at 0.69x what
+    the gate measured at 4 requests on the H200, where some requests were not ready to draft,
+    and made a tree for one request of several look as if it sped up the whole step.)"""
     out = {c.key: NO_SPEC for c in candidates}
     auto = []
     for c in candidates:
@@ -229,7 +235,8 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     fixed = [b for b in out.values() if not b.empty]
     base_tokens = other_tokens + len(candidates) + sum(b.max_nodes for b in fixed)
     base_seqs = other_seqs + len(candidates)
-    base_committed = float(len(candidates))  # + the fixed-budget requests' acceptance, same for all choices
+    # + the fixed-budget requests' acceptance, the same for all choices
+    base_committed = float(len(candidates)) + other_committed
     plain_rate = best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed) if candidates else 0.0
     top_tree_rate: float | None = None
     ceiling: float | None = None
@@ -259,7 +266,8 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
                    other_tokens: int, other_seqs: int, probe: bool = False,
-                   search: BudgetSearch | None = None, explore: bool = False) -> dict[str, DraftBudget]:
+                   search: BudgetSearch | None = None, explore: bool = False, *,
+                   other_committed: float = 0.0) -> dict[str, DraftBudget]:
     """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
 
     For `auto`, each option o is tried on the k requests expected to accept most
@@ -272,10 +280,11 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     is taken after `book.explore_after` steps without one, or now (`explore`: the
     caller's last chance to refresh the figures before nothing would) where some
     tree could pay were all its drafted tokens accepted. `search`: search_budgets'
-    result for these very arguments, when the caller already has it.
-    `book.explored` says afterwards whether the auto trees were exploration.
+    result for these very arguments, when the caller already has it. other_committed: as for
+    search_budgets. `book.explored` says afterwards whether the auto trees were exploration.
     """
-    search = search or search_budgets(cfg, costs, book, candidates, other_tokens, other_seqs)
+    search = search or search_budgets(cfg, costs, book, candidates, other_tokens, other_seqs,
+                                      other_committed=other_committed)
     out, auto, best, single, every = search.out, search.auto, search.best, search.single, search.every
     speculating, book.speculating = book.speculating, best is not None
     book.explored = False

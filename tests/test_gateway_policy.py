@@ -347,6 +347,16 @@ def test_a_first_bucket_measures_first_the_arm_the_cost_model_prefers():
     assert gate.allow_spec(2, prefers(False)) and len(asked) == 2  # below min_batch: not even asked
 
 
+def test_predicted_goodput_is_the_whole_steps_with_what_the_other_items_commit():
+    """One candidate beside three requests that cannot draft: plain decoding commits 4 tokens a
+    step, as the load gate measures it, and a tree for the candidate speeds up its quarter only."""
+    costs = gpu_like_costs()
+    alone = search_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0).rates
+    among = search_budgets(CFG, costs, AcceptanceBook(), candidates(1), 3, 3, other_committed=3).rates
+    assert among.plain == pytest.approx(4 / costs.step_time(4, 4, []))
+    assert 1.0 < among.trees / among.plain < alone.trees / alone.plain
+
+
 def test_the_predicted_rates_rank_the_arms_as_the_budgets_chosen_do():
     """The audit's prediction agrees with the decision: quiet, trees predicted faster and chosen;
     busy, plain predicted faster and no tree chosen. The plain figure is the step's own arithmetic."""
