@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tokenizer = loop.make_char_tokenizer(Path(tempfile.mkdtemp(prefix="tandem-gw-")))
     for n in (int(x) for x in args.requests.split(",")):
-        for mode in ("never", "always"):
+        for mode in ("never", "always", "auto"):  # auto: its per-step search of the figures too
             core, _, _ = loop.new_core(tokenizer, mode=mode, blocks=100_000)
             for i in range(n):
                 loop.submit(core, f"r{i}", [5 + i % 50, 11, 13], max_tokens=100_000)

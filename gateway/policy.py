@@ -91,8 +91,10 @@ class CostModel:
         live = [b for b in budgets if not b.empty]
         if not live:
             return 0.0
-        return (self.draft_base + self.draft_per_level * max(b.steps for b in live)
-                + self.draft_per_expansion * sum(b.steps * b.topk for b in live))
+        return self._draft_time(max(b.steps for b in live), sum(b.steps * b.topk for b in live))
+
+    def _draft_time(self, levels: int, expansions: int) -> float:
+        return self.draft_base + self.draft_per_level * levels + self.draft_per_expansion * expansions
 
     def profiled_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
         return self.target_time(tokens, seqs) + self.draft_time(budgets)
@@ -100,6 +102,12 @@ class CostModel:
     def step_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
         key = (batch_bucket(seqs), any(not b.empty for b in budgets))
         return self.profiled_time(tokens, seqs, budgets) * self.ratios.get(key, 1.0)
+
+    def tree_step_time(self, tokens: int, seqs: int, levels: int, expansions: int) -> float:
+        """step_time of a step with trees, from their deepest level and their summed expansions
+        (steps x topk): what search_budgets asks for every (option, k) without building k budgets."""
+        ratio = self.ratios.get((batch_bucket(seqs), True), 1.0)
+        return (self.target_time(tokens, seqs) + self._draft_time(levels, expansions)) * ratio
 
     def observe(self, tokens: int, seqs: int, budgets: list[DraftBudget], seconds: float) -> None:
         """A decode step of `seqs` sequences and `tokens` fixed tokens, with these trees, took `seconds`."""
@@ -240,13 +248,20 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     plain_rate = best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed) if candidates else 0.0
     top_tree_rate: float | None = None
     ceiling: float | None = None
+    live_fixed = [b for b in fixed if not b.empty]
+    fixed_levels = max((b.steps for b in live_fixed), default=0)
+    fixed_expansions = sum(b.steps * b.topk for b in live_fixed)
     for o in cfg.auto_options() if auto else ():
-        ranked = sorted(auto, key=lambda c: -book.expected(o, c.own_stats.get(o)))
+        # Each request's expectation once per option (the sort is stable: ties keep their order).
+        scored = sorted(((book.expected(o, c.own_stats.get(o)), c) for c in auto), key=lambda pair: -pair[0])
+        ranked = [c for _, c in scored]
         committed, tokens = base_committed, base_tokens
-        for k, c in enumerate(ranked, start=1):
-            committed += book.expected(o, c.own_stats.get(o))
+        levels = max(fixed_levels, o.steps)
+        for k, (expected, c) in enumerate(scored, start=1):
+            committed += expected
             tokens += o.max_nodes
-            seconds = costs.step_time(tokens, base_seqs, fixed + [o] * k)
+            # = costs.step_time(tokens, base_seqs, fixed + [o] * k), in constant time
+            seconds = costs.tree_step_time(tokens, base_seqs, levels, fixed_expansions + k * o.steps * o.topk)
             rate = committed / seconds
             top_tree_rate = rate if top_tree_rate is None else max(top_tree_rate, rate)
             if k == 1:

@@ -347,6 +347,16 @@ def test_a_first_bucket_measures_first_the_arm_the_cost_model_prefers():
     assert gate.allow_spec(2, prefers(False)) and len(asked) == 2  # below min_batch: not even asked
 
 
+def test_a_tree_steps_price_from_its_deepest_level_and_expansions_is_the_price_of_its_budgets():
+    """search_budgets prices k copies of an option in constant time (it asks for every k)."""
+    costs = gpu_like_costs()
+    costs.ratios[(8, True)] = 1.3
+    fixed, option = DraftBudget(3, 1, 4), DraftBudget(5, 4, 8)
+    for k in (1, 2, 7):
+        budgets = [fixed] + [option] * k
+        assert costs.tree_step_time(40, 9, 5, 3 + k * 20) == pytest.approx(costs.step_time(40, 9, budgets))
+
+
 def test_predicted_goodput_is_the_whole_steps_with_what_the_other_items_commit():
     """One candidate beside three requests that cannot draft: plain decoding commits 4 tokens a
     step, as the load gate measures it, and a tree for the candidate speeds up its quarter only."""
