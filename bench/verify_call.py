@@ -28,25 +28,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.engine_step import tree  # noqa: E402  (a chain of nodes/2 with a sibling per level)
 from draft_service.target_features import TargetFeatureReader  # noqa: E402
 from gateway.clients import TargetClient  # noqa: E402
 from target_service.types import SequenceStep  # noqa: E402
 from tests.services import Service  # noqa: E402
 
 DEMO = REPO / "demo"
-
-
-def tree(root: int, nodes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A chain of nodes/2 with a sibling per level (as bench/engine_step.py verifies)."""
-    tokens, parents, tip = [root], [-1], 0
-    while len(tokens) < nodes:
-        tokens.append(len(tokens) + 10)
-        parents.append(tip)
-        if len(tokens) < nodes:
-            tokens.append(len(tokens) + 10)
-            parents.append(tip)
-        tip = len(tokens) - 1
-    return tuple(tokens), tuple(parents)
 
 
 def subscribe(address: str) -> int:

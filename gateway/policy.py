@@ -451,17 +451,19 @@ class LoadGate:
         steps = lost / (self.probe_budget * winner.seconds)
         return min(max(steps, self.stale_after), self.stale_after * self.max_stale_factor)
 
+    def _judged_below(self, b: int) -> int | None:
+        """The nearest smaller bucket that has a verdict (None: no such bucket)."""
+        return max((x for x in self._verdict if x < b), default=None)
+
     def _verdict_below(self, b: int) -> bool | None:
-        """The verdict of the nearest smaller bucket that has one (None: no such bucket)."""
-        lower = [x for x in self._verdict if x < b]
-        return self._verdict[max(lower)] if lower else None
+        below = self._judged_below(b)
+        return None if below is None else self._verdict[below]
 
     def _plain_clearly_won_below(self, b: int) -> bool:
         """Whether at the nearest smaller bucket with a verdict plain decoding won by `clear`."""
-        lower = [x for x in self._verdict if x < b]
-        if not lower:
+        below = self._judged_below(b)
+        if below is None:
             return False
-        below = max(lower)
         spec, plain = self.arms[(below, True)], self.arms[(below, False)]
         return (not self._verdict[below] and spec.samples > 0
                 and plain.goodput >= self.clear * spec.goodput)

@@ -265,48 +265,42 @@ def test_a_stale_losing_arm_is_re_probed_briefly_not_on_every_step():
     assert sum(seen[100:]) / 1100 < 0.03 and any(seen[100:])
 
 
+def run_gate(gate: LoadGate, n: int, steps: int, spec_rate: float, plain_rate: float) -> list[bool]:
+    """`steps` steps of n sequences at these goodputs per arm; which arm the gate chose each step."""
+    seen = []
+    for _ in range(steps):
+        spec = gate.allow_spec(n)
+        seen.append(spec)
+        gate.record(n, spec, n, n / (spec_rate if spec else plain_rate))
+    return seen
+
+
 def test_a_heavier_bucket_measures_plain_first_where_plain_won_below():
     """Trees only cost more as the batch grows: where plain decoding won at 8-15 sequences (1.4x,
     not clearly), the 16-31 bucket measures plain first and ends its probe of trees after one
     recorded step, as trees lose clearly there, so it drafts 3 tree steps, not 8; a bucket above one
     where trees won still measures trees first."""
-    def run(gate: LoadGate, n: int, steps: int, spec_rate: float, plain_rate: float) -> list[bool]:
-        seen = []
-        for _ in range(steps):
-            spec = gate.allow_spec(n)
-            seen.append(spec)
-            gate.record(n, spec, n, n / (spec_rate if spec else plain_rate))
-        return seen
-
     gate = LoadGate()
-    assert run(gate, 8, 40, spec_rate=100, plain_rate=140)[:16] == [True] * 8 + [False] * 8
-    seen = run(gate, 16, 40, spec_rate=100, plain_rate=200)
+    assert run_gate(gate, 8, 40, spec_rate=100, plain_rate=140)[:16] == [True] * 8 + [False] * 8
+    seen = run_gate(gate, 16, 40, spec_rate=100, plain_rate=200)
     assert seen[:8] == [False] * 8 and seen[8:11] == [True] * 3 and not any(seen[11:])
 
     gate = LoadGate()
-    run(gate, 8, 40, spec_rate=200, plain_rate=100)
-    assert run(gate, 16, 16, spec_rate=200, plain_rate=100)[:8] == [True] * 8
+    run_gate(gate, 8, 40, spec_rate=200, plain_rate=100)
+    assert run_gate(gate, 16, 16, spec_rate=200, plain_rate=100)[:8] == [True] * 8
 
 
 def test_no_tree_is_probed_above_a_load_where_plain_decoding_clearly_won():
     """Plain decoding 2x trees at 8-15 sequences: 16-31 and 64-127 decode plainly without a tree
     (a probe there costs every request's draft a catch-up). Once trees win at 8-15 again (its
     re-probe), the heavier buckets are new loads again and measure trees for themselves."""
-    def run(gate: LoadGate, n: int, steps: int, spec_rate: float, plain_rate: float) -> list[bool]:
-        seen = []
-        for _ in range(steps):
-            spec = gate.allow_spec(n)
-            seen.append(spec)
-            gate.record(n, spec, n, n / (spec_rate if spec else plain_rate))
-        return seen
-
     gate = LoadGate()
-    run(gate, 8, 40, spec_rate=100, plain_rate=200)
-    assert not any(run(gate, 16, 200, spec_rate=100, plain_rate=200))
-    assert not any(run(gate, 64, 200, spec_rate=100, plain_rate=200))
-    seen = run(gate, 8, 800, spec_rate=400, plain_rate=200)
+    run_gate(gate, 8, 40, spec_rate=100, plain_rate=200)
+    assert not any(run_gate(gate, 16, 200, spec_rate=100, plain_rate=200))
+    assert not any(run_gate(gate, 64, 200, spec_rate=100, plain_rate=200))
+    seen = run_gate(gate, 8, 800, spec_rate=400, plain_rate=200)
     assert all(seen[-100:])  # a re-probe found trees paying at 8-15 ...
-    assert any(run(gate, 16, 20, spec_rate=400, plain_rate=200))  # ... so 16-31 tries them
+    assert any(run_gate(gate, 16, 20, spec_rate=400, plain_rate=200))  # ... so 16-31 tries them
 
 
 def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the_verdict():
