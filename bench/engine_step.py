@@ -259,6 +259,36 @@ def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: 
     print(f"profile: {path}", flush=True)
 
 
+MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
+
+
+def set_matmul_config(spec: str) -> dict[str, int]:
+    """Set kernels.matmul's constants from "NAME=VALUE,..." (or "MIN_PROGRAMS,SPLIT_K_PROGRAMS"). Each is
+    read at every call, so a value set before the engine exists holds for every M (still one
+    configuration for all rows, which is what keeps the kernel batch-invariant)."""
+    import kernels.matmul as matmul
+    parts = [part.strip() for part in spec.split(",") if part.strip()]
+    if parts and all("=" not in part for part in parts):
+        if len(parts) != 2:
+            raise ValueError(f"expected MIN_PROGRAMS,SPLIT_K_PROGRAMS or NAME=VALUE pairs, got {spec!r}")
+        parts = [f"MIN_PROGRAMS={parts[0]}", f"SPLIT_K_PROGRAMS={parts[1]}"]
+    config = {}
+    for part in parts:
+        name, _, value = part.partition("=")
+        name = name.strip().upper()
+        if name not in MATMUL_KNOBS:
+            raise ValueError(f"unknown constant {name!r} (known: {', '.join(MATMUL_KNOBS)})")
+        try:
+            config[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{name} needs an integer, got {value!r}") from None
+        if config[name] < 0 or (name != "MIN_PROGRAMS" and config[name] == 0):
+            raise ValueError(f"{name} must be positive, got {config[name]}")
+    for name, value in config.items():
+        setattr(matmul, name, value)
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true")
@@ -271,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="the batch-invariant kernels (tandem target --deterministic); on CPU needs TRITON_INTERPRET=1")
     ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (default both; --tiny: eager)")
-    ap.add_argument("--matmul", metavar="MIN_PROGRAMS,SPLIT_PROGRAMS",
-                    help="with --deterministic: try another configuration of the invariant linear kernel "
-                         "(kernels.matmul.MIN_PROGRAMS and SPLIT_K_PROGRAMS; 0,1: 64-wide tiles, no split-K)")
+    ap.add_argument("--matmul", metavar="NAME=VALUE,...",
+                    help="with --deterministic: try another configuration of the invariant linear kernel, as "
+                         "kernels.matmul constants (MIN_PROGRAMS, SPLIT_K_PROGRAMS, BLOCK_M, BLOCK_N, NUM_WARPS, "
+                         "NUM_STAGES), e.g. BLOCK_N=128,NUM_WARPS=8; the older form MIN_PROGRAMS,SPLIT_K_PROGRAMS "
+                         "(0,1: 64-wide tiles, no split-K) still works")
     ap.add_argument("--attention-rows", type=int, metavar="R",
                     help="with --deterministic: step rows of one sequence per program of the invariant attention "
                          "(kernels.invariant_attention.ROWS_PER_PROGRAM; 1: one row per program)")
@@ -294,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp > 1 and (args.matmul or args.attention_rows is not None):
         ap.error("--matmul and --attention-rows set module globals in this process only, not on the other ranks")
     if args.matmul:
-        import kernels.matmul as matmul
-        matmul.MIN_PROGRAMS, matmul.SPLIT_K_PROGRAMS = (int(x) for x in args.matmul.split(","))
+        try:
+            set_matmul_config(args.matmul)
+        except ValueError as exc:
+            ap.error(f"--matmul: {exc}")
     if args.attention_rows is not None:
         # Read by every plan and call: set before the engine (and its graphs) exist.
         import kernels.invariant_attention as invariant_attention

@@ -26,6 +26,7 @@ from kernels._triton import interpreting, tl, triton
 # narrow weights (o_proj, down_proj: N = 4096) get narrower column tiles so that
 # more programs share the memory bandwidth at small M.
 BLOCK_M = 64
+BLOCK_N = 64
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -46,7 +47,7 @@ REDUCE_BLOCK = 1024  # output elements per program of the kernel that sums the p
 
 
 def block_n_for(n: int) -> int:
-    return 64 if triton.cdiv(n, 64) >= MIN_PROGRAMS else 32
+    return BLOCK_N if triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else 32
 
 
 def k_splits_for(n: int, k: int) -> tuple[int, int]:

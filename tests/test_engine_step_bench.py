@@ -24,3 +24,22 @@ def test_engine_step_bench_at_tp2_times_every_batch_and_tree_size(tmp_path):
     assert set(grants) == {1, 4}
     assert all(ms > 0 for ms in [*steps.values(), *grants.values()])
     assert {r["mode"] for r in data["rows"]} == {"eager"}
+
+
+def test_engine_step_bench_sets_the_invariant_linear_configuration_by_name_and_refuses_unknown_names(monkeypatch):
+    import pytest
+
+    import kernels.matmul as matmul
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import engine_step
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    for name in engine_step.MATMUL_KNOBS:  # restored after the test
+        monkeypatch.setattr(matmul, name, getattr(matmul, name))
+    assert engine_step.set_matmul_config("BLOCK_N=128, num_warps=8") == {"BLOCK_N": 128, "NUM_WARPS": 8}
+    assert (matmul.BLOCK_N, matmul.NUM_WARPS, matmul.block_n_for(4096)) == (128, 8, 128)
+    assert engine_step.set_matmul_config("0,1") == {"MIN_PROGRAMS": 0, "SPLIT_K_PROGRAMS": 1}
+    for bad in ("BLOCK_K=32", "BLOCK_N=wide", "BLOCK_N=0", "1,2,3"):
+        with pytest.raises(ValueError):
+            engine_step.set_matmul_config(bad)
