@@ -259,34 +259,51 @@ def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: 
     print(f"profile: {path}", flush=True)
 
 
-MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
+MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES",
+                "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES")
+ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "ROWS_PER_PROGRAM")
+# Knobs that may be 0 (off).
+ZERO_OK = {"MIN_PROGRAMS", "WIDE_FROM_M"}
+
+
+def set_kernel_config(module, knobs: tuple[str, ...], spec: str) -> dict[str, int]:
+    """Set a kernel module's constants from "NAME=VALUE,...". Each is read at every call, so a value set
+    before the engine exists holds for every call (still one rule for all rows, which is what keeps the
+    kernels batch-invariant)."""
+    config = {}
+    for part in (part.strip() for part in spec.split(",")):
+        if not part:
+            continue
+        name, _, value = part.partition("=")
+        name = name.strip().upper()
+        if name not in knobs:
+            raise ValueError(f"unknown constant {name!r} (known: {', '.join(knobs)})")
+        try:
+            config[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{name} needs an integer, got {value!r}") from None
+        if config[name] < 0 or (name not in ZERO_OK and config[name] == 0):
+            raise ValueError(f"{name} must be positive, got {config[name]}")
+    for name, value in config.items():
+        setattr(module, name, value)
+    return config
 
 
 def set_matmul_config(spec: str) -> dict[str, int]:
-    """Set kernels.matmul's constants from "NAME=VALUE,..." (or "MIN_PROGRAMS,SPLIT_K_PROGRAMS"). Each is
-    read at every call, so a value set before the engine exists holds for every M (still one
-    configuration for all rows, which is what keeps the kernel batch-invariant)."""
+    """kernels.matmul's constants from "NAME=VALUE,..." or the older "MIN_PROGRAMS,SPLIT_K_PROGRAMS"."""
     import kernels.matmul as matmul
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     if parts and all("=" not in part for part in parts):
         if len(parts) != 2:
             raise ValueError(f"expected MIN_PROGRAMS,SPLIT_K_PROGRAMS or NAME=VALUE pairs, got {spec!r}")
-        parts = [f"MIN_PROGRAMS={parts[0]}", f"SPLIT_K_PROGRAMS={parts[1]}"]
-    config = {}
-    for part in parts:
-        name, _, value = part.partition("=")
-        name = name.strip().upper()
-        if name not in MATMUL_KNOBS:
-            raise ValueError(f"unknown constant {name!r} (known: {', '.join(MATMUL_KNOBS)})")
-        try:
-            config[name] = int(value)
-        except ValueError:
-            raise ValueError(f"{name} needs an integer, got {value!r}") from None
-        if config[name] < 0 or (name != "MIN_PROGRAMS" and config[name] == 0):
-            raise ValueError(f"{name} must be positive, got {config[name]}")
-    for name, value in config.items():
-        setattr(matmul, name, value)
-    return config
+        spec = f"MIN_PROGRAMS={parts[0]},SPLIT_K_PROGRAMS={parts[1]}"
+    return set_kernel_config(matmul, MATMUL_KNOBS, spec)
+
+
+def set_attention_config(spec: str) -> dict[str, int]:
+    """kernels.invariant_attention's constants from "NAME=VALUE,..."."""
+    import kernels.invariant_attention as invariant_attention
+    return set_kernel_config(invariant_attention, ATTENTION_KNOBS, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,8 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmul", metavar="NAME=VALUE,...",
                     help="with --deterministic: try another configuration of the invariant linear kernel, as "
                          "kernels.matmul constants (MIN_PROGRAMS, SPLIT_K_PROGRAMS, BLOCK_M, BLOCK_N, NUM_WARPS, "
-                         "NUM_STAGES), e.g. BLOCK_N=128,NUM_WARPS=8; the older form MIN_PROGRAMS,SPLIT_K_PROGRAMS "
-                         "(0,1: 64-wide tiles, no split-K) still works")
+                         "NUM_STAGES for calls of few rows; WIDE_FROM_M, WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, "
+                         "WIDE_NUM_STAGES for the rest), e.g. WIDE_BLOCK_N=128; the older form "
+                         "MIN_PROGRAMS,SPLIT_K_PROGRAMS (0,1: 64-wide tiles, no split-K) still works")
+    ap.add_argument("--attention", metavar="NAME=VALUE,...",
+                    help="with --deterministic: try another configuration of the invariant attention, as "
+                         "kernels.invariant_attention constants (BLOCK_N: keys per tile, NUM_WARPS, ROWS_PER_PROGRAM)")
     ap.add_argument("--attention-rows", type=int, metavar="R",
                     help="with --deterministic: step rows of one sequence per program of the invariant attention "
                          "(kernels.invariant_attention.ROWS_PER_PROGRAM; 1: one row per program)")
@@ -323,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error("--tp must be at least 1")
-    if args.tp > 1 and (args.matmul or args.attention_rows is not None):
-        ap.error("--matmul and --attention-rows set module globals in this process only, not on the other ranks")
-    if args.matmul:
-        try:
+    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None):
+        ap.error("--matmul, --attention and --attention-rows set module globals in this process only, not on the "
+                 "other ranks")
+    try:
+        if args.matmul:
             set_matmul_config(args.matmul)
-        except ValueError as exc:
-            ap.error(f"--matmul: {exc}")
+        if args.attention:
+            set_attention_config(args.attention)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.attention_rows is not None:
         # Read by every plan and call: set before the engine (and its graphs) exist.
         import kernels.invariant_attention as invariant_attention
@@ -376,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
                                         "prefix": args.prefix, "tp": args.tp, "deterministic": args.deterministic,
-                                        "attention_rows": args.attention_rows, "rows": rows},
+                                        "attention_rows": args.attention_rows, "matmul": args.matmul,
+                                        "attention": args.attention, "rows": rows},
                                        indent=2))
     return 0
 

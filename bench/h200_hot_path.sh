@@ -52,6 +52,8 @@
 #            mode with those kernels.matmul configurations (MIN_PROGRAMS,SPLIT_K_PROGRAMS); DET_ROWS="4 8" times
 #            the mode with those rows of a sequence per invariant-attention program, back to back
 #            (kernels.invariant_attention.ROWS_PER_PROGRAM; the plain "on" run takes the default);
+#            DET_VARIANTS="WIDE_BLOCK_N=128/- -/BLOCK_N=64,ROWS_PER_PROGRAM=8" times the mode with each
+#            MATMUL/ATTENTION pair of engine_step.py --matmul and --attention specs ("-": the defaults);
 #            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile)
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
@@ -248,6 +250,15 @@ for stage in "$@"; do
       for config in ${DET_MATMUL:-}; do  # other configurations of the invariant linear kernel, mode on
         run "engine_det_on_$config" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
           --iters 20 --modes graphs --deterministic --matmul "$config" --out "$OUT/engine_det_on_$config.json"
+      done
+      for variant in ${DET_VARIANTS:-}; do  # MATMUL_SPEC/ATTENTION_SPEC ("-": the defaults), mode on
+        matmul_spec=${variant%%/*} attention_spec=${variant#*/}
+        flags=()
+        [[ $matmul_spec != - ]] && flags+=(--matmul "$matmul_spec")
+        [[ $attention_spec != - ]] && flags+=(--attention "$attention_spec")
+        name="engine_det_on_${variant//\//__}"
+        run "$name" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
+          --iters 20 --modes graphs --deterministic "${flags[@]}" --out "$OUT/$name.json"
       done
       for rows in ${DET_ROWS:-}; do  # rows of one sequence per invariant-attention program, mode on
         run "engine_det_on_rows$rows" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \

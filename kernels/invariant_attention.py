@@ -78,6 +78,11 @@ from kernels.tree_metadata import TreeAttnMetadata, _sm_count, metadata_from_lay
 
 # Keys per tile: fixed, since it sets the reduction order.
 BLOCK_N = 32
+# Warps of a program of the attention kernels (not the merge): how a program's work is
+# spread over threads. Every row, a lone decode's included, runs with the same value, so
+# it cannot make a node differ from its plain decode; the GPU tests check that it also
+# leaves the result of the one-row kernel's arithmetic unchanged.
+NUM_WARPS = 4
 # Keys per split (a multiple of BLOCK_N), fixed for the same reason. A Llama-8B decode
 # of a 1k prefix at batch 1 has 5 splits x 8 kv heads = 40 programs of at most 8 tiles,
 # where one program per kv head took 33. Shorter splits would give batch 1 more programs
@@ -565,17 +570,18 @@ def _split_programs(row_programs: int, max_splits: int, device: torch.device) ->
 def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cache_k: torch.Tensor, cache_v: torch.Tensor,
                              plan: InvariantPlan | TreeAttnMetadata | StepLayout, scale: float, *,
-                             block_n: int = BLOCK_N, split_len: int = SPLIT_LEN,
+                             block_n: int | None = None, split_len: int = SPLIT_LEN,
                              max_splits: int = MAX_SPLITS, rows_per_program: int | None = None) -> torch.Tensor:
     """Same contract as tree_attention_reference, each node's result independent of the
     rest of the step (see the module's docstring).
 
-    block_n, split_len and max_splits set every row's reduction order: results are
+    block_n (None: BLOCK_N), split_len and max_splits set every row's reduction order: results are
     bitwise comparable only between calls with the same values (tests lower them so
     that tiny sequences get several tiles and splits). rows_per_program (None:
     ROWS_PER_PROGRAM) picks the kernel, not the result: see the module's docstring."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
+    block_n = BLOCK_N if block_n is None else block_n
     if split_len % block_n or max_splits < 1:
         raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}, max_splits "
                          f"{max_splits} positive")
@@ -639,7 +645,7 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # BLOCK_M follows the rows per program alone, never the step: it sets the dots' shape.
     shape = dict(GROUP=meta.group, BLOCK_M=_block_m(meta.group, per_program), BLOCK_N=block_n, BLOCK_D=block_d,
                  HEAD_DIM=D, PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits, F32_DOT=f32_dot,
-                 num_warps=4)
+                 num_warps=NUM_WARPS)
     if groups is None:
         _invariant_attention_kernel[(rows, Hkv, split_programs)](
             q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,

@@ -4,13 +4,22 @@ cuBLAS picks its algorithm (tile shape, split-K, the instruction) by the
 problem's shape, so the same activation row multiplied alone and among 63
 others can round differently in bf16, and a near-tie argmax can flip: that is
 how speculation changed greedy output on the GPU (BENCHMARKS.md, issue 19).
-This kernel has one configuration for every M: fixed tiles and a split of the
-reduction over K that depends only on the weight's shape (N, K). Each split
-covers a fixed, BLOCK_K-aligned range of K, walked in BLOCK_K steps upward; the
-float32 partials are summed per output element in split order (0, 1, ...), then
-the bias is added. An output element is then computed by the same instructions
-in the same order whatever M is and wherever its row falls in a tile, so it is
-bitwise the same.
+This kernel splits the reduction over K by the weight's shape (N, K) alone,
+never by M: each split covers a fixed, BLOCK_K-aligned range of K, walked in
+BLOCK_K steps upward; the float32 partials are summed per output element in
+split order (0, 1, ...), then the bias is added. An output element is then the
+same sequence of multiply-accumulate steps over K whatever M is and wherever
+its row falls in a tile, so it is bitwise the same.
+
+The tile shape may follow M without changing that sequence: an element of a
+tile is its A row times its B column, accumulated over K in the same BLOCK_K
+steps by the same tensor-core instruction family (on Hopper, warpgroup MMAs of
+K 16 into a float32 accumulator, for any tile of 64 rows or more and 4 warps or
+more), whatever the tile's height and width. Calls of up to WIDE_FROM_M - 1 rows
+(decode, small verifies) take 64 x 64 tiles, which give the memory-bound case
+enough programs; larger calls take wider tiles, which reuse each loaded tile
+for more multiply-adds. The GPU tests check that a row computed alone equals
+the row among 511 others, bitwise, across that switch.
 """
 
 from __future__ import annotations
@@ -20,11 +29,9 @@ import torch.nn.functional as F
 
 from kernels._triton import interpreting, tl, triton
 
-# The configuration never depends on M (the rows): BLOCK_M stays the same at
-# M = 1 and at a 2k-token prefill (on Hopper a smaller M tile would switch the
-# instruction). It may depend on the weight's shape, which is fixed per layer:
-# narrow weights (o_proj, down_proj: N = 4096) get narrower column tiles so that
-# more programs share the memory bandwidth at small M.
+# The tiles of calls below WIDE_FROM_M rows. BLOCK_M stays 64 down to M = 1: on
+# Hopper a tile under 64 rows would switch the instruction. The column tile may
+# depend on the weight's shape, which is fixed per layer (MIN_PROGRAMS below).
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 64
@@ -43,11 +50,31 @@ MIN_PROGRAMS = 0
 SPLIT_K_PROGRAMS = 2 * 132  # programs wanted per row tile: two per SM of an H200
 MIN_K_PER_SPLIT = 8 * BLOCK_K  # shorter K loops would not fill the software pipeline
 MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read again: bounded for prefill
+
+# Calls of at least WIDE_FROM_M rows (0: never) take these tiles instead: at 64 requests x 8 tree
+# nodes (512 rows) on an H200 the 64 x 64 tiles ran the linear layers at about 350 TFLOP/s, cuBLAS
+# at about 760 (bench/engine_step.py --profile, BENCHMARKS.md, issue 19). Both shapes keep BLOCK_K
+# and the splits, which are what set an element's reduction order.
+WIDE_FROM_M = 65
+WIDE_BLOCK_M = 128
+WIDE_BLOCK_N = 256
+WIDE_NUM_WARPS = 8
+WIDE_NUM_STAGES = 3
 REDUCE_BLOCK = 1024  # output elements per program of the kernel that sums the partials
 
 
 def block_n_for(n: int) -> int:
     return BLOCK_N if triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else 32
+
+
+def tiles_for(m: int, n: int, *, tensor_cores: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a call of m rows on a weight of n outputs.
+    Without tensor cores (float32 at IEEE precision: the dot runs on FMA units, where a wide
+    tile's operands do not fit the registers and its stages not the shared memory) every
+    call takes the small tiles."""
+    if tensor_cores and WIDE_FROM_M and m >= WIDE_FROM_M:
+        return WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, WIDE_NUM_STAGES
+    return BLOCK_M, block_n_for(n), NUM_WARPS, NUM_STAGES
 
 
 def k_splits_for(n: int, k: int) -> tuple[int, int]:
@@ -150,23 +177,24 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if M:
         # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
         f32_dot = x.dtype == torch.float32 or interpreting()
-        block_n = block_n_for(N)
+        # Under the interpreter the wide tiles run too (in float32), so that CPU tests walk them.
+        block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=not f32_dot or interpreting())
         n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
-        grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, block_n), n_splits)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), n_splits)
         bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
         if n_splits == 1:
             _linear_kernel[grid](x2, weight, bias_arg, out, M, N, K, K,
                                  x2.stride(0), weight.stride(0), out.stride(0), 0,
                                  HAS_BIAS=bias is not None, F32_DOT=f32_dot,
-                                 BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                 num_warps=num_warps, num_stages=num_stages)
         else:
             partials = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
             _linear_kernel[grid](x2, weight, bias_arg, partials, M, N, K, k_per_split,
                                  x2.stride(0), weight.stride(0), partials.stride(1), partials.stride(0),
                                  HAS_BIAS=False, F32_DOT=f32_dot,
-                                 BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                 num_warps=num_warps, num_stages=num_stages)
             _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
                 partials, bias_arg, out, M, N,
                 SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)

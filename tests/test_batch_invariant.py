@@ -35,9 +35,13 @@ from kernels.matmul import (
     MAX_SPLITS,
     MIN_K_PER_SPLIT,
     SPLIT_K_PROGRAMS,
+    WIDE_BLOCK_M,
+    WIDE_BLOCK_N,
+    WIDE_FROM_M,
     block_n_for,
     k_splits_for,
     linear_invariant,
+    tiles_for,
 )
 from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from kernels.tree_attention import StepLayout
@@ -62,6 +66,8 @@ from tests.test_kernels import (
 )
 
 OTHERS = (1, 7, 63)
+# The linear layer also among 127 and 511 others: from WIDE_FROM_M rows it takes wider tiles.
+LINEAR_OTHERS = (*OTHERS, 127, 511)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -78,7 +84,7 @@ def _among(row: torch.Tensor, others: int, seed: int, where: int) -> tuple[torch
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("others", OTHERS)
+@pytest.mark.parametrize("others", LINEAR_OTHERS)
 @pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "split_k"])
 def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, others, splits):
     g = torch.Generator(device).manual_seed(0)
@@ -89,12 +95,21 @@ def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, othe
     bias = torch.randn(100, generator=g, device=device).to(dtype)
     row = torch.randn(1, 136, generator=g, device=device).to(dtype)
     alone = linear_invariant(row, weight, bias, splits=splits)
-    for where in (0, others // 2, others, BLOCK_M - 1):  # first, middle, last row of a tile
+    # First, middle and last row, and the last row of a first tile of either shape.
+    for where in (0, others // 2, others, BLOCK_M - 1, WIDE_BLOCK_M - 1):
         batch, at = _among(row, others, seed=others + where, where=where)
         together = linear_invariant(batch, weight, bias, splits=splits)
         assert torch.equal(together[at], alone[0]), f"row at {at} of {others + 1}"
     expect = F.linear(row.float(), weight.float(), bias.float())
     torch.testing.assert_close(alone.float(), expect, **TOL[dtype])
+
+
+def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_and_the_same_k_splits():
+    assert 1 < WIDE_FROM_M <= max(LINEAR_OTHERS) + 1  # the test above crosses the switch
+    small, wide = tiles_for(WIDE_FROM_M - 1, 4096), tiles_for(WIDE_FROM_M, 4096)
+    assert small[:2] == (BLOCK_M, block_n_for(4096)) and wide[:2] == (WIDE_BLOCK_M, WIDE_BLOCK_N)
+    # float32 at IEEE precision has no tensor cores: small tiles at every M.
+    assert tiles_for(4096, 4096, tensor_cores=False)[:2] == small[:2]
 
 
 # Llama-3.1-8B's weights [N, K], whole and halved by TP=2.

@@ -26,7 +26,7 @@ def test_engine_step_bench_at_tp2_times_every_batch_and_tree_size(tmp_path):
     assert {r["mode"] for r in data["rows"]} == {"eager"}
 
 
-def test_engine_step_bench_sets_the_invariant_linear_configuration_by_name_and_refuses_unknown_names(monkeypatch):
+def test_engine_step_bench_sets_the_invariant_kernels_configuration_by_name_and_refuses_unknown_names(monkeypatch):
     import pytest
 
     import kernels.matmul as matmul
@@ -43,3 +43,10 @@ def test_engine_step_bench_sets_the_invariant_linear_configuration_by_name_and_r
     for bad in ("BLOCK_K=32", "BLOCK_N=wide", "BLOCK_N=0", "1,2,3"):
         with pytest.raises(ValueError):
             engine_step.set_matmul_config(bad)
+    import kernels.invariant_attention as invariant_attention
+    for name in engine_step.ATTENTION_KNOBS:
+        monkeypatch.setattr(invariant_attention, name, getattr(invariant_attention, name))
+    assert engine_step.set_attention_config("BLOCK_N=64,ROWS_PER_PROGRAM=8") == {"BLOCK_N": 64, "ROWS_PER_PROGRAM": 8}
+    assert (invariant_attention.BLOCK_N, invariant_attention.ROWS_PER_PROGRAM) == (64, 8)
+    with pytest.raises(ValueError):
+        engine_step.set_attention_config("SPLIT_LEN=128")
