@@ -261,9 +261,10 @@ def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: 
 
 MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES",
                 "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES")
-ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "ROWS_PER_PROGRAM")
+ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "ROWS_PER_PROGRAM",
+                   "TREE_ROWS_PER_PROGRAM")
 # Knobs that may be 0 (off).
-ZERO_OK = {"MIN_PROGRAMS", "WIDE_FROM_M"}
+ZERO_OK = {"MIN_PROGRAMS", "WIDE_FROM_M", "TREE_ROWS_PER_PROGRAM"}
 
 
 def set_kernel_config(module, knobs: tuple[str, ...], spec: str) -> dict[str, int]:
@@ -326,10 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                          "MIN_PROGRAMS,SPLIT_K_PROGRAMS (0,1: 64-wide tiles, no split-K) still works")
     ap.add_argument("--attention", metavar="NAME=VALUE,...",
                     help="with --deterministic: try another configuration of the invariant attention, as "
-                         "kernels.invariant_attention constants (BLOCK_N: keys per tile, NUM_WARPS, ROWS_PER_PROGRAM)")
+                         "kernels.invariant_attention constants (BLOCK_N: keys per tile, NUM_WARPS, NUM_STAGES, "
+                         "PROGRAMS_PER_SM, ROWS_PER_PROGRAM, TREE_ROWS_PER_PROGRAM)")
     ap.add_argument("--attention-rows", type=int, metavar="R",
                     help="with --deterministic: step rows of one sequence per program of the invariant attention "
-                         "(kernels.invariant_attention.ROWS_PER_PROGRAM; 1: one row per program)")
+                         "for every call (kernels.invariant_attention.ROWS_PER_PROGRAM, TREE_ROWS_PER_PROGRAM off; "
+                         "1: one row per program)")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel degree: N > 1 times rank 0's whole steps on the served target's "
                          "ParallelEngine over N GPUs (N processes, gloo on CPU with --tiny); graph replays alone "
@@ -358,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         # Read by every plan and call: set before the engine (and its graphs) exist.
         import kernels.invariant_attention as invariant_attention
         invariant_attention.ROWS_PER_PROGRAM = args.attention_rows
+        invariant_attention.TREE_ROWS_PER_PROGRAM = 0  # R for every call
     device = "cpu" if args.tiny else "cuda"
     cfg = LLAMA_31_8B
     if args.tiny:

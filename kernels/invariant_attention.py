@@ -83,6 +83,10 @@ BLOCK_N = 32
 # it cannot make a node differ from its plain decode; the GPU tests check that it also
 # leaves the result of the one-row kernel's arithmetic unchanged.
 NUM_WARPS = 4
+# Software-pipeline stages of those kernels (None: Triton's default), again how, not what.
+NUM_STAGES: int | None = None
+# Programs per SM a launch aims for before rows share their splits through a workspace.
+PROGRAMS_PER_SM = 2
 # Keys per split (a multiple of BLOCK_N), fixed for the same reason. A Llama-8B decode
 # of a 1k prefix at batch 1 has 5 splits x 8 kv heads = 40 programs of at most 8 tiles,
 # where one program per kv head took 33. Shorter splits would give batch 1 more programs
@@ -104,9 +108,13 @@ MAX_TAIL = 64
 # from 66.6 to 36.4 ms and 8 x 8 from 11.4 to 7.8 ms, the rest within noise, with each
 # node still bitwise its plain decode (BENCHMARKS.md, issue 19).
 ROWS_PER_PROGRAM = 4
+# Rows per program for calls that average more than ROWS_PER_PROGRAM rows per sequence (0: the
+# same as ROWS_PER_PROGRAM). For Llama-8B 8 rows widen BLOCK_M to 32; on an H200 a row computes
+# the same bits in a 32-row tile as in a 16-row one (tests/test_batch_invariant.py, rows 8 against
+# 1), and 64 requests x 8 nodes took 25.6 ms against 29.3 with 4, while a decode (one row per
+# sequence) would leave 28 of the 32 M-rows empty (BENCHMARKS.md, issue 19).
+TREE_ROWS_PER_PROGRAM = 8
 # The M-rows of a multi-row program at most: 8 rows of Llama-8B's 4 query heads per KV head.
-# Rows per program beyond 4 (for group 4) widen BLOCK_M to 32: an H200 has not yet timed that, nor
-# checked that a row computes the same bits in a 32-row tile as in a 16-row one (the tests do).
 MAX_BLOCK_M = 32
 # Programs the interpreter's launches aim for (on a GPU: two per SM). One: programs run
 # one after the other there, so splitting a row's work only adds some; tests raise it
@@ -499,11 +507,19 @@ def row_sequences(meta: TreeAttnMetadata) -> torch.Tensor:
     return row_seq[:rows]
 
 
-def rows_per_program_for(group: int, rows_per_program: int | None = None) -> int:
-    """Rows one program computes: rows_per_program (None: ROWS_PER_PROGRAM), as many as
-    MAX_BLOCK_M M-rows hold (GROUP query heads each)."""
-    wanted = ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
-    return max(1, min(wanted, MAX_BLOCK_M // group))
+def rows_per_program_for(group: int, rows_per_program: int | None = None, *, rows: int = 0,
+                         sequences: int = 1) -> int:
+    """Rows one program computes: rows_per_program if given; else, for a call of `rows` step
+    rows over `sequences` sequences, ROWS_PER_PROGRAM, or TREE_ROWS_PER_PROGRAM (when set)
+    where the call averages more rows per sequence than that (verify steps of wide trees,
+    prompt chunks). At most as many as MAX_BLOCK_M M-rows hold (GROUP query heads each).
+    Both follow from the call's shapes alone, so a plan and its calls agree, and a CUDA
+    graph's bucket always takes the same kernel."""
+    if rows_per_program is None:
+        rows_per_program = ROWS_PER_PROGRAM
+        if TREE_ROWS_PER_PROGRAM and rows > ROWS_PER_PROGRAM * max(1, sequences):
+            rows_per_program = TREE_ROWS_PER_PROGRAM
+    return max(1, min(rows_per_program, MAX_BLOCK_M // group))
 
 
 def _block_m(group: int, rows: int) -> int:
@@ -550,7 +566,7 @@ def plan_invariant(meta: TreeAttnMetadata, rows_per_program: int | None = None, 
     ROWS_PER_PROGRAM) also their grouping, for calls with this split_len and max_splits."""
     tails = ancestor_tails(meta.mask_words)
     row_seq = row_sequences(meta)
-    rows = rows_per_program_for(meta.group, rows_per_program)
+    rows = rows_per_program_for(meta.group, rows_per_program, rows=row_seq.shape[0], sequences=meta.batch)
     groups = None
     if rows > 1:
         groups = row_groups(meta, row_seq, tails.depth, rows, split_len=split_len, max_splits=max_splits)
@@ -558,10 +574,10 @@ def plan_invariant(meta: TreeAttnMetadata, rows_per_program: int | None = None, 
 
 
 def _split_programs(row_programs: int, max_splits: int, device: torch.device) -> int:
-    """Programs that share one row's splits: 1 when there are rows enough for about two
-    programs per SM, else enough to make that many."""
+    """Programs that share one row's splits: 1 when there are rows enough for about
+    PROGRAMS_PER_SM programs per SM, else enough to make that many."""
     if device.type == "cuda":
-        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        target = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = INTERPRETER_PROGRAMS
     return max(1, min(max_splits, triton.cdiv(target, max(1, row_programs))))
@@ -607,7 +623,8 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # No row is longer than the prefix its table can hold plus the step's rows.
     longest = meta.block_table.shape[1] * meta.block_size + T
     splits = min(max_splits, triton.cdiv(longest, split_len))
-    per_program = rows_per_program_for(meta.group, rows_per_program)
+    per_program = rows_per_program_for(meta.group, rows_per_program, rows=plan.row_seq.shape[0],
+                                       sequences=meta.batch)
     groups = None
     if per_program > 1:
         groups = plan.groups
@@ -645,7 +662,7 @@ def tree_attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # BLOCK_M follows the rows per program alone, never the step: it sets the dots' shape.
     shape = dict(GROUP=meta.group, BLOCK_M=_block_m(meta.group, per_program), BLOCK_N=block_n, BLOCK_D=block_d,
                  HEAD_DIM=D, PAGE=meta.block_size, SPLIT_LEN=split_len, MAX_SPLITS=max_splits, F32_DOT=f32_dot,
-                 num_warps=NUM_WARPS)
+                 num_warps=NUM_WARPS, **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}))
     if groups is None:
         _invariant_attention_kernel[(rows, Hkv, split_programs)](
             q, k, v, cache_k, cache_v, out, part_acc, part_ml, meta.ints, meta.block_table, plan.row_seq,

@@ -367,6 +367,19 @@ def _split_doublings(length: int, device: str) -> int:
     return doublings
 
 
+def test_calls_of_wide_trees_group_more_rows_per_program_than_decodes(monkeypatch):
+    monkeypatch.setattr(invariant_attention, "ROWS_PER_PROGRAM", 4)
+    monkeypatch.setattr(invariant_attention, "TREE_ROWS_PER_PROGRAM", 8)
+    rows_for = invariant_attention.rows_per_program_for
+    assert rows_for(4, rows=64, sequences=64) == 4  # decode: one row per sequence
+    assert rows_for(4, rows=256, sequences=64) == 4  # trees of 4 nodes
+    assert rows_for(4, rows=512, sequences=64) == 8  # trees of 8 nodes
+    assert rows_for(8, rows=512, sequences=64) == 4  # 8 query heads per KV head: 32 M-rows hold 4 rows
+    assert rows_for(4, 1, rows=512, sequences=64) == 1  # asked for
+    monkeypatch.setattr(invariant_attention, "TREE_ROWS_PER_PROGRAM", 0)
+    assert rows_for(4, rows=512, sequences=64) == 4
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_row_groups_hold_up_to_four_consecutive_rows_of_one_sequence_that_split_alike(device):
     shapes = SHAPES[device]
@@ -458,6 +471,7 @@ def test_with_one_row_per_program_the_batch_invariant_target_verifies_a_tree_bit
     # one-row kernel stays a choice (ROWS_PER_PROGRAM read when a step is planned), in
     # float32 only to spare the interpreter's time.
     monkeypatch.setattr(invariant_attention, "ROWS_PER_PROGRAM", 1)
+    monkeypatch.setattr(invariant_attention, "TREE_ROWS_PER_PROGRAM", 0)
     launches = []
     kernel = invariant_attention._invariant_attention_kernel
 
