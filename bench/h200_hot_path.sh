@@ -54,7 +54,8 @@
 #            (kernels.invariant_attention.ROWS_PER_PROGRAM; the plain "on" run takes the default);
 #            DET_VARIANTS="WIDE_BLOCK_N=128/- -/BLOCK_N=64,ROWS_PER_PROGRAM=8" times the mode with each
 #            MATMUL/ATTENTION pair of engine_step.py --matmul and --attention specs ("-": the defaults);
-#            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile)
+#            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile);
+#            DET_TESTS=0 skips the tests
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
 #   equality after only (EQUALITY_RUNS picks among demo_off demo_on scale_off scale_on), the mode off against on: bench/greedy_equality.py (64 held-out
@@ -241,7 +242,7 @@ for stage in "$@"; do
           "${AUTO_MODES:-never,always,auto}" --device cuda --dtype bfloat16
       done ;;
     deterministic)
-      run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
+      [[ ${DET_TESTS:-1} == 1 ]] && run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py
       for mode in off on; do
         flag=(); [[ $mode == on ]] && flag=(--deterministic)
         run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \

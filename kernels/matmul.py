@@ -47,7 +47,11 @@ MIN_PROGRAMS = 0
 # (128 for down_proj), each walking all of K, too few to keep the HBM of 132
 # SMs busy. Splitting K multiplies the programs. The count is a constant, not
 # the device's SM count, so that a layer rounds the same on every GPU.
-SPLIT_K_PROGRAMS = 2 * 132  # programs wanted per row tile: two per SM of an H200
+SPLIT_K_PROGRAMS = 256  # programs wanted per row tile: about two per SM of an H200
+# Splits rounded up to a power of two (0: not rounded). The wide tiles of a large call run one
+# program per SM; with 3 splits of qkv (or 5 of o_proj and down_proj) 512 rows made 288 (320)
+# programs, 2.2 (2.4) waves of 132 SMs, the last one mostly idle; with 4, 384 (256): 2.9 (1.9).
+SPLITS_POWER_OF_TWO = 1
 MIN_K_PER_SPLIT = 8 * BLOCK_K  # shorter K loops would not fill the software pipeline
 MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read again: bounded for prefill
 
@@ -79,13 +83,15 @@ def tiles_for(m: int, n: int, *, tensor_cores: bool = True) -> tuple[int, int, i
 
 def k_splits_for(n: int, k: int) -> tuple[int, int]:
     """(number of splits, K columns per split) for a weight [n, k]: enough splits
-    that the column tiles times the splits reach SPLIT_K_PROGRAMS, each split at least
-    MIN_K_PER_SPLIT long, at most MAX_SPLITS. A function of the weight alone:
+    that the column tiles times the splits reach SPLIT_K_PROGRAMS (rounded up to a power
+    of two), each split at least MIN_K_PER_SPLIT long, at most MAX_SPLITS. A function of the weight alone:
     the same for every M, which is what keeps a row's sum order fixed. Wide
     weights (gate_up, lm_head) already have enough column tiles: one split,
     the single-kernel path."""
     column_tiles = triton.cdiv(n, block_n_for(n))
     wanted = triton.cdiv(SPLIT_K_PROGRAMS, column_tiles)
+    if SPLITS_POWER_OF_TWO:
+        wanted = triton.next_power_of_2(wanted)
     splits = max(1, min(wanted, k // MIN_K_PER_SPLIT, MAX_SPLITS))
     return _aligned_splits(k, splits)
 
