@@ -65,11 +65,6 @@ WIDE_BLOCK_N = 256
 WIDE_NUM_WARPS = 8
 WIDE_NUM_STAGES = 3
 REDUCE_BLOCK = 1024  # output elements per program of the kernel that sums the partials
-# The last of a tile's split programs to finish sums the tile's partials (0: a second kernel sums
-# them all). Same additions in the same order; the partials are read back while still in L2, and a
-# launch per split layer is saved.
-LAST_PROGRAM_SUMS = 1
-COUNTER_SLOTS = 1 << 16  # tiles a call may have for that; calls with more take the second kernel
 
 
 def block_n_for(n: int) -> int:
@@ -107,23 +102,6 @@ def _aligned_splits(k: int, splits: int) -> tuple[int, int]:
     return max(1, triton.cdiv(k, k_per_split)), k_per_split
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's per-tile arrival counters (int32, zero between calls: the last program
-    of each tile resets its own), or None when a call has more tiles than they cover. One
-    set per device: the kernels of one device run one after another on the engine's
-    stream, and a launch's counters are back at zero when it ends. Made on the first
-    call, which capture_graphs runs eagerly before any capture."""
-    if tiles > COUNTER_SLOTS:
-        return None
-    counters = _counters.get(device)
-    if counters is None:
-        counters = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counters
-
-
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
@@ -131,16 +109,12 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # M changes every step: not specialised, so no step waits for a compile and one
 # binary serves all M (so_split = M * N changes with it).
 @triton.jit(do_not_specialize=["M", "so_split"])
-def _linear_kernel(X, W, B, Out, Final, Counters, M, N, K, K_PER_SPLIT, NUM_SPLITS,
-                   sx_m, sw_n, so_m, so_split, sf_m,
-                   HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, LAST_SUMS: tl.constexpr,
+def _linear_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, sx_m, sw_n, so_m, so_split,
+                   HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """X[:, split's K range] @ W[:, split's K range].T for one tile and one split
-    (program axis 2). With one split Out is the output (HAS_BIAS: plus the bias);
-    with more it is the float32 partials [splits, M, N]. With LAST_SUMS the last
-    of a tile's split programs to finish sums the tile's partials into Final
-    (HAS_BIAS: plus the bias), as _sum_splits_kernel would; without it that
-    kernel runs next."""
+    (program axis 2). With one split Out is the output; with more it is the
+    float32 partials [splits, M, N] and the bias waits for the sum."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -164,29 +138,11 @@ def _linear_kernel(X, W, B, Out, Final, Counters, M, N, K, K_PER_SPLIT, NUM_SPLI
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w))
-    tile_mask = m_ok[:, None] & n_ok[None, :]
-    if HAS_BIAS and not LAST_SUMS:  # with LAST_SUMS the bias waits for the sum
+    if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_split = Out + pid_split.to(tl.int64) * so_split  # so_split is 0 with one split
-    tl.store(out_split + offs_m[:, None] * so_m + offs_n[None, :], acc.to(Out.dtype.element_ty), mask=tile_mask)
-    if LAST_SUMS:
-        # Every thread's partial is stored before the program counts itself in; the count's
-        # release and acquire order the partials before the last program's loads of them.
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(Counters + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            at = offs_m[:, None] * so_m + offs_n[None, :]
-            # Split 0, then 1, 2, ... added in float32: _sum_splits_kernel's additions, in its order.
-            total = tl.load(Out + at, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            for split in range(1, NUM_SPLITS):
-                total += tl.load(Out + split * so_split + at, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(Final + offs_m[:, None] * sf_m + offs_n[None, :], total.to(Final.dtype.element_ty),
-                     mask=tile_mask)
-            tl.atomic_xchg(Counters + tile, 0)  # every split has counted: ready for the next call
+    tl.store(out_split + offs_m[:, None] * so_m + offs_n[None, :], acc.to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -232,22 +188,20 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), n_splits)
         bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
-        common = dict(F32_DOT=f32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                      num_warps=num_warps, num_stages=num_stages)
         if n_splits == 1:
-            _linear_kernel[grid](x2, weight, bias_arg, out, out, out, M, N, K, K, 1,
-                                 x2.stride(0), weight.stride(0), out.stride(0), 0, out.stride(0),
-                                 HAS_BIAS=bias is not None, LAST_SUMS=False, **common)
+            _linear_kernel[grid](x2, weight, bias_arg, out, M, N, K, K,
+                                 x2.stride(0), weight.stride(0), out.stride(0), 0,
+                                 HAS_BIAS=bias is not None, F32_DOT=f32_dot,
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                 num_warps=num_warps, num_stages=num_stages)
         else:
             partials = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
-            counters = _tile_counters(x.device, grid[0] * grid[1]) if LAST_PROGRAM_SUMS else None
-            _linear_kernel[grid](x2, weight, bias_arg, partials, out, partials if counters is None else counters,
-                                 M, N, K, k_per_split, n_splits,
-                                 x2.stride(0), weight.stride(0), partials.stride(1), partials.stride(0), out.stride(0),
-                                 HAS_BIAS=bias is not None and counters is not None,  # else the sum adds it
-                                 LAST_SUMS=counters is not None, **common)
-            if counters is None:
-                _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-                    partials, bias_arg, out, M, N,
-                    SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
+            _linear_kernel[grid](x2, weight, bias_arg, partials, M, N, K, k_per_split,
+                                 x2.stride(0), weight.stride(0), partials.stride(1), partials.stride(0),
+                                 HAS_BIAS=False, F32_DOT=f32_dot,
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                                 num_warps=num_warps, num_stages=num_stages)
+            _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+                partials, bias_arg, out, M, N,
+                SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], N)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import invariant_attention, matmul
+from kernels import invariant_attention
 from kernels.invariant_attention import (
     MAX_TAIL,
     SPLIT_LEN,
@@ -102,26 +102,6 @@ def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, othe
         assert torch.equal(together[at], alone[0]), f"row at {at} of {others + 1}"
     expect = F.linear(row.float(), weight.float(), bias.float())
     torch.testing.assert_close(alone.float(), expect, **TOL[dtype])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 200])
-def test_the_last_split_program_sums_a_tile_bitwise_as_the_summing_kernel_and_leaves_its_counters_at_zero(
-        device, dtype, rows, monkeypatch):
-    g = torch.Generator(device).manual_seed(1)
-    weight = torch.randn(300, 520, generator=g, device=device).to(dtype)
-    bias = torch.randn(300, generator=g, device=device).to(dtype)
-    x = torch.randn(rows, 520, generator=g, device=device).to(dtype)
-    monkeypatch.setattr(matmul, "LAST_PROGRAM_SUMS", 0)
-    by_kernel = linear_invariant(x, weight, bias, splits=4)
-    monkeypatch.setattr(matmul, "LAST_PROGRAM_SUMS", 1)
-    for _ in range(2):  # the second call finds the counters the first left
-        by_last_program = linear_invariant(x, weight, bias, splits=4)
-        assert torch.equal(by_last_program, by_kernel)
-    assert not matmul._counters[torch.device(device) if device == "cpu" else x.device].any()
-    tolerance = TOL[dtype] if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-3)  # sums of 520 products
-    torch.testing.assert_close(by_kernel.float(), F.linear(x.float(), weight.float(), bias.float()), **tolerance)
 
 
 def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_and_the_same_k_splits():
