@@ -248,7 +248,7 @@ for stage in "$@"; do
       [[ ${DET_TESTS:-1} == 1 ]] && run bitests after 300 python3 -m pytest -q tests/test_batch_invariant.py "${deselect[@]}"
       for mode in off on; do
         flag=(); [[ $mode == on ]] && flag=(--deterministic)
-        run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+        run "engine_det_$mode" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters "${DET_ITERS:-20}" \
           --modes graphs "${flag[@]}" --out "$OUT/engine_det_$mode.json"
       done
       for config in ${DET_MATMUL:-}; do  # other configurations of the invariant linear kernel, mode on
