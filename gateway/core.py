@@ -135,6 +135,8 @@ class GatewayCore:
         self._threads: list[threading.Thread] = []
         self.step_count = 0
         self._quiet = 0  # consecutive steps in which auto chose no tree
+        self._spell_start = 0  # the quiet count at which auto requests last woke (0: the first spell)
+        self._wake_every = self.WAKE_EVERY  # quiet steps from that wake-up to the next
         self._explored = False  # this step's auto trees are exploration (see _explore_now)
         # The load gate measured that plain decoding pays at this step's load: auto requests then
         # run as plain decoding really runs (dormant: no features, no ingest, grantable), so the
@@ -421,11 +423,16 @@ class GatewayCore:
     # every request's features to the draft would cost target output, gateway work and
     # draft compute for nothing, and would keep plain steps from being granted (a grant
     # feeds nothing to the draft). After QUIET_STEPS steps without a tree, auto requests
-    # go dormant (no features, no ingest); every WAKE_EVERY steps they wake for QUIET_STEPS
-    # steps, catch up from their tokens and are offered to the policy again. At any load:
-    # on a GPU, with grants, features cost a plain step about half its speed (issue 14).
+    # go dormant (no features, no ingest); WAKE_EVERY steps after they last woke they wake for
+    # QUIET_STEPS steps, catch up from their tokens and are offered to the policy again. At any
+    # load: on a GPU, with grants, features cost a plain step about half its speed (issue 14).
+    # Each wake-up that ends with trees still declined doubles the wait for the next, up to
+    # MAX_WAKE_EVERY; a tree the figures choose brings it back to WAKE_EVERY. On the H200 at one
+    # or two requests where plain decoding won, a wake-up every 128 steps (16 fed, ungranted
+    # steps of about twice a granted one's time, and a tree) cost auto about 5% against `never`.
     QUIET_STEPS = 16
     WAKE_EVERY = 128
+    MAX_WAKE_EVERY = 512
 
     def _track_quiet(self, plan: StepPlan) -> None:
         # An exploration tree is no choice to speculate: it counts as a quiet step, so a draft that
@@ -434,6 +441,7 @@ class GatewayCore:
         if any(not plan.budgets.get(it.request.request_id, NO_SPEC).empty
                and not (self._explored and self._mode(it.request) == SpecMode.AUTO) for it in plan.items):
             self._quiet = 0  # speculating
+            self._spell_start, self._wake_every = 0, self.WAKE_EVERY
         elif self._quiet >= self.QUIET_STEPS or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
                 for it in plan.items):
@@ -441,6 +449,9 @@ class GatewayCore:
             # the prompts of a filling batch are no verdict, and going dormant then (seen on the
             # CI machine) kept 48 requests from ever being offered a tree.
             self._quiet += 1
+            if self._quiet == self._spell_start + self._wake_every:  # wake up; the next waits longer
+                self._spell_start = self._quiet
+                self._wake_every = min(2 * self._wake_every, self.MAX_WAKE_EVERY)
 
     def _explore_now(self) -> bool:
         """Whether this step is the last but one before auto requests go dormant (see _dormant):
@@ -465,7 +476,7 @@ class GatewayCore:
         """
         if self.QUIET_STEPS < 2:
             return False
-        phase = (self._quiet + 2) % self.WAKE_EVERY  # steps into the spell, + 2
+        phase = self._quiet - self._spell_start + 2  # steps into the spell, + 2
         if phase == self.QUIET_STEPS:
             return True
         backoff = 4 <= phase < self.QUIET_STEPS and phase & (phase - 1) == 0  # 4, 8, ...
@@ -473,7 +484,7 @@ class GatewayCore:
 
     def _dormant(self, req: Request) -> bool:
         q = self._quiet
-        quiet = q >= self.QUIET_STEPS and q % self.WAKE_EVERY >= self.QUIET_STEPS
+        quiet = q >= self.QUIET_STEPS and q - self._spell_start >= self.QUIET_STEPS
         return self._mode(req) == SpecMode.AUTO and not self._gate_probing_trees and (self._gate_plain or quiet)
 
     # --- draft -----------------------------------------------------------------------

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from draft_service.types import DraftTree, IngestItem
+from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway.clients import DraftInfo, TargetInfo
 from gateway.core import CoreConfig, GatewayCore
 from gateway.policy import CostModel, PolicyConfig, batch_bucket
@@ -463,6 +464,7 @@ def test_auto_explores_a_draft_that_is_never_right_less_once_the_evidence_is_in(
     core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
     drafts[0].wrong_trees = 10**6
     price_as_the_emulated_ci_track(core)
+    core.MAX_WAKE_EVERY = core.WAKE_EVERY  # a wake-up every WAKE_EVERY steps (the next test backs off)
     spells = 6
     out = submit(core, "solo", [4, 5, 6], max_tokens=spells * core.WAKE_EVERY)
     run_until_idle(core)
@@ -586,3 +588,28 @@ def test_the_start_up_profile_prices_plain_steps_as_granted_steps():
     assert costs.step_time(1, 1, []) < 0.8 * costs.profiled_time(1, 1, [])
     without = profile_costs(PacedTarget(), [], PolicyConfig("auto"), grant_steps=1)
     assert without.ratios == {}
+
+
+def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_the_figures_choose_one(tokenizer):
+    """Each wake-up after which auto still declines trees doubles the wait for the next (128, 256,
+    512 steps), so a batch where plain decoding wins spends fewer steps fed and ungranted; a tree
+    the figures choose brings the wait back to WAKE_EVERY."""
+    core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
+    out = submit(core, "solo", [4, 5, 6], max_tokens=1500)
+    run_until_idle(core)
+    assert tokens_of(out) == expected([4, 5, 6], 1500)
+    fed = "".join("F" if any(it.return_features for it in step) else "." for step in target.steps)
+    dormancies = [len(run) for kind, run in _runs(fed.strip(".")) if kind == "."]
+    # Target steps, not the loop's quiet count (a grant of several steps counts once there): the
+    # dormant spells grow with the waits, each about twice the one before.
+    assert len(dormancies) >= 3, fed
+    assert all(later > 1.5 * earlier for earlier, later in zip(dormancies, dormancies[1:3])), dormancies
+    assert core._wake_every == core.MAX_WAKE_EVERY
+    # A step with a tree the figures chose (not an exploration) resets the schedule.
+    core._spell_start, core._quiet = 600, 700
+    plan = SimpleNamespace(items=[SimpleNamespace(request=SimpleNamespace(request_id="r"), is_decode=True)],
+                           budgets={"r": DraftBudget(3, 1, 3)})
+    core._explored = False
+    core._track_quiet(plan)
+    assert (core._quiet, core._spell_start, core._wake_every) == (0, 0, core.WAKE_EVERY)
