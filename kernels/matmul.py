@@ -56,9 +56,9 @@ MIN_K_PER_SPLIT = 8 * BLOCK_K  # shorter K loops would not fill the software pip
 MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read again: bounded for prefill
 
 # Calls of at least WIDE_FROM_M rows (0: never) take these tiles instead: at 64 requests x 8 tree
-# nodes (512 rows) on an H200 the 64 x 64 tiles ran the linear layers at about 350 TFLOP/s, cuBLAS
-# at about 760 (bench/engine_step.py --profile, BENCHMARKS.md, issue 19). Both shapes keep BLOCK_K
-# and the splits, which are what set an element's reduction order.
+# nodes (512 rows) on an H200 the 64 x 64 tiles ran the linear layers at about 350 TFLOP/s, these
+# at about 525, cuBLAS at about 760 (bench/engine_step.py --profile, BENCHMARKS.md, issue 19). Both
+# shapes keep BLOCK_K and the splits, which are what set an element's reduction order.
 WIDE_FROM_M = 65
 WIDE_BLOCK_M = 128
 WIDE_BLOCK_N = 256

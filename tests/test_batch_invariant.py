@@ -104,7 +104,7 @@ def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, othe
     torch.testing.assert_close(alone.float(), expect, **TOL[dtype])
 
 
-def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_and_the_same_k_splits():
+def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_except_without_tensor_cores():
     assert 1 < WIDE_FROM_M <= max(LINEAR_OTHERS) + 1  # the test above crosses the switch
     small, wide = tiles_for(WIDE_FROM_M - 1, 4096), tiles_for(WIDE_FROM_M, 4096)
     assert small[:2] == (BLOCK_M, block_n_for(4096)) and wide[:2] == (WIDE_BLOCK_M, WIDE_BLOCK_N)
