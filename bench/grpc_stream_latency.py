@@ -75,10 +75,12 @@ def _serve(kind: str, port_file: str, seconds: float, sleep: bool) -> None:
     asyncio.run(main())
 
 
-def _measure(kind: str, seconds: float, sleep: bool, calls: int) -> float:
+def _measure(kind: str, seconds: float, sleep: bool, calls: int, switch_ms: float | None) -> float:
     port_file = Path(tempfile.mkdtemp(prefix="tandem-echo-")) / "port"
     cmd = [sys.executable, __file__, "--serve", kind, "--port-file", str(port_file), "--work-ms",
            str(seconds * 1e3)] + (["--sleep"] if sleep else [])
+    if switch_ms is not None:
+        cmd += ["--switch-ms", str(switch_ms)]
     server = subprocess.Popen(cmd)
     try:
         while not (port_file.exists() and port_file.read_text()):
@@ -106,16 +108,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-ms", default="0,1,7", help="the server's work per call, ms (comma-separated)")
     ap.add_argument("--sleep", action="store_true", help="the work sleeps (GIL released) instead of spinning")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--switch-ms", default="",
+                    help="also run with these GIL switch intervals (sys.setswitchinterval, ms, comma-separated; "
+                         "set in the client and the server); Python's default is 5")
+    ap.add_argument("--servers", default="sync,aio", help="sync, aio or both")
     ap.add_argument("--serve", choices=["sync", "aio"], help=argparse.SUPPRESS)
     ap.add_argument("--port-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve and args.switch_ms:
+        sys.setswitchinterval(float(args.switch_ms) / 1e3)
     if args.serve:
         _serve(args.serve, args.port_file, float(args.work_ms) / 1e3, args.sleep)
         return 0
-    print(f"{'work ms':>8} {'server':>6} {'round trip minus work, us':>26}  ({'sleep' if args.sleep else 'GIL held'})")
-    for work in (float(w) for w in args.work_ms.split(",")):
-        for kind in ("sync", "aio"):
-            print(f"{work:>8g} {kind:>6} {_measure(kind, work / 1e3, args.sleep, args.calls):>26.1f}", flush=True)
+    switches = [None] + [float(ms) for ms in args.switch_ms.split(",") if ms]
+    default_switch = sys.getswitchinterval()
+    print(f"{'switch ms':>9} {'work ms':>8} {'server':>6} {'round trip minus work, us':>26}  "
+          f"({'sleep' if args.sleep else 'GIL held'})")
+    for switch_ms in switches:
+        sys.setswitchinterval(default_switch if switch_ms is None else switch_ms / 1e3)
+        for work in (float(w) for w in args.work_ms.split(",")):
+            for kind in args.servers.split(","):
+                took = _measure(kind, work / 1e3, args.sleep, args.calls, switch_ms)
+                label = f"{1e3 * sys.getswitchinterval():g}"
+                print(f"{label:>9} {work:>8g} {kind:>6} {took:>26.1f}", flush=True)
     return 0
 
 
