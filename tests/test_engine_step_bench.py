@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import kernels.invariant_attention as invariant_attention
+import kernels.matmul as matmul
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,9 +32,6 @@ def test_engine_step_bench_at_tp2_times_every_batch_and_tree_size(tmp_path):
 
 
 def test_engine_step_bench_sets_the_invariant_kernels_configuration_by_name_and_refuses_unknown_names(monkeypatch):
-    import pytest
-
-    import kernels.matmul as matmul
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import engine_step
@@ -43,7 +45,6 @@ def test_engine_step_bench_sets_the_invariant_kernels_configuration_by_name_and_
     for bad in ("BLOCK_K=32", "BLOCK_N=wide", "BLOCK_N=0", "1,2,3"):
         with pytest.raises(ValueError):
             engine_step.set_matmul_config(bad)
-    import kernels.invariant_attention as invariant_attention
     for name in engine_step.ATTENTION_KNOBS:
         monkeypatch.setattr(invariant_attention, name, getattr(invariant_attention, name))
     assert engine_step.set_attention_config("BLOCK_N=64,ROWS_PER_PROGRAM=8") == {"BLOCK_N": 64, "ROWS_PER_PROGRAM": 8}
