@@ -56,4 +56,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
+def _squeeze_scalar_index() -> None:
+    """Triton 3.6's interpreter (the H200 image's) holds a scalar argument as a one-element 1-D
+    array and takes it as an index with int(array), which NumPy 2 refuses, so a loop over
+    range(0, ARG, STEP) fails there; Triton 3.8's squeezes the array first. Do as 3.8 does, for
+    the interpreter only (on a one-GPU machine the TP=2 tests run their kernels interpreted)."""
+    try:
+        from triton.runtime import interpreter
+        original = interpreter._patch_lang_tensor
+    except (ImportError, AttributeError):  # another Triton: nothing to do
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if HAS_TRITON and interpreting():
+    _squeeze_scalar_index()
+
+
 __all__ = ["HAS_TRITON", "interpreting", "triton", "tl"]
