@@ -85,9 +85,9 @@ class LlamaModel:
         speculation and batching cannot change greedy output in bf16 (--deterministic)."""
         self.batch_invariant = batch_invariant
         self.attention = get_attention_backend(attention_backend, self.device, batch_invariant=batch_invariant)
-        # The default: cuBLAS (F.linear), or the few-row GEMV where kernels.gemv.ENABLED (off until an
-        # H200 shows it faster; read at every call).
-        self.linear = linear_invariant if batch_invariant else gemv.linear
+        # The default: cuBLAS (F.linear), or on a GPU the few-row GEMV where kernels.gemv.ENABLED (off
+        # until an H200 shows it faster; read at every call). On the CPU F.linear itself: no dispatch.
+        self.linear = linear_invariant if batch_invariant else gemv.linear if self.device.type == "cuda" else F.linear
 
     # --- weights ----------------------------------------------------------
     def _load(self, w: SafetensorsDir, kv_start: int) -> None:
