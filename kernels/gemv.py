@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton
+from kernels.matmul import linear_operands
 
 ENABLED = False
 MAX_ROWS = 4  # calls of more rows take F.linear: beyond a few rows the tensor cores win
@@ -74,19 +75,10 @@ def rows_block(m: int) -> int:
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows, weight [N, K], with the kernel
     above (on the CPU under TRITON_INTERPRET=1). float32 sums whatever the dtype."""
-    K = x.shape[-1]
-    N = weight.shape[0]
-    if weight.shape != (N, K):
-        raise ValueError(f"weight {tuple(weight.shape)} does not fit inputs of width {K}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not fit {N} outputs")
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
+    x2, weight = linear_operands(x, weight, bias)
+    M, N, K = x2.shape[0], weight.shape[0], x2.shape[1]
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows: the GEMV takes at most {MAX_ROWS}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         rows = rows_block(M)

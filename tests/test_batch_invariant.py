@@ -71,6 +71,20 @@ LINEAR_OTHERS = (*OTHERS, 127, 511)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def spy_launches(monkeypatch, module, name: str) -> list[tuple[int, ...]]:
+    """The grids of module.<name>'s launches from now on (the kernel still runs)."""
+    launches: list[tuple[int, ...]] = []
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, ...]):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Spy())
+    return launches
+
+
 def _among(row: torch.Tensor, others: int, seed: int, where: int) -> tuple[torch.Tensor, int]:
     """`row` ([1, ...]) placed at index `where` (clamped) among `others` random rows."""
     g = torch.Generator(row.device).manual_seed(seed)
@@ -116,15 +130,7 @@ def test_wide_calls_that_add_their_splits_in_one_program_equal_the_summed_partia
     monkeypatch.setattr(matmul, "WIDE_SPLITS_IN_PROGRAM", 0)
     partials = linear_invariant(x, weight, bias, splits=4)
     monkeypatch.setattr(matmul, "WIDE_SPLITS_IN_PROGRAM", 1)
-    launches = []
-    kernel = matmul._linear_splits_in_program_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(matmul, "_linear_splits_in_program_kernel", Spy())
+    launches = spy_launches(monkeypatch, matmul, "_linear_splits_in_program_kernel")
     in_program = linear_invariant(x, weight, bias, splits=4)
     assert launches, "the wide call did not add its splits in one program"
     assert torch.equal(in_program, partials)
@@ -501,15 +507,7 @@ def test_with_one_row_per_program_the_batch_invariant_target_verifies_a_tree_bit
     # float32 only to spare the interpreter's time.
     monkeypatch.setattr(invariant_attention, "ROWS_PER_PROGRAM", 1)
     monkeypatch.setattr(invariant_attention, "TREE_ROWS_PER_PROGRAM", 0)
-    launches = []
-    kernel = invariant_attention._invariant_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, ...]):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(invariant_attention, "_invariant_attention_kernel", Spy())
+    launches = spy_launches(monkeypatch, invariant_attention, "_invariant_attention_kernel")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _verify_a_tree_as_plain_decoding(LlamaModel(tiny_llama("gqa"), dtype=torch.float32, device=device,
                                                 batch_invariant=True))
