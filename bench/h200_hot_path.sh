@@ -44,7 +44,8 @@
 #            and 0.6 (AUTO_CONCURRENCY, AUTO_ACCEPTANCES and AUTO_MODES override the levels, rates and
 #            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before); tandem bench
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
-#            and each mode's metrics are scraped after it
+#            and each mode's metrics are scraped after it; bench/auto_report.py then prints the modes side by
+#            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -236,6 +237,8 @@ for stage in "$@"; do
           suffix=""; [[ $tree == before ]] && suffix=_before
           SERVE_TREE=$tree serve_bench "auto_scale_$acceptance$suffix" $((8700 + ${acceptance#0.})) \
             "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "${AUTO_MODES:-never,always,auto}" "${serve[@]}"
+          run "auto_scale_${acceptance}${suffix}_report" after 60 python3 bench/auto_report.py \
+            "$OUT/auto_scale_$acceptance$suffix"
         done
       done ;;
     autodemo)
@@ -243,6 +246,7 @@ for stage in "$@"; do
         suffix=""; [[ $tree == before ]] && suffix=_before
         SERVE_TREE=$tree serve_bench "auto_demo$suffix" 8360 "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" \
           "${AUTO_MODES:-never,always,auto}" --device cuda --dtype bfloat16
+        run "auto_demo${suffix}_report" after 60 python3 bench/auto_report.py "$OUT/auto_demo$suffix"
       done ;;
     deterministic)
       # On one GPU the TP=2 check runs its kernels interpreted on the CPU (kernels/_triton.py makes Triton

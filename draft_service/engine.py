@@ -90,6 +90,9 @@ class DraftEngine:
         self.capture_graphs = model.device.type == "cuda" and model.attention.name == "triton"
         self._growths: dict[GrowthShape, BatchTreeGrowth] = {}
         self._catch_ups: dict[int, BatchCatchUp] = {}  # batch bucket -> fixed-width catch-up
+        # CUDA graphs captured so far, each the first time its shape was met (during a call: that
+        # call's time is not what the next call of its shape takes; see DraftResponse.graphs_captured).
+        self.graphs_captured = 0
         self.requests: dict[str, _Request] = {}
         self.max_tokens = model.max_position - MAX_STEPS
         self.target_ids = model.d2t.tolist()  # draft id -> target id
@@ -254,6 +257,7 @@ class DraftEngine:
         if catch is None:
             self.table.flush()
             catch = self._catch_ups[bucket] = BatchCatchUp(self.model, self.kv, bucket, self.capture_graphs)
+            self.graphs_captured += self.capture_graphs
         self.table.flush()
         reqs = [self.requests[rid] for rid, _, _ in batch]
         host_prefix = None
@@ -385,6 +389,7 @@ class DraftEngine:
         if growth is None:
             self.table.flush()
             growth = self._growths[shape] = BatchTreeGrowth(self.model, self.kv, shape, self.capture_graphs)
+            self.graphs_captured += self.capture_graphs
         return growth
 
     def _grow_on_device(self, budget: DraftBudget, members: list[tuple[DraftTree, str]]) -> None:

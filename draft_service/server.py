@@ -139,7 +139,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         items = [item_from_proto(m) for m in request.items]
         with self._lock:
             t0 = time.perf_counter()
+            captured_before = engine.graphs_captured
             trees = engine.draft(items, ingest)
+            captured = engine.graphs_captured - captured_before
             if self.forcing is not None:
                 trees = [self.forcing.rewrite(t, engine.requests[t.request_id].tokens) for t in trees]
             if self.pacing is not None:
@@ -157,9 +159,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
         if request.packed_trees:
             return draft_pb2.DraftResponse(packed=trees_to_proto(trees), load=load_to_proto(load),
-                                           draft_seconds=seconds), record
+                                           draft_seconds=seconds, graphs_captured=captured), record
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
-                                       load=load_to_proto(load), draft_seconds=seconds), record
+                                       load=load_to_proto(load), draft_seconds=seconds,
+                                       graphs_captured=captured), record
 
     @map_errors
     def Draft(self, request, context):

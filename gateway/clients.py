@@ -6,6 +6,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -289,6 +290,14 @@ class DraftInfo:
     feature_sink: str = ""  # the name under which the target pushes it features (PackedStep.feature_sinks)
 
 
+class DraftReply(NamedTuple):
+    """What a Draft call brought back."""
+
+    trees: list[DraftTree]
+    load: KvLoad
+    graphs_captured: int = 0  # graphs the replica captured for shapes new to it: a call slower than its kind
+
+
 class DraftClient:
     """One draft replica. Every failure surfaces as Unavailable (or InvalidArgument):
     the gateway then stops speculating for the replica's requests."""
@@ -335,8 +344,7 @@ class DraftClient:
         except grpc.RpcError as e:
             _raise_mapped(e, f"draft {self.address}")
 
-    def draft(self, ingest: list[IngestItem], items: list[tuple[str, DraftBudget, int]]
-              ) -> tuple[list[DraftTree], KvLoad]:
+    def draft(self, ingest: list[IngestItem], items: list[tuple[str, DraftBudget, int]]) -> DraftReply:
         """items: (request_id, budget, known tokens). Ingest is applied first, in the same call.
         One message on the replica's DraftStream, trees back as packed columns."""
         span, traceparent = stream_call_span(DRAFT_CALL)
@@ -367,7 +375,7 @@ class DraftClient:
         finally:
             if span is not None:
                 span.end()
-        return trees, _load(resp.load)
+        return DraftReply(trees, _load(resp.load), resp.graphs_captured)
 
     def _drop_stream(self) -> None:
         if self._stream is not None:

@@ -514,9 +514,10 @@ class GatewayCore:
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:
-                got, load = fut.result()
-                self._draft_usage(load)
-                for tree in got:
+                reply = fut.result()
+                self._draft_usage(reply.load)
+                plan.draft_captured |= reply.graphs_captured > 0
+                for tree in reply.trees:
                     if tree.tokens:
                         trees[tree.request_id] = tree
             except (InvalidArgument, ResourceExhausted) as exc:
@@ -717,7 +718,11 @@ class GatewayCore:
         # and while the cost model learned from them too, it priced plain decoding at 0.38-0.56x of
         # what the gate measured in every bucket on the H200, so below the gate's minimum batch auto
         # speculated at 2 requests where `never` was faster: BENCHMARKS.md, issue 14.)
-        arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft)
+        # A round in which a replica captured a graph for a new shape (20-40 ms on the H200, once per
+        # shape: the first tree of each batch bucket, and the depth-cut budgets near max_tokens) belongs
+        # to neither arm either: one such round lifted the trees' cost ratio by a fifth, and auto at one
+        # request then decoded plainly for the rest of the run (0.83x `always`, issue 14).
+        arm_step = (decode and (bool(outcome.trees) or not outcome.fed_draft) and not plan.draft_captured)
         if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
                       "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),

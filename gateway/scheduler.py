@@ -43,6 +43,9 @@ class StepPlan:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     budgets: dict[str, DraftBudget] = field(default_factory=dict)  # filled by the policy
+    # A replica captured a graph for a shape new to it while drafting this plan's trees: the
+    # round took tens of milliseconds more than the next of its kind will (filled by the draft phase).
+    draft_captured: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
-from gateway.clients import DraftInfo, TargetInfo
+from gateway.clients import DraftInfo, DraftReply, TargetInfo
 from gateway.core import CoreConfig, GatewayCore
 from gateway.policy import CostModel, PolicyConfig, batch_bucket
 from gateway.request import Phase
@@ -135,6 +135,7 @@ class FakeDraft:
         self.draft_calls = 0
         self.fail = False
         self.wrong_trees = 0  # the first n trees propose wrong tokens (nothing of them is accepted)
+        self.captures: list[int] = []  # graphs_captured of the next draft calls (then 0)
         self.reads_target_features = False  # fed by the gateway, as a DraftClient before info()
         self.feature_sink = ""
         self.ingested: list[IngestItem] = []
@@ -180,7 +181,7 @@ class FakeDraft:
                     chain.append((t + 1) % VOCAB if wrong else t)
                 trees.append(DraftTree(rid, root, n - 1, chain, list(range(-1, len(chain) - 1)),
                                        list(range(1, len(chain) + 1)), [0.0] * len(chain), [0.0] * len(chain)))
-        return trees, self.load()
+        return DraftReply(trees, self.load(), self.captures.pop(0) if self.captures else 0)
 
     def release(self, ids):
         with self.lock:
@@ -526,6 +527,30 @@ def test_auto_prices_plain_decoding_from_steps_that_run_as_plain_decoding_runs(t
     assert fed_when_priced, "plain decoding was never priced"
     assert not any(fed_when_priced), f"plain steps that fed the draft were priced: {fed_when_priced}"
     assert target.grants > 0
+
+
+def test_a_round_in_which_the_draft_captured_a_graph_is_learned_by_neither_the_cost_model_nor_the_gate(
+        tokenizer):
+    """Issue 14: a replica's first tree of a new shape captures a CUDA graph (20-40 ms on the H200,
+    once). Learning that round's time lifted the trees' cost by a fifth and ended speculation at one
+    request; such rounds are charged to no arm, the rounds after them are."""
+    core, target, drafts = new_core(tokenizer, mode="always")
+    drafts[0].captures = [1, 0, 2]  # the 1st and 3rd draft calls capture a graph
+    observed_trees: list[int] = []  # the draft call of each tree round the cost model learned
+    real_observe = core.costs.observe
+
+    def observe(tokens, seqs, budgets, seconds):
+        if budgets:
+            observed_trees.append(drafts[0].draft_calls)
+        return real_observe(tokens, seqs, budgets, seconds)
+
+    core.costs.observe = observe
+    out = submit(core, "solo", [3, 4, 5], max_tokens=40)
+    run_until_idle(core)
+    assert tokens_of(out) == expected([3, 4, 5], 40)
+    assert drafts[0].draft_calls >= 4
+    assert 2 in observed_trees and 4 in observed_trees, observed_trees
+    assert 1 not in observed_trees and 3 not in observed_trees, observed_trees
 
 
 def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(tokenizer):

@@ -150,16 +150,18 @@ class DraftTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., depths: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., scores: _Optional[_Iterable[float]] = ..., ancestor_mask: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("trees", "load", "draft_seconds", "packed")
+    __slots__ = ("trees", "load", "draft_seconds", "packed", "graphs_captured")
     TREES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_CAPTURED_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
     load: _common_pb2.KvLoad
     draft_seconds: float
     packed: PackedTrees
-    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., draft_seconds: _Optional[float] = ..., packed: _Optional[_Union[PackedTrees, _Mapping]] = ...) -> None: ...
+    graphs_captured: int
+    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., draft_seconds: _Optional[float] = ..., packed: _Optional[_Union[PackedTrees, _Mapping]] = ..., graphs_captured: _Optional[int] = ...) -> None: ...
 
 class PackedTrees(_message.Message):
     __slots__ = ("request_ids", "num_nodes", "root_tokens", "root_positions", "tokens", "parents", "depths", "logprobs", "scores")
