@@ -393,7 +393,8 @@ class GatewayCore:
         # One search of the figures per step: the audit's prediction, the gate's first guess at a new
         # load and the budgets all read it (unless the gate takes the auto requests out).
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands),
-                                other_committed=ending - len(cands))
+                                other_committed=ending - len(cands),
+                                plain_extra_seconds=self._plain_extra_seconds(plan, cands))
         if search.auto:  # the audit: what the figures predict for each arm
             self.gate.predict(len(plan.items), search.rates)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
@@ -452,6 +453,27 @@ class GatewayCore:
             if self._quiet == self._spell_start + self._wake_every:  # wake up; the next waits longer
                 self._spell_start = self._quiet
                 self._wake_every = min(2 * self._wake_every, self.MAX_WAKE_EVERY)
+
+    def _plain_extra_seconds(self, plan: StepPlan, cands: list[Candidate]) -> float:
+        """What a plain step costs on top of a granted one, averaged over the plain spell it would
+        start. Awake auto requests keep feeding their drafts, ungranted, until QUIET_STEPS quiet steps
+        make them dormant; only then are plain steps granted. On the H200 scale track at one request
+        a fed step took 9 ms against 5 for a granted one, and a lone request at acceptance 0.8 that
+        left its trees for a step whenever a few had accepted little spent 22 of its 128 steps in such
+        interludes (auto 0.83-0.87x `always`). The spell is as long as what the auto requests have
+        left to generate, at most WAKE_EVERY steps (a wake-up then feeds them again)."""
+        auto = {c.key for c in cands if c.mode == SpecMode.AUTO}
+        if not auto:
+            return 0.0
+        fed = self.costs.fed_step_time(plan.num_tokens, len(plan.items))
+        if fed is None:  # not measured yet at this load: priced as granted, as before any was
+            return 0.0
+        granted = self.costs.step_time(plan.num_tokens, len(plan.items), [])
+        awake_left = max(0, self.QUIET_STEPS - (self._quiet - self._spell_start))
+        left = [it.request.params.max_tokens - len(it.request.output) for it in plan.items
+                if it.request.request_id in auto]
+        spell = max(1.0, min(sum(left) / len(left), float(self.WAKE_EVERY)))
+        return max(0.0, fed - granted) * min(awake_left, spell) / spell
 
     def _explore_now(self) -> bool:
         """Whether this step is the last but one before auto requests go dormant (see _dormant):
@@ -728,6 +750,8 @@ class GatewayCore:
                       "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),
                       outcome.granted, outcome.fed_draft, decode, sum(len(res.tokens) for res in outcome.results),
                       1000 * seconds, self._quiet, sum(len(q) for q in self._ingest_queue.values()))
+        if decode and outcome.fed_draft and not outcome.trees and not plan.draft_captured:
+            self.costs.observe_fed(sum(len(it.tokens) for it in outcome.items), seqs, seconds)
         if arm_step:
             # At every load the cost model learns whole rounds, as the gate does. (Below the gate's
             # minimum batch it learned the target's step for a while, which left a tree's draft call

@@ -83,6 +83,9 @@ class CostModel:
     draft_per_level: float = 1e-3
     draft_per_expansion: float = 5e-5
     ratios: dict[tuple[int, bool], float] = field(default_factory=dict)  # (batch bucket, trees?) -> ratio
+    # Plain steps that fed the drafts (awake auto requests: features out, no grant), measured over
+    # profiled wall time per batch bucket: what a plain step costs before its requests go dormant.
+    fed_ratios: dict[int, float] = field(default_factory=dict)
 
     def target_time(self, tokens: int, seqs: int) -> float:
         return self.target_base + self.target_per_token * tokens + self.target_per_seq * seqs
@@ -108,6 +111,20 @@ class CostModel:
         (steps x topk): what search_budgets asks for every (option, k) without building k budgets."""
         ratio = self.ratios.get((batch_bucket(seqs), True), 1.0)
         return (self.target_time(tokens, seqs) + self._draft_time(levels, expansions)) * ratio
+
+    def fed_step_time(self, tokens: int, seqs: int) -> float | None:
+        """Predicted wall time of a plain step that feeds the drafts (None: none measured at this load)."""
+        ratio = self.fed_ratios.get(batch_bucket(seqs))
+        return None if ratio is None else self.target_time(tokens, seqs) * ratio
+
+    def observe_fed(self, tokens: int, seqs: int, seconds: float) -> None:
+        """A plain decode step that fed the drafts took `seconds` (learned as `observe` learns)."""
+        predicted = self.target_time(tokens, seqs)
+        if predicted <= 0 or seconds <= 0:
+            return
+        b = batch_bucket(seqs)
+        ratio = min(max(seconds / predicted, 0.25), 4.0)
+        self.fed_ratios[b] = ratio if b not in self.fed_ratios else 0.8 * self.fed_ratios[b] + 0.2 * ratio
 
     def observe(self, tokens: int, seqs: int, budgets: list[DraftBudget], seconds: float) -> None:
         """A decode step of `seqs` sequences and `tokens` fixed tokens, with these trees, took `seconds`."""
@@ -210,6 +227,10 @@ class BudgetSearch(NamedTuple):
     every: tuple[float, DraftBudget] | None  # the best option given to every auto candidate
     rates: Rates
     ceiling: float | None  # the best one-tree goodput were every drafted token accepted
+    # Plain decoding's goodput from this step on as it would run: rates.plain (as `never` runs it) less
+    # what awake requests pay until they go dormant (search_budgets' plain_extra_seconds). What a tree
+    # must beat.
+    plain_now: float
 
 
 # While the figures choose trees, plain decoding must beat them by this share to stop them. A
@@ -221,7 +242,8 @@ KEEP_TREES_WITHIN = 0.05
 
 
 def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
-                   other_tokens: int, other_seqs: int, *, other_committed: float = 0.0) -> BudgetSearch:
+                   other_tokens: int, other_seqs: int, *, other_committed: float = 0.0,
+                   plain_extra_seconds: float = 0.0) -> BudgetSearch:
     """Every (option, k best requests) for the auto candidates, by predicted goodput: the best
     choice (`best` is None when the figures alone give no tree), and the predicted rates.
 
@@ -229,7 +251,12 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     that cannot draft, the last chunk of a prefill): goodput is the whole step's, as the load
     gate measures it. (Counting the candidates' tokens alone priced plain decoding at 0.69x what
     the gate measured at 4 requests on the H200, where some requests were not ready to draft,
-    and made a tree for one request of several look as if it sped up the whole step.)"""
+    and made a tree for one request of several look as if it sped up the whole step.)
+
+    plain_extra_seconds: what a plain step costs on top of a granted one, averaged over the plain
+    spell it would start (GatewayCore._plain_extra_seconds): the requests stay awake, feeding their
+    drafts ungranted, until they go dormant. Trees are compared with plain decoding at that price
+    (`plain_now`); `rates.plain` stays the granted figure, which the audit compares with `never`."""
     out = {c.key: NO_SPEC for c in candidates}
     auto = []
     for c in candidates:
@@ -245,7 +272,9 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     base_seqs = other_seqs + len(candidates)
     # + the fixed-budget requests' acceptance, the same for all choices
     base_committed = float(len(candidates)) + other_committed
-    plain_rate = best_rate = base_committed / costs.step_time(base_tokens, base_seqs, fixed) if candidates else 0.0
+    plain_seconds = costs.step_time(base_tokens, base_seqs, fixed) if candidates else 0.0
+    plain_rate = base_committed / plain_seconds if candidates else 0.0
+    plain_now = best_rate = base_committed / (plain_seconds + plain_extra_seconds) if candidates else 0.0
     top_tree_rate: float | None = None
     ceiling: float | None = None
     live_fixed = [b for b in fixed if not b.empty]
@@ -276,7 +305,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
                 every = (rate, o)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
-    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate), ceiling)
+    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate), ceiling, plain_now)
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -308,11 +337,11 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     # `explore` only where acceptance could change the choice: were all its drafted tokens
     # accepted, the tree would beat plain decoding (with trees that cannot pay, as on costs
     # where a tree step takes many plain ones, the caller would draft one per wake-up for nothing).
-    could_pay = search.ceiling is not None and search.ceiling > search.rates.plain
+    could_pay = search.ceiling is not None and search.ceiling > search.plain_now
     if best is None and probe and every is not None:
         best = (every[1], auto)
     elif (best is None and speculating and every is not None
-          and every[0] >= (1 - KEEP_TREES_WITHIN) * search.rates.plain):
+          and every[0] >= (1 - KEEP_TREES_WITHIN) * search.plain_now):
         best = (every[1], auto)  # a near tie: keep speculating (see KEEP_TREES_WITHIN)
         book.speculating = True
     elif best is None and single is not None and (

@@ -21,10 +21,10 @@ import torch
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway.clients import DraftInfo, DraftReply, TargetInfo
 from gateway.core import CoreConfig, GatewayCore
-from gateway.policy import CostModel, PolicyConfig, batch_bucket
+from gateway.policy import Candidate, CostModel, PolicyConfig, batch_bucket
 from gateway.request import Phase
 from gateway.scheduler import SchedulerConfig
-from gateway.types import Delta, GenerationParams
+from gateway.types import Delta, GenerationParams, SpecMode
 from tandem.errors import ResourceExhausted, Unavailable
 from target_service.types import KvLoad, SequenceResult, SequenceStep
 from target_service.wire import GrantStops
@@ -551,6 +551,28 @@ def test_a_round_in_which_the_draft_captured_a_graph_is_learned_by_neither_the_c
     assert drafts[0].draft_calls >= 4
     assert 2 in observed_trees and 4 in observed_trees, observed_trees
     assert 1 not in observed_trees and 3 not in observed_trees, observed_trees
+
+
+def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_before_going_dormant(tokenizer):
+    """Issue 14: what a plain step costs above a granted one (it feeds the draft, ungranted) is spread
+    over the plain spell it would start: the request's remaining tokens, up to WAKE_EVERY; only the
+    steps left before dormancy pay it, and nothing is added before a fed step has been measured."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    submit(core, "solo", [3, 4, 5], max_tokens=100)
+    core._take_inbox()
+    plan = core._schedule()
+    cands = [Candidate("solo", {}, SpecMode.AUTO)]
+    assert core._plain_extra_seconds(plan, cands) == 0.0  # no fed step measured yet
+    granted = core.costs.step_time(plan.num_tokens, len(plan.items), [])
+    core.costs.fed_ratios[batch_bucket(len(plan.items))] = 2.0 * core.costs.ratios.get((1, False), 1.0)
+    fed = core.costs.fed_step_time(plan.num_tokens, len(plan.items))
+    assert fed == pytest.approx(2.0 * granted)
+    assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * core.QUIET_STEPS / 100)
+    core._quiet = core.QUIET_STEPS - 6  # 6 awake steps left
+    assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / 100)
+    core._quiet = core.QUIET_STEPS
+    assert core._plain_extra_seconds(plan, cands) == 0.0
+    assert core._plain_extra_seconds(plan, [Candidate("solo", {}, SpecMode.ALWAYS)]) == 0.0
 
 
 def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(tokenizer):

@@ -147,6 +147,33 @@ def test_near_a_tie_auto_keeps_its_trees_rather_than_mix_in_plain_steps():
     assert all(not choose(book, 0.97).empty for _ in range(3))  # kept while the tie lasts
 
 
+def test_trees_compete_with_plain_decoding_at_what_it_costs_until_its_requests_go_dormant():
+    """Issue 14: plain decoding priced 10% above the best tree as granted steps, but at the price the
+    awake requests pay until they go dormant (their steps feed the drafts, ungranted), the tree wins.
+    The audit's plain figure stays the granted one, which `never` is compared with."""
+    costs = gpu_like_costs()
+    tree_rate = search_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0).every[0]
+    costs.ratios[(1, False)] = 1.0 / (1.1 * tree_rate * costs.step_time(1, 1, []))  # plain: 1.1x the tree
+    granted = costs.step_time(1, 1, [])
+    as_granted = search_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0)
+    awake = search_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0, plain_extra_seconds=0.25 * granted)
+    assert as_granted.best is None and choose_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0,
+                                                      search=as_granted)["r0"].empty
+    assert awake.best is not None and not choose_budgets(CFG, costs, AcceptanceBook(), candidates(1), 0, 0,
+                                                         search=awake)["r0"].empty
+    assert awake.rates.plain == pytest.approx(as_granted.rates.plain)
+    assert awake.plain_now == pytest.approx(as_granted.rates.plain / 1.25)
+
+
+def test_the_cost_model_learns_what_a_plain_step_that_feeds_the_drafts_costs():
+    costs = gpu_like_costs()
+    assert costs.fed_step_time(1, 1) is None  # nothing measured: no price
+    for _ in range(40):
+        costs.observe_fed(1, 1, 2.0 * costs.target_time(1, 1))
+    assert costs.fed_step_time(1, 1) == pytest.approx(2.0 * costs.target_time(1, 1), rel=1e-3)
+    assert costs.fed_step_time(1, 8) is None  # another load: its own figure
+
+
 def test_exploration_tries_the_tree_with_the_most_plausible_upside_not_the_best_guess():
     """A chain whose 3 trees at the hardest positions accepted nothing, against a wide tree seen
     16 times at 2 accepted (which does not pay at that): by expected acceptance exploration kept
