@@ -264,7 +264,6 @@ MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "SPLITS_POWER_OF_TWO", "BLOC
                 "WIDE_SPLITS_IN_PROGRAM")
 ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "ROWS_PER_PROGRAM",
                    "TREE_ROWS_PER_PROGRAM")
-GEMV_KNOBS = ("BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_STAGES", "MAX_ROWS")
 # Knobs that may be 0 (off).
 ZERO_OK = {"MIN_PROGRAMS", "SPLITS_POWER_OF_TWO", "WIDE_FROM_M", "WIDE_SPLITS_IN_PROGRAM", "TREE_ROWS_PER_PROGRAM"}
 
@@ -335,9 +334,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --deterministic: step rows of one sequence per program of the invariant attention "
                          "for every call (kernels.invariant_attention.ROWS_PER_PROGRAM, TREE_ROWS_PER_PROGRAM off; "
                          "1: one row per program)")
-    ap.add_argument("--gemv", nargs="?", const="", metavar="NAME=VALUE,...",
-                    help="without --deterministic: the linear layers take kernels/gemv.py for calls of up to "
-                         "MAX_ROWS rows (optionally with other constants: " + ", ".join(GEMV_KNOBS) + ")")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel degree: N > 1 times rank 0's whole steps on the served target's "
                          "ParallelEngine over N GPUs (N processes, gloo on CPU with --tiny); graph replays alone "
@@ -352,18 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error("--tp must be at least 1")
-    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None or args.gemv is not None):
-        ap.error("--matmul, --attention, --attention-rows and --gemv set module globals in this process only, "
-                 "not on the other ranks")
+    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None):
+        ap.error("--matmul, --attention and --attention-rows set module globals in this process only, not on the "
+                 "other ranks")
     try:
         if args.matmul:
             set_matmul_config(args.matmul)
         if args.attention:
             set_attention_config(args.attention)
-        if args.gemv is not None:
-            from kernels import gemv
-            gemv.ENABLED = True  # read at every call: set before the graphs are captured
-            set_kernel_config(gemv, GEMV_KNOBS, args.gemv)
     except ValueError as exc:
         ap.error(str(exc))
     if args.attention_rows is not None:
@@ -414,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
                                         "prefix": args.prefix, "tp": args.tp, "deterministic": args.deterministic,
                                         "attention_rows": args.attention_rows, "matmul": args.matmul,
-                                        "attention": args.attention, "gemv": args.gemv, "rows": rows},
+                                        "attention": args.attention, "rows": rows},
                                        indent=2))
     return 0
 
