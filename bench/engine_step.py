@@ -260,12 +260,11 @@ def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: 
 
 
 MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "SPLITS_POWER_OF_TWO", "BLOCK_M", "BLOCK_N", "NUM_WARPS",
-                "NUM_STAGES", "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES",
-                "WIDE_SPLITS_IN_PROGRAM")
+                "NUM_STAGES", "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES")
 ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "ROWS_PER_PROGRAM",
                    "TREE_ROWS_PER_PROGRAM")
 # Knobs that may be 0 (off).
-ZERO_OK = {"MIN_PROGRAMS", "SPLITS_POWER_OF_TWO", "WIDE_FROM_M", "WIDE_SPLITS_IN_PROGRAM", "TREE_ROWS_PER_PROGRAM"}
+ZERO_OK = {"MIN_PROGRAMS", "SPLITS_POWER_OF_TWO", "WIDE_FROM_M", "TREE_ROWS_PER_PROGRAM"}
 
 
 def set_kernel_config(module, knobs: tuple[str, ...], spec: str) -> dict[str, int]:
@@ -324,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --deterministic: try another configuration of the invariant linear kernel, as "
                          "kernels.matmul constants (MIN_PROGRAMS, SPLIT_K_PROGRAMS, BLOCK_M, BLOCK_N, NUM_WARPS, "
                          "NUM_STAGES for calls of few rows; WIDE_FROM_M, WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, "
-                         "WIDE_NUM_STAGES, WIDE_SPLITS_IN_PROGRAM for the rest), e.g. WIDE_BLOCK_N=128; the older form "
+                         "WIDE_NUM_STAGES for the rest), e.g. WIDE_BLOCK_N=128; the older form "
                          "MIN_PROGRAMS,SPLIT_K_PROGRAMS (0,1: 64-wide tiles, no split-K) still works")
     ap.add_argument("--attention", metavar="NAME=VALUE,...",
                     help="with --deterministic: try another configuration of the invariant attention, as "
