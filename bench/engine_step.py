@@ -260,13 +260,11 @@ def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: 
 
 
 MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "SPLITS_POWER_OF_TWO", "BLOCK_M", "BLOCK_N", "NUM_WARPS",
-                "NUM_STAGES", "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES",
-                "WIDE_SPLITS_IN_PROGRAM")
+                "NUM_STAGES", "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES")
 ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "ROWS_PER_PROGRAM",
                    "TREE_ROWS_PER_PROGRAM")
-GEMV_KNOBS = ("BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_STAGES", "MAX_ROWS")
 # Knobs that may be 0 (off).
-ZERO_OK = {"MIN_PROGRAMS", "SPLITS_POWER_OF_TWO", "WIDE_FROM_M", "WIDE_SPLITS_IN_PROGRAM", "TREE_ROWS_PER_PROGRAM"}
+ZERO_OK = {"MIN_PROGRAMS", "SPLITS_POWER_OF_TWO", "WIDE_FROM_M", "TREE_ROWS_PER_PROGRAM"}
 
 
 def set_kernel_config(module, knobs: tuple[str, ...], spec: str) -> dict[str, int]:
@@ -325,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --deterministic: try another configuration of the invariant linear kernel, as "
                          "kernels.matmul constants (MIN_PROGRAMS, SPLIT_K_PROGRAMS, BLOCK_M, BLOCK_N, NUM_WARPS, "
                          "NUM_STAGES for calls of few rows; WIDE_FROM_M, WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, "
-                         "WIDE_NUM_STAGES, WIDE_SPLITS_IN_PROGRAM for the rest), e.g. WIDE_BLOCK_N=128; the older form "
+                         "WIDE_NUM_STAGES for the rest), e.g. WIDE_BLOCK_N=128; the older form "
                          "MIN_PROGRAMS,SPLIT_K_PROGRAMS (0,1: 64-wide tiles, no split-K) still works")
     ap.add_argument("--attention", metavar="NAME=VALUE,...",
                     help="with --deterministic: try another configuration of the invariant attention, as "
@@ -335,9 +333,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --deterministic: step rows of one sequence per program of the invariant attention "
                          "for every call (kernels.invariant_attention.ROWS_PER_PROGRAM, TREE_ROWS_PER_PROGRAM off; "
                          "1: one row per program)")
-    ap.add_argument("--gemv", nargs="?", const="", metavar="NAME=VALUE,...",
-                    help="without --deterministic: the linear layers take kernels/gemv.py for calls of up to "
-                         "MAX_ROWS rows (optionally with other constants: " + ", ".join(GEMV_KNOBS) + ")")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor-parallel degree: N > 1 times rank 0's whole steps on the served target's "
                          "ParallelEngine over N GPUs (N processes, gloo on CPU with --tiny); graph replays alone "
@@ -352,18 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error("--tp must be at least 1")
-    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None or args.gemv is not None):
-        ap.error("--matmul, --attention, --attention-rows and --gemv set module globals in this process only, "
-                 "not on the other ranks")
+    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None):
+        ap.error("--matmul, --attention and --attention-rows set module globals in this process only, not on the "
+                 "other ranks")
     try:
         if args.matmul:
             set_matmul_config(args.matmul)
         if args.attention:
             set_attention_config(args.attention)
-        if args.gemv is not None:
-            from kernels import gemv
-            gemv.ENABLED = True  # read at every call: set before the graphs are captured
-            set_kernel_config(gemv, GEMV_KNOBS, args.gemv)
     except ValueError as exc:
         ap.error(str(exc))
     if args.attention_rows is not None:
@@ -414,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
                                         "prefix": args.prefix, "tp": args.tp, "deterministic": args.deterministic,
                                         "attention_rows": args.attention_rows, "matmul": args.matmul,
-                                        "attention": args.attention, "gemv": args.gemv, "rows": rows},
+                                        "attention": args.attention, "rows": rows},
                                        indent=2))
     return 0
 

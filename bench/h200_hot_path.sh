@@ -57,9 +57,6 @@
 #            MATMUL/ATTENTION pair of engine_step.py --matmul and --attention specs ("-": the defaults);
 #            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile);
 #            DET_TESTS=0 skips the tests
-#   gemv     after only: the few-row GEMV (kernels/gemv.py, off by default) against cuBLAS: its tests, the forward
-#            alone (bench/step_cost.py, batch 1/2/4) and whole engine steps (batch 1/4, grants of 16), back to back;
-#            GEMV_CONFIGS="BLOCK_N=64 NUM_STAGES=3" also times those constants
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
 #   equality after only (EQUALITY_RUNS picks among demo_off demo_on scale_off scale_on), the mode off against on: bench/greedy_equality.py (64 held-out
@@ -292,18 +289,6 @@ for stage in "$@"; do
         flags=(--device cuda); [[ $run_name == scale_* ]] && flags=("${serve[@]}")
         [[ $run_name == *_on ]] && flags+=(--deterministic)
         equality "equality_$run_name" "${eq_port[$run_name]}" 64 "" "${flags[@]}" --dtype bfloat16
-      done ;;
-    gemv)  # after only: the few-row GEMV (kernels/gemv.py, off by default) against cuBLAS, back to back
-      run gemv_tests after 200 python3 -m pytest -q tests/test_gemv.py
-      for variant in cublas gemv ${GEMV_CONFIGS:-}; do
-        flag=(); [[ $variant != cublas ]] && flag=(--gemv); [[ $variant != cublas && $variant != gemv ]] && flag=(--gemv "$variant")
-        run "step_cost_$variant" after 300 python3 bench/step_cost.py --batches 1,2,4 --nodes 4 \
-          --out "$OUT/step_cost_$variant.json" "${flag[@]}"
-      done
-      for variant in cublas gemv; do
-        flag=(); [[ $variant == gemv ]] && flag=(--gemv)
-        run "engine_$variant" after 300 python3 bench/engine_step.py --batches 1,4 --nodes 1,4 --iters 40 \
-          --modes graphs --grant 16 --out "$OUT/engine_$variant.json" "${flag[@]}"
       done ;;
     stack)
       need_scale scale_track $scale

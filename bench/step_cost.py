@@ -63,9 +63,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
-    ap.add_argument("--gemv", nargs="?", const="", metavar="NAME=VALUE,...",
-                    help="the target's linear layers take kernels/gemv.py for calls of up to MAX_ROWS rows "
-                         "(optionally with other constants: BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, MAX_ROWS)")
     args = ap.parse_args()
     small = args.tiny
     args.batches = [int(b) for b in (args.batches or ("1,4" if small else "1,8,32,64,128")).split(",")]
@@ -214,12 +211,6 @@ def time_graph(forward: Callable[[], object], args: argparse.Namespace, device: 
 
 def main() -> None:
     args = parse_args()
-    if args.gemv is not None:
-        from engine_step import GEMV_KNOBS, set_kernel_config
-
-        from kernels import gemv
-        gemv.ENABLED = True
-        set_kernel_config(gemv, GEMV_KNOBS, args.gemv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny else LLAMA_31_8B
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

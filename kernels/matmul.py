@@ -64,12 +64,6 @@ WIDE_BLOCK_M = 128
 WIDE_BLOCK_N = 256
 WIDE_NUM_WARPS = 8
 WIDE_NUM_STAGES = 3
-# Wide calls run a tile's K splits one after another in one program and add them there (the same
-# additions in the same order as the summing kernel), instead of a program per split writing float32
-# partials that a second kernel sums (1: on). At 512 rows the partials of qkv, o_proj and down_proj
-# are about 117 MB a layer written and read again, while a program per tile leaves qkv 96 programs
-# for 132 SMs. Off until an H200 times it (bench/engine_step.py --matmul WIDE_SPLITS_IN_PROGRAM=1).
-WIDE_SPLITS_IN_PROGRAM = 0
 REDUCE_BLOCK = 1024  # output elements per program of the kernel that sums the partials
 
 
@@ -77,16 +71,12 @@ def block_n_for(n: int) -> int:
     return BLOCK_N if triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else 32
 
 
-def _wide(m: int, tensor_cores: bool) -> bool:
-    return bool(tensor_cores and WIDE_FROM_M and m >= WIDE_FROM_M)
-
-
 def tiles_for(m: int, n: int, *, tensor_cores: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a call of m rows on a weight of n outputs.
     Without tensor cores (float32 at IEEE precision: the dot runs on FMA units, where a wide
     tile's operands do not fit the registers and its stages not the shared memory) every
     call takes the small tiles."""
-    if _wide(m, tensor_cores):
+    if tensor_cores and WIDE_FROM_M and m >= WIDE_FROM_M:
         return WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, WIDE_NUM_STAGES
     return BLOCK_M, block_n_for(n), NUM_WARPS, NUM_STAGES
 
@@ -162,28 +152,6 @@ def _linear_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, sx_m, sw_n, so_m, so_spli
 
 
 @triton.jit(do_not_specialize=["M"])
-def _linear_splits_in_program_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, NUM_SPLITS, sx_m, sw_n, so_m,
-                                     HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
-                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A tile's splits one after another in one program, each from zero, added in split order
-    in float32 as _sum_splits_kernel adds the partials (split 0 taken as it is, then + 1, + 2, ...),
-    then the bias: the same result with no partials written and read back, and no second launch."""
-    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    total = _split_product(X, W, offs_m, offs_n, m_ok, n_ok, 0, K, K_PER_SPLIT, sx_m, sw_n,
-                           F32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-    for split in range(1, NUM_SPLITS):
-        total += _split_product(X, W, offs_m, offs_n, m_ok, n_ok, split * K_PER_SPLIT, K, K_PER_SPLIT, sx_m, sw_n,
-                                F32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        total += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + offs_m[:, None] * so_m + offs_n[None, :], total.to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(Partials, B, Out, M, N,
                        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """Out = Partials[0] + Partials[1] + ... (in that order, float32) + bias, for
@@ -229,8 +197,7 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
         f32_dot = x.dtype == torch.float32 or interpreting()
         # Under the interpreter the wide tiles run too (in float32), so that CPU tests walk them.
-        tensor_cores = not f32_dot or interpreting()
-        block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=tensor_cores)
+        block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=not f32_dot or interpreting())
         n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), n_splits)
         bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
@@ -240,12 +207,6 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                  HAS_BIAS=bias is not None, F32_DOT=f32_dot,
                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
                                  num_warps=num_warps, num_stages=num_stages)
-        elif WIDE_SPLITS_IN_PROGRAM and _wide(M, tensor_cores):
-            _linear_splits_in_program_kernel[grid[:2]](
-                x2, weight, bias_arg, out, M, N, K, k_per_split, n_splits,
-                x2.stride(0), weight.stride(0), out.stride(0),
-                HAS_BIAS=bias is not None, F32_DOT=f32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                num_warps=num_warps, num_stages=num_stages)
         else:
             partials = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
             _linear_kernel[grid](x2, weight, bias_arg, partials, M, N, K, k_per_split,

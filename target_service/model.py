@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels import gemv
 from kernels.activation import silu_mul_reference, silu_mul_triton
 from kernels.backend import get_attention_backend
 from kernels.matmul import linear_invariant
@@ -85,9 +84,7 @@ class LlamaModel:
         speculation and batching cannot change greedy output in bf16 (--deterministic)."""
         self.batch_invariant = batch_invariant
         self.attention = get_attention_backend(attention_backend, self.device, batch_invariant=batch_invariant)
-        # The default: cuBLAS (F.linear), or on a GPU the few-row GEMV where kernels.gemv.ENABLED (off
-        # until an H200 shows it faster; read at every call). On the CPU F.linear itself: no dispatch.
-        self.linear = linear_invariant if batch_invariant else gemv.linear if self.device.type == "cuda" else F.linear
+        self.linear = linear_invariant if batch_invariant else F.linear
 
     # --- weights ----------------------------------------------------------
     def _load(self, w: SafetensorsDir, kv_start: int) -> None:

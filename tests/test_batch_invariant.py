@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import invariant_attention, matmul
+from kernels import invariant_attention
 from kernels.invariant_attention import (
     MAX_TAIL,
     SPLIT_LEN,
@@ -116,27 +116,6 @@ def test_a_linear_row_alone_equals_the_same_row_among_others(device, dtype, othe
         assert torch.equal(together[at], alone[0]), f"row at {at} of {others + 1}"
     expect = F.linear(row.float(), weight.float(), bias.float())
     torch.testing.assert_close(alone.float(), expect, **TOL[dtype])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_wide_calls_that_add_their_splits_in_one_program_equal_the_summed_partials_bitwise(device, dtype, monkeypatch):
-    g = torch.Generator(device).manual_seed(2)
-    weight = torch.randn(300, 520, generator=g, device=device).to(dtype)
-    bias = torch.randn(300, generator=g, device=device).to(dtype)
-    x = torch.randn(WIDE_FROM_M + 70, 520, generator=g, device=device).to(dtype)
-    row = x[:1]
-    alone = linear_invariant(row, weight, bias, splits=4)
-    monkeypatch.setattr(matmul, "WIDE_SPLITS_IN_PROGRAM", 0)
-    partials = linear_invariant(x, weight, bias, splits=4)
-    monkeypatch.setattr(matmul, "WIDE_SPLITS_IN_PROGRAM", 1)
-    launches = spy_launches(monkeypatch, matmul, "_linear_splits_in_program_kernel")
-    in_program = linear_invariant(x, weight, bias, splits=4)
-    assert launches, "the wide call did not add its splits in one program"
-    assert torch.equal(in_program, partials)
-    assert torch.equal(in_program[:1], alone)  # and the row alone (small tiles, summed partials)
-    linear_invariant(row, weight, bias, splits=4)
-    assert len(launches) == 1  # a call of few rows keeps its programs per split
 
 
 def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_except_without_tensor_cores():
