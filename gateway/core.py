@@ -397,6 +397,8 @@ class GatewayCore:
                                 plain_extra_seconds=self._plain_extra_seconds(plan, cands))
         if search.auto:  # the audit: what the figures predict for each arm
             self.gate.predict(len(plan.items), search.rates)
+        else:
+            self._predict_while_dormant(plan, cands, ending)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
         # them dormant, and a dormant request's draft is not ready until the gate asks for trees again.
         could_draft = any(it.is_decode and self._mode(it.request) == SpecMode.AUTO
@@ -453,6 +455,28 @@ class GatewayCore:
             if self._quiet == self._spell_start + self._wake_every:  # wake up; the next waits longer
                 self._spell_start = self._quiet
                 self._wake_every = min(2 * self._wake_every, self.MAX_WAKE_EVERY)
+
+    def _predict_while_dormant(self, plan: StepPlan, cands: list[Candidate], ending: int) -> None:
+        """The audit's figures at a load where auto's requests are dormant (no draft ready, so no
+        candidate): what trees would deliver were every decoding auto request to draft, and what its
+        plain steps deliver, granted. Without them the audit was empty from the load where the gate
+        chose plain decoding (16-64 requests on the H200), which is where the gate's verdict most
+        needs checking. Nothing is chosen from these figures."""
+        known = {c.key for c in cands}
+        asleep = [Candidate(it.request.request_id,
+                            {o: it.request.acceptance.mean(o) for o in self.cfg.policy.auto_options()}, SpecMode.AUTO)
+                  for it in plan.items
+                  if it.is_decode and self._mode(it.request) == SpecMode.AUTO and it.request.request_id not in known
+                  and self._draft_room(it.request) >= 1]
+        if not asleep:
+            return
+        everyone = cands + asleep
+        keys = {c.key for c in everyone}
+        other = [it for it in plan.items if it.request.request_id not in keys]
+        what_if = search_budgets(self.cfg.policy, self.costs, self.book, everyone,
+                                 sum(len(it.tokens) for it in other), len(other),
+                                 other_committed=ending - len(everyone))
+        self.gate.predict(len(plan.items), what_if.rates)
 
     def _plain_extra_seconds(self, plan: StepPlan, cands: list[Candidate]) -> float:
         """What a plain step costs on top of a granted one, averaged over the plain spell it would
@@ -744,7 +768,7 @@ class GatewayCore:
         # shape: the first tree of each batch bucket, and the depth-cut budgets near max_tokens) belongs
         # to neither arm either: one such round lifted the trees' cost ratio by a fifth, and auto at one
         # request then decoded plainly for the rest of the run (0.83x `always`, issue 14).
-        arm_step = (decode and (bool(outcome.trees) or not outcome.fed_draft) and not plan.draft_captured)
+        arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft) and not plan.draft_captured
         if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
                       "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),

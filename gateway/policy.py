@@ -236,8 +236,9 @@ class BudgetSearch(NamedTuple):
 # While the figures choose trees, plain decoding must beat them by this share to stop them. A
 # plain step between trees is no plain step as `never` runs it: the request stays awake, so the
 # step feeds the draft and is not granted (9-10 ms against 4.7 on the H200 scale track at one
-# request), while the figures price plain decoding as granted. Near a tie the choice flipped from
-# step to step, and such mixed runs delivered 0.64-0.83x the better arm at one request.
+# request). Near a tie the choice flipped from step to step, and such mixed runs delivered
+# 0.64-0.83x the better arm at one request. (Plain decoding is now priced with those steps, as
+# BudgetSearch.plain_now; this margin stays against the figures' step-to-step noise.)
 KEEP_TREES_WITHIN = 0.05
 
 

@@ -5,7 +5,9 @@ held-out demo prompts as streaming greedy completions at each concurrency, for
 each mode, and reports per mode and concurrency: total output tok/s, tok/s per
 request, time to first token p50, inter-chunk latency p50/p99 and acceptance
 length (tokens committed per verify step, bonus included). Writes a JSON file
-and a PNG plot of the curves.
+and a PNG plot of the curves. Before the first level each mode sends --warmup
+requests one at a time, not counted: a fresh server's first requests pay
+one-time costs that would otherwise land in the first level.
 
 Each level also reports the rate at which its requests decode (concurrency x a
 request's tokens after the first over its time after the first token: what a
@@ -234,6 +236,15 @@ def plot(rows: list[LevelResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def served_model(url: str) -> str | None:
+    """The model id the gateway serves (its /v1/models), for the record; None if it does not say."""
+    try:
+        data = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -284,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--requests-per-level", type=int, default=0,
                    help="requests per level (default 2 x concurrency, at least 4)")
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="requests per mode sent one at a time before the first level and not counted (default 1): "
+                   "the first requests of a fresh server pay one-time costs (kernel compiles, first graph "
+                   "replays) that would otherwise land in the first level")
     p.add_argument("--prompts", type=Path, default=HELDOUT, help="JSONL with a 'prompt' field per line")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json and bench.png")
     p.add_argument("--title", default="tandem: throughput against concurrency (demo track)")
@@ -299,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         modes = [m.strip() for m in args.modes.split(",")]
     except ValueError:
         raise SystemExit("error: --concurrency takes comma-separated integers") from None
-    if not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1:
+    if (not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1
+            or args.warmup < 0):
         raise SystemExit("error: --concurrency needs positive integers, --modes a subset of never,always,auto, "
-                         "--max-tokens a positive integer")
+                         "--max-tokens a positive integer, --warmup 0 or more")
     if args.url and (args.target_args or args.draft_args or args.model or args.draft):
         raise SystemExit("error: --model, --draft, --target-args and --draft-args configure the stack bench "
                          "starts; with --url, configure the running stack instead")
@@ -311,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = (None, args.url) if args.url else start_serve(args)
     rows: list[LevelResult] = []
     try:
+        for mode in modes if args.warmup else ():
+            asyncio.run(run_level(url, prompts, mode, 1, args.warmup, args.max_tokens))
+        served = served_model(url)
         with tqdm(total=len(levels) * len(modes), desc="bench", unit="level") as bar:
             for conc in levels:
                 for mode in modes:
@@ -330,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
     print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"url": args.url or "started tandem serve", "model": args.model or "demo/target",
-            "draft": args.draft or "demo/draft", "max_tokens": args.max_tokens, "date": time.strftime("%Y-%m-%d"),
-            "track": "demo" if not args.model else "custom",
+    started = args.url is None
+    meta = {"url": args.url or "started tandem serve", "served_model": served,
+            "model": args.model or ("demo/target" if started else None),
+            "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
+            "warmup": args.warmup, "date": time.strftime("%Y-%m-%d"),
+            "track": ("demo" if not args.model else "custom") if started else None,
             "target_args": args.target_args, "draft_args": args.draft_args}
     (args.out / "bench.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows]}, indent=1))
     plot(rows, args.out / "bench.png", args.title)

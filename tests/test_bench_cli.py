@@ -21,6 +21,8 @@ def test_bench_writes_json_and_png(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
+    # One warm-up request per mode went first, uncounted; the record names the model the gateway served.
+    assert data["meta"]["warmup"] == 1 and data["meta"]["served_model"]
     rows = data["results"]
     assert {(r["mode"], r["concurrency"]) for r in rows} == {(m, c) for m in ("never", "always", "auto")
                                                               for c in (1, 2)}

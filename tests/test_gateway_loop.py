@@ -596,6 +596,32 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
     assert measured and all(sums[("tandem_policy_arm_committed_tokens_total", *key)] > 0 for key in measured)
 
 
+def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(tokenizer):
+    """Issue 14: where the gate chose plain decoding the requests go dormant and no draft is ready,
+    so the policy has no candidate; the audit still gets what trees and plain decoding would deliver
+    there, for every step planned while they sleep."""
+    core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
+    n = core.gate.min_batch + 2
+    outs = [submit(core, f"p{i}", [1 + i, 2, 3], max_tokens=150) for i in range(n)]
+    predictions_while_dormant = []
+    real_predict = core.gate.predict
+
+    def predict(seqs, rates):
+        if any(core._dormant(req) for req in core.running):
+            predictions_while_dormant.append(rates)
+        return real_predict(seqs, rates)
+
+    core.gate.predict = predict
+    run_until_idle(core)
+    assert target.grants > 0, "the batch never decoded plainly, granted"
+    assert predictions_while_dormant, "nothing was predicted while the requests slept"
+    assert all(rates.plain > 0 and rates.trees is not None and rates.trees > 0
+               for rates in predictions_while_dormant)
+    for i, out in enumerate(outs):
+        assert tokens_of(out) == expected([1 + i, 2, 3], 150)
+
+
 class PacedTarget(FakeTarget):
     """A fake target whose single steps take 6 ms and whose granted steps take 2 ms each, as on a GPU
     where a granted step overlaps the host work a single step waits for."""
