@@ -96,6 +96,13 @@ def _feature_rows(item: IngestItem) -> int:
     return item.num_feature_rows or item.target_feature_rows
 
 
+def _other_work(plan: StepPlan, cands: list[Candidate]) -> tuple[int, int]:
+    """(tokens, sequences) of the plan's items that are not among `cands`."""
+    keys = {c.key for c in cands}
+    other = [it for it in plan.items if it.request.request_id not in keys]
+    return sum(len(it.tokens) for it in other), len(other)
+
+
 class GatewayCore:
     def __init__(self, target: TargetClient, drafts: list[DraftClient], tokenizer, cfg: CoreConfig,
                  model_name: str, metrics: GatewayMetrics | None = None):
@@ -377,14 +384,7 @@ class GatewayCore:
                 continue
             if self._draft_room(req) < 1:
                 continue
-            cands.append(Candidate(req.request_id,
-                                   {o: req.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
-                                   self._mode(req)))
-
-        def other_work(cands: list[Candidate]) -> tuple[int, int]:
-            keys = {c.key for c in cands}
-            other = [it for it in plan.items if it.request.request_id not in keys]
-            return sum(len(it.tokens) for it in other), len(other)
+            cands.append(self._candidate(req))
 
         # What the step's other items commit whatever the policy chooses: one token each that
         # reaches its end (a decode, a prompt's last chunk). Candidates all decode.
@@ -392,7 +392,7 @@ class GatewayCore:
 
         # One search of the figures per step: the audit's prediction, the gate's first guess at a new
         # load and the budgets all read it (unless the gate takes the auto requests out).
-        search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands),
+        search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
                                 other_committed=ending - len(cands),
                                 plain_extra_seconds=self._plain_extra_seconds(plan, cands))
         if search.auto:  # the audit: what the figures predict for each arm
@@ -411,8 +411,8 @@ class GatewayCore:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
             search = None
         probe = bool(cands) and probing_trees
-        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *other_work(cands), probe, search,
-                                 self._explore_now(), other_committed=ending - len(cands))
+        budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands), probe,
+                                 search, self._explore_now(), other_committed=ending - len(cands))
         self._explored = self.book.explored
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
@@ -456,6 +456,10 @@ class GatewayCore:
                 self._spell_start = self._quiet
                 self._wake_every = min(2 * self._wake_every, self.MAX_WAKE_EVERY)
 
+    def _candidate(self, req: Request) -> Candidate:
+        return Candidate(req.request_id, {o: req.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
+                         self._mode(req))
+
     def _predict_while_dormant(self, plan: StepPlan, cands: list[Candidate], ending: int) -> None:
         """The audit's figures at a load where auto's requests are dormant (no draft ready, so no
         candidate): what trees would deliver were every decoding auto request to draft, and what its
@@ -463,18 +467,13 @@ class GatewayCore:
         chose plain decoding (16-64 requests on the H200), which is where the gate's verdict most
         needs checking. Nothing is chosen from these figures."""
         known = {c.key for c in cands}
-        asleep = [Candidate(it.request.request_id,
-                            {o: it.request.acceptance.mean(o) for o in self.cfg.policy.auto_options()}, SpecMode.AUTO)
-                  for it in plan.items
+        asleep = [self._candidate(it.request) for it in plan.items
                   if it.is_decode and self._mode(it.request) == SpecMode.AUTO and it.request.request_id not in known
                   and self._draft_room(it.request) >= 1]
         if not asleep:
             return
         everyone = cands + asleep
-        keys = {c.key for c in everyone}
-        other = [it for it in plan.items if it.request.request_id not in keys]
-        what_if = search_budgets(self.cfg.policy, self.costs, self.book, everyone,
-                                 sum(len(it.tokens) for it in other), len(other),
+        what_if = search_budgets(self.cfg.policy, self.costs, self.book, everyone, *_other_work(plan, everyone),
                                  other_committed=ending - len(everyone))
         self.gate.predict(len(plan.items), what_if.rates)
 

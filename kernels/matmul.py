@@ -106,28 +106,6 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x, weight, bias)
 
 
-@triton.jit
-def _split_product(X, W, offs_m, offs_n, m_ok, n_ok, k_start, K, K_PER_SPLIT, sx_m, sw_n,
-                   F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One split's float32 partial of a tile, from zero. A loop bound that is an argument, not a value
-    # computed in the kernel: Triton 3.6's interpreter cannot range over the latter. Steps of the last
-    # split past K load nothing and add exact zeros.
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
-        k0 = k_start + k_step
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(X + offs_m[:, None] * sx_m + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(W + offs_n[:, None] * sw_n + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if F32_DOT:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w))
-    return acc
-
-
 # M changes every step: not specialised, so no step waits for a compile and one
 # binary serves all M (so_split = M * N changes with it).
 @triton.jit(do_not_specialize=["M", "so_split"])
@@ -140,10 +118,24 @@ def _linear_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, sx_m, sw_n, so_m, so_spli
     pid_split = tl.program_id(2)
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    acc = _split_product(X, W, offs_m, offs_n, m_ok, n_ok, pid_split * K_PER_SPLIT, K, K_PER_SPLIT, sx_m, sw_n,
-                         F32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    k_start = pid_split * K_PER_SPLIT
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # A loop bound that is an argument, not a value computed in the kernel: Triton 3.6's interpreter
+    # cannot range over the latter. Steps of the last split past K load nothing and add exact zeros.
+    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + k_step
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(X + offs_m[:, None] * sx_m + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(W + offs_n[:, None] * sw_n + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if F32_DOT:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_split = Out + pid_split.to(tl.int64) * so_split  # so_split is 0 with one split
@@ -168,10 +160,12 @@ def _sum_splits_kernel(Partials, B, Out, M, N,
     tl.store(Out + offs, acc.to(Out.dtype.element_ty), mask=ok)
 
 
-def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as rows [M, K] and weight [N, K], both with unit stride along K, for a kernel of
-    F.linear(x, weight, bias); ValueError where weight or bias does not fit x."""
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     splits: int | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K], weight [N, K], each output row
+    bitwise independent of how many rows x has. float32 runs at IEEE precision (no TF32).
+    `splits` overrides k_splits_for(N, K) (tests use it on shapes too small to split);
+    it is rounded to whole BLOCK_K steps per split."""
     K = x.shape[-1]
     N = weight.shape[0]
     if weight.shape != (N, K):
@@ -181,17 +175,8 @@ def linear_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return x2, weight if weight.stride(-1) == 1 else weight.contiguous()
-
-
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     splits: int | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K], weight [N, K], each output row
-    bitwise independent of how many rows x has. float32 runs at IEEE precision (no TF32).
-    `splits` overrides k_splits_for(N, K) (tests use it on shapes too small to split);
-    it is rounded to whole BLOCK_K steps per split."""
-    x2, weight = linear_operands(x, weight, bias)
-    M, N, K = x2.shape[0], weight.shape[0], x2.shape[1]
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M = x2.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
