@@ -55,8 +55,7 @@ class DraftLink:
 
     replica: int  # index into the draft pool
     sent: int = 0  # tokens the replica has been sent (committed + pending)
-    feature_len: int = 0  # leading tokens whose target features the replica has
-    caught_up: bool = False  # the replica has applied at least one ingest
+    caught_up: bool = False  # the replica has applied an ingest since the last gap in what it was sent
     pending: IngestItem | None = None  # new tokens/features held for the next draft call
 
 

@@ -320,8 +320,12 @@ def test_resource_exhausted_from_the_target_preempts_and_output_is_unchanged(tok
     assert target.lengths == {}
 
 
-def test_auto_requests_go_dormant_when_trees_do_not_pay_and_wake_to_be_offered_trees_again(tokenizer):
-    core, target, _ = new_core(tokenizer, mode="auto")
+def _dormant_then_awake(tokenizer) -> tuple:
+    """A core whose auto requests decline trees (they never pay) until one long dormancy and a
+    whole wake-up have passed. Returns the core, the fake target, the fake draft, the steps as
+    "F" (features asked) and "." (not), the run index of that dormancy, and d0's target length
+    before each step."""
+    core, target, drafts = new_core(tokenizer, mode="auto")
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     n = core.gate.min_batch + 2
     # The load gate stays out of it: on the fake's steps of a few microseconds its verdict is noise
@@ -345,8 +349,9 @@ def test_auto_requests_go_dormant_when_trees_do_not_pay_and_wake_to_be_offered_t
     # steps, then awake again to catch up. Where in the steps the first dormancy starts depends on
     # when the drafts have taken in the prompts (their workers run beside the loop), so the loop
     # runs until a wake-up has ended, within a bound.
-    features_asked = ""
+    features_asked, lengths = "", []
     for _ in range(3 * core.WAKE_EVERY + 2 * core.QUIET_STEPS):
+        lengths.append(target.lengths.get("d0", 0))
         core._step()
         core._take_inbox()
         time.sleep(0.001)
@@ -355,10 +360,36 @@ def test_auto_requests_go_dormant_when_trees_do_not_pay_and_wake_to_be_offered_t
             break
     at = first_dormancy(features_asked)
     assert at is not None, f"no long dormancy followed by a complete wake-up: {features_asked}"
+    return core, target, drafts[0], features_asked, at, lengths
+
+
+def test_auto_requests_go_dormant_when_trees_do_not_pay_and_wake_to_be_offered_trees_again(tokenizer):
+    core, _, _, features_asked, at, _ = _dormant_then_awake(tokenizer)
     runs = [(kind, len(run)) for kind, run in _runs(features_asked)]
     assert at > 0 and runs[at - 1][0] == "F", features_asked
     assert runs[at + 1][0] == "F", f"no wake-up: {features_asked}"
     assert core.QUIET_STEPS <= runs[at + 1][1] <= 2 * core.QUIET_STEPS, f"the wake-up did not end: {features_asked}"
+
+
+def test_a_request_woken_from_dormancy_feeds_its_draft_the_targets_features_again(tokenizer):
+    # Dormant steps send the draft no features, so its features have a gap; after the wake-up the
+    # new positions' features must still reach it. Until 2026-12-01 they did not: the gateway sent
+    # features only where they continued the last ones, so a request that had once been dormant
+    # fed its draft tokens alone for the rest of its life, and every catch-up ran the draft's slow
+    # featureless path (on the H200 at 4 requests auto's tree rounds took 22-25 ms where `always`'s
+    # took 15-16) with the draft guessing from its own states.
+    _, _, draft, features_asked, at, lengths = _dormant_then_awake(tokenizer)
+    runs = _runs(features_asked)
+    woke_at = sum(len(run) for _, run in runs[: at + 1])  # the first step of the wake-up
+    gap_end = lengths[woke_at]  # d0's length when it woke: the dormant tokens lie before it
+    with draft.lock:
+        fed = [item for item in draft.ingested if item.request_id == "d0" and item.features is not None]
+    covered = max(item.start_position + int(item.features.shape[0]) for item in fed)
+    assert covered > gap_end, (
+        f"after waking at length {gap_end}, d0's draft got features only up to position {covered}")
+    # Nothing beyond what the target computed: the rows sent cover committed positions only.
+    assert all(item.start_position + int(item.features.shape[0]) <= len(item.tokens) + item.start_position
+               for item in fed)
 
 
 def _runs(text: str) -> list[tuple[str, str]]:
@@ -686,3 +717,44 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     core._explored = False
     core._track_quiet(plan)
     assert (core._quiet, core._spell_start, core._wake_every) == (0, 0, core.WAKE_EVERY)
+
+
+def test_a_woken_request_drafts_only_once_its_replica_has_caught_up_on_the_tokens_it_slept_through(tokenizer):
+    core, target, drafts = new_core(tokenizer, mode="auto")
+    core.costs = CostModel(target_base=1.0, target_per_token=1e-3, draft_base=1e-3)  # trees always pay
+    core.gate.min_batch = 2  # one request: the figures alone decide
+    submit(core, "w", [3, 4, 5], max_tokens=400)
+    core._take_inbox()
+    for _ in range(6):  # prefill, then trees
+        core._step()
+        core._take_inbox()
+        time.sleep(0.005)
+    assert drafts[0].draft_calls > 0
+    req = core.running[0]
+    core.gate.allow_spec = lambda *args: False  # the load gate chooses plain decoding: the request sleeps
+    for _ in range(12):
+        core._step()
+        core._take_inbox()
+    assert not any(it.return_features for it in target.steps[-1]), "a dormant request asked for features"
+    slept_from = req.draft.sent
+
+    hold = threading.Event()
+    real_ingest = drafts[0].ingest
+    drafts[0].ingest = lambda items, catch_up=False: (hold.wait(10), real_ingest(items, catch_up))[1]
+    core.gate.allow_spec = lambda *args: True  # the gate asks for trees again: the request wakes
+    calls_before = drafts[0].draft_calls
+    for _ in range(4):  # the replica has not applied the wake-up's ingest yet
+        core._step()
+        core._take_inbox()
+    assert req.draft.sent > slept_from and not req.draft.caught_up
+    assert drafts[0].draft_calls == calls_before, "a tree was drafted before the replica caught up"
+    hold.set()
+    for _ in range(20):
+        time.sleep(0.005)
+        core._step()
+        core._take_inbox()
+        if drafts[0].draft_calls > calls_before:
+            break
+    assert drafts[0].draft_calls > calls_before, "no tree once the replica had caught up"
+    gap = [item for item in drafts[0].ingested if item.request_id == "w" and item.start_position == slept_from]
+    assert gap and gap[0].features is None, "the slept-through tokens were not sent first, without features"
