@@ -21,7 +21,7 @@ def test_bench_writes_json_and_png(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
-    # One warm-up request per mode went first, uncounted; the record names the model the gateway served.
+    # Warm-ups went first, uncounted (warmup_levels); the record names the model the gateway served.
     assert data["meta"]["warmup"] == 1 and data["meta"]["served_model"]
     rows = data["results"]
     assert {(r["mode"], r["concurrency"]) for r in rows} == {(m, c) for m in ("never", "always", "auto")
@@ -69,3 +69,12 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
     assert audit == {"trees": {"predicted": pytest.approx(1200.0), "measured": pytest.approx(200.0)},
                      "plain": {"predicted": pytest.approx(600.0), "measured": pytest.approx(450.0)}}
     assert level_audit(None, scrape()) is None  # /metrics unread: no audit
+
+
+def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_first_level():
+    from tandem.bench import WARMUP_TOKENS, warmup_levels
+
+    runs = warmup_levels(["never", "auto"], [1, 4, 16], 1, 128)
+    assert runs == [(mode, conc, conc, WARMUP_TOKENS) for mode in ("never", "auto") for conc in (1, 4, 16)]
+    assert warmup_levels(["never"], [8], 2, 4) == [("never", 8, 16, 4)]  # never longer than the levels
+    assert warmup_levels(["never"], [8], 0, 64) == []
