@@ -277,12 +277,18 @@ def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         if getattr(args, flag):
             cmd.append(f"--{flag.replace('_', '-')}={getattr(args, flag)}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    # The stack's log goes to a file beside the results: a pipe nobody reads fills up and then blocks
+    # the services' logging (and with it their step loops) mid-run.
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "serve.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"error: tandem serve exited: {proc.stderr.read().decode()[-2000:]}")
+            tail = log_path.read_bytes()[-2000:].decode(errors="replace")
+            raise SystemExit(f"error: tandem serve exited (its log: {log_path}):\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
@@ -317,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "at a concurrency pay one-time costs (kernel compiles, first graph replays) that would "
                    "otherwise land in whichever mode meets that concurrency first")
     p.add_argument("--prompts", type=Path, default=HELDOUT, help="JSONL with a 'prompt' field per line")
-    p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json and bench.png")
+    p.add_argument("--out", type=Path, default=Path("bench_out"),
+                   help="folder for bench.json, bench.png and, for a started stack, serve.log")
     p.add_argument("--title", default="tandem: throughput against concurrency (demo track)")
     return p
 
