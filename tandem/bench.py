@@ -277,9 +277,10 @@ def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         if getattr(args, flag):
             cmd.append(f"--{flag.replace('_', '-')}={getattr(args, flag)}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    # The stack's log goes to a file beside the results: a pipe nobody reads fills up and then blocks
-    # the services' logging (and with it their step loops) mid-run.
+    # The stack's logs go beside the results (OUT/logs: a file per service; OUT/serve.log: serve's own
+    # lines): a pipe nobody reads fills up and then blocks the logging (and with it a step loop) mid-run.
     args.out.mkdir(parents=True, exist_ok=True)
+    cmd += ["--log-dir", str(args.out / "logs")]
     log_path = args.out / "serve.log"
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, env=env, cwd=REPO)
@@ -324,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "otherwise land in whichever mode meets that concurrency first")
     p.add_argument("--prompts", type=Path, default=HELDOUT, help="JSONL with a 'prompt' field per line")
     p.add_argument("--out", type=Path, default=Path("bench_out"),
-                   help="folder for bench.json, bench.png and, for a started stack, serve.log")
+                   help="folder for bench.json, bench.png and, for a started stack, its logs")
     p.add_argument("--title", default="tandem: throughput against concurrency (demo track)")
     return p
 

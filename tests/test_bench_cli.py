@@ -40,8 +40,9 @@ def test_bench_writes_json_and_png(tmp_path):
         if r["mode"] == "always":
             assert r["acceptance_length"] >= 1.0  # auto may or may not have speculated
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The started stack logged to a file beside the results (a pipe nobody read would have filled up).
-    assert "ready: REST" in (out / "serve.log").read_text()
+    # The started stack logged beside the results (a pipe nobody read would have filled up).
+    assert "tandem serve: stopped" in (out / "serve.log").read_text()
+    assert "ready: REST" in "".join(path.read_text() for path in (out / "logs").glob("gateway*"))
     assert "auto / max(never, always)" in proc.stdout
     assert "auto's audit" in proc.stdout
 
