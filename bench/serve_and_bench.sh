@@ -3,7 +3,9 @@
 #
 #   bash bench/serve_and_bench.sh OUT CONCURRENCY MODES MAX_TOKENS [tandem serve flags...]
 #
-# OUT receives bench.json, bench.png and the services' logs (OUT/logs). The code is whatever
+# OUT receives bench.json, bench.png and the services' logs (OUT/logs). BENCH_ARGS adds flags to each
+# `tandem bench` (e.g. BENCH_ARGS="--requests-per-slot 8" for levels long enough that their ragged end
+# weighs little). The code is whatever
 # `python3 -m tandem.cli` imports (PYTHONPATH), so a before/after comparison runs this script
 # once per tree.
 set -uo pipefail
@@ -15,7 +17,7 @@ conc=$2; modes=$3; max_tokens=$4; shift 4
 exec bash "$(dirname "$0")/serve_and_run.sh" "$out" "
 for mode in ${modes//,/ }; do
   python3 -m tandem.cli bench --url http://127.0.0.1:\$SERVE_PORT --concurrency $conc --modes \$mode \
-    --max-tokens $max_tokens --out $out/\$mode --title \"tandem: \$mode\"
+    --max-tokens $max_tokens ${BENCH_ARGS:-} --out $out/\$mode --title \"tandem: \$mode\"
   curl -sf http://127.0.0.1:\$SERVE_PORT/metrics > $out/metrics_after_\$mode.txt || true
   awk '\$2 == \"metrics\" && \$3 ~ /^http/ {print \$1, \$3}' $out/serve.out | while read -r name url; do
     curl -sf \$url > $out/metrics_after_\${mode}_\$name.txt || true

@@ -81,3 +81,12 @@ def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_
     assert runs == [(mode, conc, conc, WARMUP_TOKENS) for mode in ("never", "auto") for conc in (1, 4, 16)]
     assert warmup_levels(["never"], [8], 2, 4) == [("never", 8, 16, 4)]  # never longer than the levels
     assert warmup_levels(["never"], [8], 0, 64) == []
+
+
+@pytest.mark.parametrize("flags", [["--requests-per-slot", "0"], ["--requests-per-level", "-1"], ["--warmup", "-1"]])
+def test_bench_refuses_a_bad_level_size_with_a_clear_error_before_starting_anything(flags):
+    from tandem.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(flags)
+    assert str(exc.value).startswith("error: ") and "--requests-per-slot at least 1" in str(exc.value)
