@@ -376,8 +376,7 @@ def test_a_request_woken_from_dormancy_feeds_its_draft_the_targets_features_agai
     # new positions' features must still reach it. Until 2026-12-01 they did not: the gateway sent
     # features only where they continued the last ones, so a request that had once been dormant
     # fed its draft tokens alone for the rest of its life, and every catch-up ran the draft's slow
-    # featureless path (on the H200 at 4 requests auto's tree rounds took 22-25 ms where `always`'s
-    # took 15-16) with the draft guessing from its own states.
+    # featureless path, with the draft guessing from its own states.
     _, _, draft, features_asked, at, lengths = _dormant_then_awake(tokenizer)
     runs = _runs(features_asked)
     woke_at = sum(len(run) for _, run in runs[: at + 1])  # the first step of the wake-up
