@@ -123,8 +123,7 @@ class CostModel:
         if predicted <= 0 or seconds <= 0:
             return
         b = batch_bucket(seqs)
-        ratio = min(max(seconds / predicted, 0.25), 4.0)
-        self.fed_ratios[b] = ratio if b not in self.fed_ratios else 0.8 * self.fed_ratios[b] + 0.2 * ratio
+        self.fed_ratios[b] = _moved_ratio(self.fed_ratios.get(b), seconds / predicted)
 
     def observe(self, tokens: int, seqs: int, budgets: list[DraftBudget], seconds: float) -> None:
         """A decode step of `seqs` sequences and `tokens` fixed tokens, with these trees, took `seconds`."""
@@ -132,10 +131,16 @@ class CostModel:
         if predicted <= 0 or seconds <= 0:
             return
         key = (batch_bucket(seqs), any(not b.empty for b in budgets))
-        # Starts from the profile (ratio 1) and moves a fifth of the way per step, so one
-        # step stalled by the host, or the slow first tree of a request, cannot swing it.
-        ratio = min(max(seconds / predicted, 0.25), 4.0)
-        self.ratios[key] = 0.8 * self.ratios.get(key, 1.0) + 0.2 * ratio
+        # Starts from the profile (ratio 1).
+        self.ratios[key] = _moved_ratio(self.ratios.get(key, 1.0), seconds / predicted)
+
+
+def _moved_ratio(old: float | None, measured: float) -> float:
+    """A learned cost ratio after one more measurement (None: the first, taken whole). It moves a
+    fifth of the way, from a measurement clamped to [0.25, 4], so one step stalled by the host, or
+    the slow first tree of a request, cannot swing it."""
+    measured = min(max(measured, 0.25), 4.0)
+    return measured if old is None else 0.8 * old + 0.2 * measured
 
 
 @dataclass
