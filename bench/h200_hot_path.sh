@@ -7,6 +7,9 @@
 # "after" the working tree. Stages:
 #   tests    the kernel, graph and engine tests on the GPU (compiled Triton, real CUDA graphs)
 #   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
+#   kernels  after only: bench/step_cost.py --profile, the forward's kernels at batch 1 and 64 (decode and
+#            verify 8), device time per kernel beside the replayed graph's wall time; then the same
+#            forward with cuBLASLt preferred for the linear layers (TORCH_BLAS_PREFER_CUBLASLT=1)
 #   engine   bench/engine_step.py: a whole TargetEngine.step, batch 1/8/64, decode and verify 8
 #   phases   after only: bench/engine_step.py --phases, a standalone step's host time part by part (validate,
 #            pack, graph replay, the wait for the GPU, results), batch 1/8/64, decode and verify 8
@@ -137,6 +140,11 @@ for stage in "$@"; do
       run tests after 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_target_graphs.py \
         tests/test_pipelined_grant.py tests/test_step_tail.py \
         tests/test_target_verify.py ;;
+    kernels)
+      run kernels after 200 python3 bench/step_cost.py --batches 1,64 --nodes 8 --iters 20 --profile 20 \
+        --out "$OUT/kernels.json"
+      run kernels_cublaslt after 200 env TORCH_BLAS_PREFER_CUBLASLT=1 python3 bench/step_cost.py --batches 1,64 \
+        --nodes 8 --iters 20 --profile 20 --out "$OUT/kernels_cublaslt.json" ;;
     forward)
       for tree in before after; do
         run "forward_$tree" $tree 200 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 20 \

@@ -63,6 +63,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile N replays of each step (the graph where there is one) and print its "
+                         "kernels: count and device time per step, grouped, beside the step's wall time")
     args = ap.parse_args()
     small = args.tiny
     args.batches = [int(b) for b in (args.batches or ("1,4" if small else "1,8,32,64,128")).split(",")]
@@ -181,13 +184,66 @@ def time_step(model: LlamaModel, kv: PagedKVCache, step: Step, args: argparse.Na
     for _ in range(args.warmup):
         forward()
     eager = timed(forward, args.iters, device)
-    result = {"plan_ms": plan_ms, "eager_ms": statistics.median(eager), "graph_ms": None}
+    result = {"plan_ms": plan_ms, "eager_ms": statistics.median(eager), "graph_ms": None, "kernels": None}
     if device.type == "cuda" and not args.no_graphs and model.attention.name == "triton":
-        result["graph_ms"] = statistics.median(time_graph(forward, args, device))
+        result["graph_ms"], result["kernels"] = time_graph(forward, args, device)
+    elif args.profile:
+        result["kernels"] = profile_kernels(forward, args.profile, device)
     return result
 
 
-def time_graph(forward: Callable[[], object], args: argparse.Namespace, device: torch.device) -> list[float]:
+def kernel_group(name: str) -> str:
+    """A kernel's part of the forward, from its name (cuBLAS's GEMMs and ours are named as they are)."""
+    low = name.lower()
+    if any(key in low for key in ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "matmul"
+    if "attention" in low or "attn" in low or "merge" in low:
+        return "attention"
+    if "norm" in low:
+        return "norm"
+    if "rope" in low or "rotary" in low:
+        return "rope"
+    return "other"
+
+
+def profile_kernels(fn: Callable[[], object], iters: int, device: torch.device) -> dict:
+    """Device time per step of each kernel fn launches, from torch.profiler over `iters` calls; with
+    the wall time of the same calls, the difference is the time the GPU sat between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        wall_us = sum(timed(fn, iters, device)) * 1e3 / iters
+    kernels = []
+    for avg in prof.key_averages():
+        # On the CPU the "kernels" are the top-level torch ops: a smoke run of the same code.
+        us = avg.self_device_time_total if cuda else avg.self_cpu_time_total
+        if us <= 0:
+            continue
+        kernels.append({"name": avg.key, "group": kernel_group(avg.key), "calls_per_step": avg.count / iters,
+                        "us_per_step": us / iters})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    groups: dict[str, dict] = {}
+    for k in kernels:
+        g = groups.setdefault(k["group"], {"calls_per_step": 0.0, "us_per_step": 0.0})
+        g["calls_per_step"] += k["calls_per_step"]
+        g["us_per_step"] += k["us_per_step"]
+    busy = sum(k["us_per_step"] for k in kernels)
+    return {"wall_us_per_step": wall_us, "kernel_us_per_step": busy, "idle_us_per_step": wall_us - busy,
+            "groups": groups, "kernels": kernels}
+
+
+def print_kernels(label: str, profile: dict, top: int = 12) -> None:
+    print(f"  kernels of {label}: wall {profile['wall_us_per_step']:.0f} us per step, kernels "
+          f"{profile['kernel_us_per_step']:.0f} us, GPU idle between them {profile['idle_us_per_step']:.0f} us")
+    for name, g in sorted(profile["groups"].items(), key=lambda item: -item[1]["us_per_step"]):
+        print(f"    {name:<10} {g['calls_per_step']:7.1f} launches {g['us_per_step']:9.1f} us")
+    for k in profile["kernels"][:top]:
+        print(f"      {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['name'][:90]}")
+
+
+def time_graph(forward: Callable[[], object], args: argparse.Namespace,
+               device: torch.device) -> tuple[float, dict | None]:
     # Static inputs: the step's tensors and metadata are captured as they are.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -201,9 +257,10 @@ def time_graph(forward: Callable[[], object], args: argparse.Namespace, device: 
     for _ in range(args.warmup):
         graph.replay()
     times = timed(graph.replay, args.iters, device)
+    kernels = profile_kernels(graph.replay, args.profile, device) if args.profile else None
     del graph, out
     torch.cuda.empty_cache()
-    return times
+    return statistics.median(times), kernels
 
 
 # --- main -----------------------------------------------------------------
@@ -255,6 +312,8 @@ def main() -> None:
             graph = f"{timing['graph_ms']:9.3f}" if timing["graph_ms"] is not None else f"{'-':>9}"
             print(f"{batch:>5} {nodes:>5} {batch * nodes:>6} {timing['plan_ms']:8.3f} {timing['eager_ms']:9.3f} "
                   f"{graph} {mem_floor:9.3f} {roofline:9.3f} {best / roofline:9.2f}", flush=True)
+            if timing["kernels"]:
+                print_kernels(f"batch {batch} x {nodes} nodes", timing["kernels"])
         for sid in seq_ids:
             kv.release(sid)
 
