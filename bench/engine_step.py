@@ -87,15 +87,27 @@ def prefill(engine: TargetEngine, batch: int, prefix: int) -> list[str]:
     return ids
 
 
-def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str) -> float:
+def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str,
+               features: bool = False) -> float:
+    """ms per step (median). features: every item asks for the target's features (the model's default
+    layers), and the committed rows are copied to the host as the served target does before a
+    step's reply (target_service.feature_sinks.split_features): a step that feeds a draft."""
+    from target_service.engine import batch_of_items
+    from target_service.feature_sinks import split_features
+
     last = {rid: 1 for rid in ids}
     times = []
     for _ in range(iters + 3):
-        items = [SequenceStep(rid, *tree(last[rid], nodes), 1) for rid in ids]
+        items = [SequenceStep(rid, *tree(last[rid], nodes), 1, return_features=features) for rid in ids]
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = engine.step(items)
+        if features:
+            batch = batch_of_items(items)
+            results, _ = split_features(engine.run(batch), batch)
+            out = results.sequence_results()
+        else:
+            out = engine.step(items)
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -217,6 +229,10 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
             ms = time_steps(engine, ids, n, args.iters, device)
             rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms})
             print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step", flush=True)
+            if args.features:
+                ms = time_steps(engine, ids, n, args.iters, device, features=True)
+                rows.append({"mode": mode, "batch": b, "nodes": n, "features": True, "ms": ms})
+                print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step with features", flush=True)
             # Right after steps of this shape: the shared input buffer holds this bucket's layout.
             replay = time_replays(engine, b, n, args.iters) if mode == "graphs" and args.tp == 1 else None
             if replay is not None:
@@ -343,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="also time each part of a step (validate, pack, graph replay, the wait for the GPU, "
                          "results...) in microseconds per step, TP=1 only")
+    ap.add_argument("--features", action="store_true",
+                    help="also time each step with every item asking for features (the model's default layers), "
+                         "the committed rows copied to the host as the served target does: a step that feeds a draft")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:
