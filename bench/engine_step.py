@@ -104,7 +104,7 @@ def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, dev
         t0 = time.perf_counter()
         if features:
             batch = batch_of_items(items)
-            results, _ = split_features(engine.run(batch), batch)
+            results, _ = split_features(engine.run(batch))
             out = results.sequence_results()
         else:
             out = engine.step(items)

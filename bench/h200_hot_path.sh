@@ -27,10 +27,6 @@
 #            (ROUND_CONCURRENCY overrides the level), what one gRPC stream call costs on this host
 #            (bench/grpc_stream_latency.py), and a torch.profiler table of the draft call at
 #            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
-#   early    after only: early trees (the draft grows a drafting request's next tree as soon as the target
-#            pushes its verify step's features) on against off (--draft-args=--no-early-trees): the scale track
-#            (acceptance 0.8) at EARLY_CONCURRENCY (default 1,4,16,64), `never` once and `always` both ways, each
-#            with its round breakdown; then the demo track in bf16 at EARLY_DEMO_CONCURRENCY (default 1,4)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
@@ -198,22 +194,6 @@ for stage in "$@"; do
       run grpc_latency_sleep after 120 python3 bench/grpc_stream_latency.py --sleep
       [[ ${ROUND_PROFILE:-1} == 1 ]] && run draft_profile after 150 python3 bench/draft_step.py --batches 1 \
         --budgets "5,4,8" --iters 10 --profile "$OUT/draft_profile.txt" ;;
-    early)
-      need_scale scale_track $scale
-      for how in on off; do
-        scale_serve $scale 0.8
-        modes=always since=()
-        [[ $how == on ]] && modes=never,always since=(--since never)
-        [[ $how == off ]] && serve[-1]+=" --no-early-trees"  # the last flag is --draft-args=...
-        serve_bench "early_scale_$how" 8280 "${EARLY_CONCURRENCY:-1,4,16,64}" $modes "${serve[@]}"
-        python3 bench/round_breakdown.py "$OUT/early_scale_$how" always "${since[@]}" \
-          > "$OUT/early_scale_${how}_always.txt"
-      done
-      for how in on off; do
-        flags=(--device cuda --dtype bfloat16)
-        [[ $how == off ]] && flags+=("--draft-args=--no-early-trees")
-        serve_bench "early_demo_$how" 8380 "${EARLY_DEMO_CONCURRENCY:-1,4}" never,always "${flags[@]}"
-      done ;;
     features)
       need_scale scale_track $scale
       scale_serve $scale 0.8

@@ -55,16 +55,6 @@ class _Request:
     last_h: torch.Tensor | None = None  # pre-norm h of the last computed position
 
 
-@dataclass(frozen=True, eq=False)
-class _EarlyTree:
-    """A tree grown before its call (grow_early), kept for the call that asks for it."""
-
-    budget: DraftBudget
-    num_tokens: int  # the request's known tokens it hangs below
-    tree: DraftTree
-    graphs_captured: int  # graphs its growth captured: charged to the call that takes it
-
-
 @dataclass
 class _Growing:
     """One request's tree while it grows: the model-facing half of TreeGrowth."""
@@ -107,12 +97,6 @@ class DraftEngine:
         self.max_tokens = model.max_position - MAX_STEPS
         self.target_ids = model.d2t.tolist()  # draft id -> target id
         self.last_call_seconds = 0.0
-        # Trees grown before their call (grow_early), by request; a call whose budget and known tokens
-        # match takes its request's tree instead of growing one.
-        self._early: dict[str, _EarlyTree] = {}
-        # Of the last draft(): the requests whose trees were early ones, and the graphs their growth captured.
-        self.last_call_early: list[str] = []
-        self.last_call_early_graphs = 0
 
     # --- queries ----------------------------------------------------------
     def info(self) -> DraftInfo:
@@ -123,11 +107,6 @@ class DraftEngine:
 
     def load(self) -> DraftLoad:
         return DraftLoad(len(self.requests), self.kv.block_size, self.kv.num_blocks, self.kv.free_blocks)
-
-    def known_tokens(self, request_id: str) -> int:
-        """Tokens the replica knows for the request (committed, then the pending one); 0 if unknown."""
-        st = self.requests.get(request_id)
-        return len(st.tokens) if st is not None else 0
 
     def computed(self, request_id: str) -> int:
         return self.kv.seqs[request_id].length
@@ -207,25 +186,12 @@ class DraftEngine:
         self.last_call_seconds = time.perf_counter() - t0
         return [self.status(it.request_id) for it in items]
 
-    def can_ingest(self, item: IngestItem) -> bool:
-        """Whether `item` would be taken as it is by a request this replica already holds."""
-        if item.request_id not in self.requests:
-            return False
-        try:
-            self._check_ingest([item])
-        except (InvalidDraftInput, OutOfDraftCapacity):
-            return False
-        return True
-
     def _apply(self, it: IngestItem) -> None:
         st = self.requests.get(it.request_id)
         if st is None:
             st = self.requests[it.request_id] = _Request()
             self.kv.create(it.request_id)
-        new_tokens = it.tokens[len(st.tokens) - it.start_position:]
-        if new_tokens:
-            self._early.pop(it.request_id, None)  # grown below a root that is no longer the last
-        st.tokens.extend(new_tokens)
+        st.tokens.extend(it.tokens[len(st.tokens) - it.start_position:])
         done = self.computed(it.request_id)
         for i in range(it.num_feature_rows):
             # Features of positions already computed come too late to matter.
@@ -379,38 +345,9 @@ class DraftEngine:
         for ing in ingest:
             self._apply(ing)
         self._catch_up(list(lengths))
-        early = self._take_early(items)
-        grown = iter(self._grow([it for it in items if it.request_id not in early]))
-        trees = [early[it.request_id].tree if it.request_id in early else next(grown) for it in items]
-        self.last_call_early = list(early)
-        self.last_call_early_graphs = sum(e.graphs_captured for e in early.values())
+        trees = self._grow(items)
         self.last_call_seconds = time.perf_counter() - t0
         return trees
-
-    @torch.inference_mode()
-    def grow_early(self, items: list[DraftItem], ingest: list[IngestItem]) -> list[DraftTree]:
-        """draft(), with the trees kept for the calls that will ask for them: a later draft() of the
-        same request, budget and known tokens returns its tree without growing one. For trees grown
-        as soon as the target's features arrive (draft_service.early_trees)."""
-        captured = self.graphs_captured
-        trees = self.draft(items, ingest)
-        captured = self.graphs_captured - captured
-        for it, tree in zip(items, trees, strict=True):
-            if not it.budget.empty:
-                n = len(self.requests[it.request_id].tokens)
-                self._early[it.request_id] = _EarlyTree(it.budget, n, tree, captured)
-                captured = 0  # charged once, to the first call that takes one
-        return trees
-
-    def _take_early(self, items: list[DraftItem]) -> dict[str, _EarlyTree]:
-        """The early trees that `items` asked for as they were grown; the others are dropped."""
-        taken = {}
-        for it in items:
-            early = self._early.pop(it.request_id, None)
-            if (early is not None and early.budget == it.budget
-                    and early.num_tokens == len(self.requests[it.request_id].tokens)):
-                taken[it.request_id] = early
-        return taken
 
     def _grow(self, items: list[DraftItem]) -> list[DraftTree]:
         trees, growing = [], []
@@ -543,6 +480,5 @@ class DraftEngine:
         for rid in request_ids:
             if self.requests.pop(rid, None) is not None:
                 n += 1
-            self._early.pop(rid, None)
             self.kv.release(rid)
         return n

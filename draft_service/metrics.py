@@ -51,12 +51,6 @@ class DraftMetrics:
                                            "(--target), by where they came from: pushed by the target, read "
                                            "from it, or absent (dropped, or the target unreachable: those "
                                            "positions are caught up without them)", ["source"], registry=r)
-        self.early_trees = Counter("tandem_draft_early_trees", "Trees grown as the target pushed a drafting "
-                                   "request's features, before its Draft call (grown), and those a call then took "
-                                   "(used); grown - used were never asked for", ["outcome"], registry=r)
-        self.early_tree_seconds = Histogram("tandem_draft_early_tree_seconds", "Engine time of growing one "
-                                            "step's early trees (their catch-up included), before the calls "
-                                            "that take them", buckets=STEP_SECONDS_BUCKETS, registry=r)
         if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
             r.register(DraftLoadCollector(load))
 
@@ -76,13 +70,6 @@ class DraftMetrics:
         if nodes:
             self.draft_tokens.inc(nodes)
         self._record_ingest(ingest)
-
-    def record_early_trees(self, outcome: str, n: int, seconds: float | None = None) -> None:
-        """outcome: grown (with the growth's engine seconds) or used."""
-        if n:
-            self.early_trees.labels(outcome=outcome).inc(n)
-        if seconds is not None:
-            self.early_tree_seconds.observe(seconds)
 
     def record_feature_read(self, seconds: float) -> None:
         self.feature_read_seconds.observe(seconds)

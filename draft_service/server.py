@@ -12,7 +12,6 @@ from pathlib import Path
 import grpc
 import torch
 
-from draft_service.early_trees import EarlyTrees
 from draft_service.engine import DraftEngine
 from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
 from draft_service.metrics import DraftMetrics
@@ -73,11 +72,6 @@ def status_to_proto(s: RequestStatus) -> draft_pb2.RequestStatus:
                                    num_missing_features=s.num_missing_features, ready=s.ready)
 
 
-def _nodes_expanded(items: list[DraftItem]) -> int:
-    """What a tree costs the draft, for emulated costs: each level runs topk nodes per request."""
-    return sum(it.budget.steps * it.budget.topk for it in items if not it.budget.empty)
-
-
 # --- the servicer ---------------------------------------------------------------------------------
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -91,8 +85,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.forcing: ForcedProposals | None = None  # benchmarks' scale track only
         # --target: where features held at the target are read (IngestItem.target_feature_rows).
         self.target_features: TargetFeatureReader | None = None
-        # With pushed features: drafting requests' next trees grown as the target pushes them (early_trees).
-        self.early: EarlyTrees | None = None
         # One engine call at a time: requests' state and the KV cache are shared.
         self._lock = threading.Lock()
 
@@ -149,22 +141,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             t0 = time.perf_counter()
             captured_before = engine.graphs_captured
             trees = engine.draft(items, ingest)
-            early = set(engine.last_call_early)
-            captured = engine.graphs_captured - captured_before + engine.last_call_early_graphs
+            captured = engine.graphs_captured - captured_before
             if self.forcing is not None:
                 trees = [self.forcing.rewrite(t, engine.requests[t.request_id].tokens) for t in trees]
-            if self.pacing is not None:  # early trees paid for theirs as they grew
-                self.pacing.hold(t0, _nodes_expanded([it for it in items if it.request_id not in early]))
+            if self.pacing is not None:
+                # The draft's work: each tree level runs topk nodes per request.
+                self.pacing.hold(t0, sum(it.budget.steps * it.budget.topk for it in items if not it.budget.empty))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
-        if self.early is not None:  # before the reply: its verify step's features may follow at once
-            self.early.order(items, trees)
 
         def record() -> None:  # never raises: on a stream the reply has already left
             if self.metrics is not None:
                 try:
                     self.metrics.record_draft(ingest, items, trees, seconds)
-                    self.metrics.record_early_trees("used", len(early))
                 except Exception:
                     log.exception("recording a draft call's metrics failed")
 
@@ -174,26 +163,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftResponse(trees=[tree_to_proto(t, request.return_ancestor_mask) for t in trees],
                                        load=load_to_proto(load), draft_seconds=seconds,
                                        graphs_captured=captured), record
-
-    def grow_early(self, items: list[DraftItem], ingest: list[IngestItem]) -> None:
-        """EarlyTrees' way into the engine: the trees of the requests whose pushed tokens continue
-        exactly where the replica stands (a call that came first has taken them in already)."""
-        engine = self.engine
-        if engine is None:
-            return
-        with self._lock:
-            keep = [i for i, ing in enumerate(ingest) if engine.can_ingest(ing)
-                    and engine.known_tokens(ing.request_id) == ing.start_position + 1]
-            if not keep:
-                return
-            items, ingest = [items[i] for i in keep], [ingest[i] for i in keep]
-            t0 = time.perf_counter()
-            engine.grow_early(items, ingest)
-            if self.pacing is not None:
-                self.pacing.hold(t0, _nodes_expanded(items))
-            seconds = time.perf_counter() - t0 if self.pacing is not None else engine.last_call_seconds
-        if self.metrics is not None:
-            self.metrics.record_early_trees("grown", len(items), seconds)
 
     @map_errors
     def Draft(self, request, context):
@@ -222,8 +191,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             n = engine.release(list(request.request_ids))
             if self.target_features is not None:
                 self.target_features.release(list(request.request_ids))
-            if self.early is not None:
-                self.early.forget(list(request.request_ids))
             if self.forcing is not None:
                 self.forcing.release(list(request.request_ids))
             load = engine.load()
@@ -232,13 +199,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @map_errors
     def GetLoad(self, request, context):
         return load_to_proto(self._ready().load())
-
-    def close(self) -> None:
-        """The service is stopping: end the feature subscription and the early trees' thread."""
-        if self.early is not None:
-            self.early.close()
-        if self.target_features is not None:
-            self.target_features.close()
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -283,11 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-features", action="store_true",
                    help="with --target: read every row with ReadFeatures, one round trip before each tree, "
                         "instead of subscribing to pushes (for comparison; default off)")
-    p.add_argument("--no-early-trees", action="store_true",
-                   help="grow each tree only when the gateway's Draft call asks for it (for comparison). By "
-                        "default, with pushed features, a drafting request's next tree grows as soon as the "
-                        "target pushes its verify step's features, at the budget of its last call, and the "
-                        "gateway's next call finds it ready (a call with another budget gets a new one)")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
@@ -332,9 +287,6 @@ def main(argv: list[str] | None = None) -> int:
                                                            subscribe=not args.pull_features)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
-        if not args.pull_features and not args.no_early_trees:
-            servicer.early = EarlyTrees(servicer.grow_early, servicer.target_features.pushed)
-            servicer.target_features.on_pushed = servicer.early.pushed
     metrics = None
     if args.metrics_port is not None:
         metrics = servicer.metrics = DraftMetrics(load=lambda: servicer.engine and servicer.engine.load())
@@ -374,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                     "expanded (steps x topk per request)",
                     pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
-    host.run_until_signal(on_stop=servicer.close)
+    host.run_until_signal(on_stop=servicer.target_features.close if servicer.target_features else None)
     telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -22,14 +22,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
 from draft_service.types import IngestItem
 from tandem.channels import open_channel
 from tandem.feature_store import FeatureStore
-from tandem.tensors import array_from_proto, tensor_from_proto
+from tandem.tensors import tensor_from_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import target_pb2, target_pb2_grpc
 
@@ -42,28 +41,15 @@ PUSH_WAIT_S = 0.05
 PUSHED_ROWS = 16384  # rows kept until an ingest uses them (as the target's --max-held-features)
 
 
-@dataclass(frozen=True)
-class PushedTokens:
-    """What the target committed with pushed rows: positions start .. start + len(tokens) - 2 have
-    rows in the reader's store, tokens[-1] is the token the step sampled after them."""
-
-    request_id: str
-    start: int
-    tokens: tuple[int, ...]
-    step_end: bool  # the last of its step's pushes to this reader
-
-
 class TargetFeatureReader:
     """subscribe: take pushed rows (a subscription thread, reconnecting after a break);
     False: pull every row with ReadFeatures. on_rows(source, rows): told, per fill, how many
-    rows were pushed, read, or absent (the service's metrics). on_pushed: told of every push
-    that came with its tokens, on the subscription thread, once the rows are in `pushed`."""
+    rows were pushed, read, or absent (the service's metrics)."""
 
     def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0, subscribe: bool = True,
                  on_rows: Callable[[str, int], None] | None = None):
         self.address = address
         self.on_rows = on_rows
-        self.on_pushed: Callable[[PushedTokens], None] | None = None
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
@@ -89,8 +75,6 @@ class TargetFeatureReader:
                         log.info("features from the target at %s are pushed to this draft", self.address)
                         continue
                     self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
-                    if self.on_pushed is not None and msg.HasField("tokens"):
-                        self._tell(msg)
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
@@ -103,13 +87,6 @@ class TargetFeatureReader:
                 self.live = False
             self._closed.wait(backoff)
             backoff = min(2 * backoff, 2.0)
-
-    def _tell(self, msg: target_pb2.FeatureRows) -> None:
-        try:
-            tokens = array_from_proto(msg.tokens, "int32", "pushed tokens")
-            self.on_pushed(PushedTokens(msg.request_id, msg.start_position, tuple(tokens.tolist()), msg.step_end))
-        except Exception:  # the subscription must outlive whatever the listener does
-            log.exception("handling pushed tokens of %s failed", msg.request_id)
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
         """The items with the target's rows for them in `features` (target_feature_rows

@@ -85,17 +85,6 @@ class FeatureStore:
             self._drop_below(request_id, held, end)
             return (lo if found is not None else start), found
 
-    def peek(self, request_id: str, start: int, end: int) -> torch.Tensor | None:
-        """The rows of positions [start, end) if all are held, else None; frees nothing (the reader
-        that reads them later still finds them)."""
-        with self._lock:
-            held = self._held.get(request_id)
-            if held is None or start < held.start or end > held.end:
-                return None
-            every = held.chunks[0] if len(held.chunks) == 1 else torch.cat(held.chunks)
-            held.chunks = [every]
-            return every[start - held.start: end - held.start]
-
     def wait_for(self, request_id: str, end: int, timeout: float) -> bool:
         """Wait until rows up to position `end` of the sequence are held (True), or `timeout`
         seconds have passed (False): for rows another thread is about to write."""

@@ -2,12 +2,10 @@
 
 Either they wait in the FeatureStore until a reader pulls them (ReadFeatures),
 or, when the step names a feature sink for the item and a reader is subscribed
-under that name (SubscribeFeatures), they are queued for it as the step's reply
-leaves, with the tokens they belong to (the subscription's own thread sends them;
-the reply does not wait for them, the reader waits for pushed rows). A push is one
-hop beside the step's reply, so the reader has the rows by about the time it is
-asked to use them, or earlier (a draft grows its next trees from them at once:
-draft_service.early_trees); a pull is a round trip on the speculative
+under that name (SubscribeFeatures), they are pushed to it right after the step's
+reply has left (the reply does not wait for them; the reader waits for pushed rows).
+A push is one hop beside the step's reply, so the reader has the rows by about
+the time it is asked to use them; a pull is a round trip on the speculative
 round's critical path (about 1.85 ms of a 17 ms round at one request on the
 H200, where the draft read features before every tree).
 
@@ -26,26 +24,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from target_service.step_batch import StepBatch, StepResults
+from target_service.step_batch import StepResults
 
 
 @dataclass(frozen=True)
 class CommittedRows:
-    """The features of positions start .. start + len(rows) - 1 of one sequence, on the host.
-    tokens (int32 [len(rows) + 1], pushed rows only): those positions' tokens, then the one the
-    step sampled after them. step_end: the last rows of their step for their subscriber."""
+    """The features of positions start .. start + len(rows) - 1 of one sequence, on the host."""
 
     request_id: str
     start: int
     rows: torch.Tensor
-    tokens: np.ndarray | None = None
-    step_end: bool = False
 
 
-def split_features(results: StepResults, batch: StepBatch | None = None
-                   ) -> tuple[StepResults, list[tuple[int, CommittedRows]]]:
-    """The results without their features, and (item index, rows) of every item that asked;
-    with the step's batch, each item's rows carry their tokens and the sampled one after them."""
+def split_features(results: StepResults) -> tuple[StepResults, list[tuple[int, CommittedRows]]]:
+    """The results without their features, and (item index, rows) of every item that asked."""
     counts = results.feature_counts
     if results.features is None or counts is None:
         return results, []
@@ -58,19 +50,8 @@ def split_features(results: StepResults, batch: StepBatch | None = None
             # The rows are the tokens this step committed: the last `count` positions. A copy,
             # so that rows kept for long do not keep the whole step's features alive.
             rows = host[int(ends[b]) - count: int(ends[b])].clone()
-            tokens = None if batch is None else _committed_tokens(results, batch, b, count)
-            found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows, tokens)))
+            found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows)))
     return dataclasses.replace(results, features=None, feature_counts=None), found
-
-
-def _committed_tokens(results: StepResults, batch: StepBatch, b: int, count: int) -> np.ndarray:
-    """The last `count` tokens item b committed (its fixed nodes, then the accepted drafted ones),
-    then the token sampled after them."""
-    start = int(batch.starts[b])
-    fixed = batch.tokens[start: start + int(batch.num_fixed[b])]
-    accepted = int(results.num_accepted[b])
-    committed = np.concatenate((fixed, results.new_tokens[b, :accepted]))
-    return np.append(committed[-count:], results.new_tokens[b, accepted]).astype(np.int32)
 
 
 _END = None  # what a closed subscription's queue ends with

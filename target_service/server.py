@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,7 +22,7 @@ from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
-from tandem.tensors import array_from_proto, array_to_proto, tensor_to_proto
+from tandem.tensors import array_from_proto, tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import batch_of_items
@@ -67,9 +66,9 @@ def _reply(results: StepResults, item_index: np.ndarray, load: KvLoad, seconds: 
                                 step_seconds=seconds, step_index=index, done=done)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _StepRun:
-    """A step's outcome, and the features still to push to their subscribers (_push_features)."""
+    """A step's outcome, and the features to push once its reply has left."""
 
     batch: StepBatch
     results: StepResults
@@ -177,30 +176,25 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             t0 = time.perf_counter()
             results = engine.run(batch, layers)
             if hold and results.features is not None:  # before the reply leaves: a reader told of them finds them
-                results, pushes = self._keep_features(results, sinks, batch)
+                results, pushes = self._keep_features(results, sinks)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
         return _StepRun(batch, results, load, seconds, pushes)
 
-    def _keep_features(self, results: StepResults, sinks: list[str | None] | None, batch: StepBatch | None = None
+    def _keep_features(self, results: StepResults, sinks: list[str | None] | None
                        ) -> tuple[StepResults, list[tuple[str, CommittedRows]]]:
         """Hold each item's rows for a pull, or, where its sink has a subscriber, return them to
-        be pushed once the reply has left (_after_reply), with their tokens (from `batch`) and the
-        last of each sink's marked step_end; the results leave without them."""
-        results, found = split_features(results, batch)
+        be pushed once the reply has left (_after_reply); the results leave without them."""
+        results, found = split_features(results)
         pushes = []
-        last: dict[str, int] = {}
         for b, rows in found:
             sink = sinks[b] if sinks else None
             if sink is not None and self.feature_sinks.subscribed(sink):
-                last[sink] = len(pushes)
                 pushes.append((sink, rows))
             else:
                 self._hold(rows)
-        for sink, at in last.items():
-            pushes[at] = (sink, dataclasses.replace(pushes[at][1], step_end=True))
         return results, pushes
 
     def _hold(self, rows: CommittedRows) -> None:
@@ -208,35 +202,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.metrics is not None:
             self.metrics.held_feature_bytes.inc(rows.rows.numel() * rows.rows.element_size())
 
-    def _push_features(self, run: _StepRun) -> None:
-        """Queue a step's rows for their subscribers, before its reply: each subscription's own thread
-        serialises and sends them, so they travel beside the reply. A draft replica grows the next
-        trees from them (draft_service.early_trees) while the reply reaches the gateway and the
-        gateway's next call reaches it; sent after the reply (as they were), they arrived at one
-        request on the H200 after that call. A subscriber gone since is held for, as a pull."""
-        pushes, run.pushes = run.pushes, []
+    def _after_reply(self, run: _StepRun) -> None:
+        """What a step's reply need not wait for: pushing its features to subscribers (the
+        reader waits for pushed rows; a subscriber gone since is held for, as a pull), and its
+        metrics: per verify step at one request on the dev machine 0.15 ms and 0.12 ms (py-spy),
+        on a round's critical path before. Never raises: on a stream the reply has already left,
+        and a second reply would be read as the next call's."""
         try:
-            for sink, rows in pushes:
+            for sink, rows in run.pushes:
                 if self.feature_sinks.push(sink, rows):
                     if self.metrics is not None:
                         self.metrics.pushed_feature_bytes.inc(rows.rows.numel() * rows.rows.element_size())
                 else:
                     self._hold(rows)
-        except Exception:
-            log.exception("pushing a step's features failed")
-
-    def _after_reply(self, run: _StepRun) -> None:
-        """What a step's reply need not wait for: pushing its features to subscribers where they
-        were not pushed before it (the reader waits for pushed rows), and its metrics: per verify
-        step at one request on the dev machine 0.12 ms (py-spy), on a round's critical path before.
-        Never raises: on a stream the reply has already left, and a second reply would be read as
-        the next call's."""
-        self._push_features(run)
-        try:
             if self.metrics is not None:
                 self.metrics.record_batch(run.batch, run.results, run.load, run.seconds)
         except Exception:
-            log.exception("after a step's reply: recording its metrics failed")
+            log.exception("after a step's reply: pushing its features or recording its metrics failed")
 
     def _grant(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], stops: GrantStops,
                steps: int, interrupted) -> Iterator[tuple[GrantStep, KvLoad, float]]:
@@ -284,7 +266,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if call.grant_steps <= 1:
                 sinks = _item_sinks(call, batch.size) if call.hold_features else None
                 run = self._run(engine, batch, layers, call.hold_features, sinks)
-                self._push_features(run)  # queued for the subscribers' threads: they leave beside the reply
                 try:
                     yield _reply(run.results, np.arange(batch.size), run.load, run.seconds, 1, True)
                 finally:  # the reply has left (or the stream is gone): the rest is off the critical path
@@ -342,11 +323,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 return
             yield target_pb2.FeatureRows()  # live: steps naming this sink push here from now on
             for rows in sub:
-                msg = target_pb2.FeatureRows(request_id=rows.request_id, start_position=rows.start,
-                                             features=tensor_to_proto(rows.rows), step_end=rows.step_end)
-                if rows.tokens is not None:
-                    msg.tokens.CopyFrom(array_to_proto(rows.tokens))
-                yield msg
+                yield target_pb2.FeatureRows(request_id=rows.request_id, start_position=rows.start,
+                                             features=tensor_to_proto(rows.rows))
         finally:
             self.feature_sinks.leave(sub)
 

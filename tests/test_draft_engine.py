@@ -218,39 +218,3 @@ def test_a_tree_verifies_on_the_target_as_returned(tiny_llama):
     result = target.step([SequenceStep("spec", tuple(tokens), tuple(parents), num_fixed)])[0]
     assert result.accepted_nodes == [2, 3]
     assert result.tokens == greedy[1:4]
-
-
-def test_a_tree_grown_early_is_the_one_its_call_would_have_grown_and_the_call_takes_it(model):
-    """grow_early keeps the tree for the call that asks for it with the same budget and known tokens:
-    that call grows nothing and gets the tree a replica without early trees grows. Another budget,
-    or new tokens, and the early tree is dropped."""
-    tokens, feats = history(model, 20, seed=5)
-    early, plain = (DraftEngine(model, num_blocks=32, block_size=4) for _ in range(2))
-    for engine in (early, plain):
-        engine.ingest([IngestItem("r", 0, tuple(tokens[:10]), feats[:9])])
-        engine.draft([DraftItem("r", BUDGET, num_tokens=10)])
-    verified = IngestItem("r", 9, tuple(tokens[9:13]), feats[9:12])  # root + 2 accepted, then the sample
-    early.grow_early([DraftItem("r", BUDGET)], [verified])
-    grown = []
-    early._grow = lambda items: grown.append(items) or DraftEngine._grow(early, items)
-    # The gateway's call brings the same tokens (its features were read from the store: positions
-    # already computed take nothing from them).
-    call = [DraftItem("r", BUDGET, num_tokens=13)]
-    ingest = [IngestItem("r", 9, tuple(tokens[9:13]), feats[9:12])]
-    [taken] = early.draft(call, ingest)
-    [fresh] = plain.draft(call, ingest)
-    assert grown == [[]] and early.last_call_early == ["r"]
-    assert (taken.tokens, taken.parents, taken.root_position) == (fresh.tokens, fresh.parents, fresh.root_position)
-    assert taken.tokens and taken.scores == pytest.approx(fresh.scores, abs=1e-5)
-    # An early tree is taken once; another budget, or tokens the tree was not grown below, grow anew.
-    early.draft(call)
-    assert early.last_call_early == [] and len(grown[-1]) == 1
-    early.grow_early([DraftItem("r", BUDGET)], [IngestItem("r", 12, tuple(tokens[12:14]), feats[12:13])])
-    early.draft([DraftItem("r", DraftBudget(steps=2, topk=2, num_draft_tokens=3))])
-    assert early.last_call_early == []
-    early.grow_early([DraftItem("r", BUDGET)], [IngestItem("r", 13, tuple(tokens[13:15]), feats[13:14])])
-    early.draft([DraftItem("r", BUDGET)], [IngestItem("r", 14, tuple(tokens[14:16]), feats[14:15])])
-    assert early.last_call_early == []
-    early.grow_early([DraftItem("r", BUDGET)], [IngestItem("r", 15, tuple(tokens[15:17]), feats[15:16])])
-    early.release(["r"])
-    assert early._early == {}

@@ -150,18 +150,14 @@ class ReadFeaturesRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[FeatureRange, _Mapping]]] = ...) -> None: ...
 
 class FeatureRows(_message.Message):
-    __slots__ = ("request_id", "start_position", "features", "tokens", "step_end")
+    __slots__ = ("request_id", "start_position", "features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STEP_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     features: _common_pb2.Tensor
-    tokens: _common_pb2.Tensor
-    step_end: bool
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., step_end: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ReadFeaturesResponse(_message.Message):
     __slots__ = ("rows",)

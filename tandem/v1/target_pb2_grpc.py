@@ -148,8 +148,7 @@ class TargetServiceServicer:
         """Features pushed as steps commit them, instead of held for ReadFeatures:
         a step with hold_features whose item names this subscriber's sink
         (PackedStep.feature_sinks) sends that item's rows here as the step ends,
-        one FeatureRows per item, in step order, the last of a step marked
-        step_end. The first message, with an empty
+        one FeatureRows per item, in step order. The first message, with an empty
         request_id, says the subscription is live. A later subscription under the
         same name ends this one; the stream also ends when the target stops.
         While nobody is subscribed under a sink's name, its rows are held.
