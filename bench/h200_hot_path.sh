@@ -11,9 +11,9 @@
 #            verify 8), device time per kernel beside the replayed graph's wall time; then the same
 #            forward with cuBLASLt preferred for the linear layers (TORCH_BLAS_PREFER_CUBLASLT=1)
 #   engine   bench/engine_step.py: a whole TargetEngine.step, batch 1/8/64, decode and verify 8
-#   featurecost  after only: bench/engine_step.py --features, each step also timed with every item asking for
-#            the target's features and their rows copied to the host, as a step that feeds a draft runs in the
-#            served target (batch 1/8/64, decode and verify 8)
+#   featurecost  bench/engine_step.py --features (before, where .before/ exists, and after): each step also
+#            timed with every item asking for the target's features and their rows copied to the host, as a step
+#            that feeds a draft runs in the served target (batch 1/8/64, decode and verify 8)
 #   phases   after only: bench/engine_step.py --phases, a standalone step's host time part by part (validate,
 #            pack, graph replay, the wait for the GPU, results), batch 1/8/64, decode and verify 8
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
@@ -159,9 +159,12 @@ for stage in "$@"; do
         run "engine_$tree" $tree 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
           "${extra[@]}" --out "$OUT/engine_$tree.json"
       done ;;
-    featurecost)  # after only: what asking for features adds to a step (a fed plain step, a verify step)
-      run engine_features after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
-        --modes graphs --features --out "$OUT/engine_features.json" ;;
+    featurecost)  # what asking for features adds to a step (a fed plain step, a verify step); before too if .before/
+      trees=after; [[ -d $root/.before ]] && trees="before after"
+      for tree in $trees; do
+        run "engine_features_$tree" $tree 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
+          --iters 20 --modes graphs --features --out "$OUT/engine_features_$tree.json"
+      done ;;
     phases)  # after only: where a standalone step's host time goes, part by part (bench/engine_step.py --phases)
       run engine_phases after 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
         --modes graphs --phases --out "$OUT/engine_phases.json" ;;

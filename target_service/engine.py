@@ -54,6 +54,15 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEQS = 4096
 
 
+def asked_rows(batch: StepBatch) -> np.ndarray:
+    """int64: the step rows (its nodes in batch order) of the items that asked for features."""
+    starts = batch.starts
+    asked = np.flatnonzero(batch.return_features)
+    if len(asked) == batch.size:
+        return np.arange(int(starts[-1]), dtype=np.int64)
+    return np.concatenate([np.arange(starts[b], starts[b + 1], dtype=np.int64) for b in asked.tolist()])
+
+
 def batch_of_items(items: list[SequenceStep]) -> StepBatch:
     """A step given as items (the unary Step, tests), in columns; checks what columns cannot show."""
     for it in items:
@@ -76,6 +85,7 @@ class TargetEngine:
         self._pinned = self.device.type == "cuda"
         self._host_buf = torch.zeros(0, dtype=torch.int32)
         self._out_host = torch.zeros(0, dtype=torch.int32)
+        self._features_host: torch.Tensor | None = None  # every row's features, copied beside the results
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
         # Token counts of the sequences whose penalties need them (target_service.processors).
@@ -362,14 +372,32 @@ class TargetEngine:
                                          pin_memory=self._pinned)
         return self._out_host[:words]
 
+    def _features_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._features_host
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != width or buf.dtype != dtype:
+            grown = max(rows, 2 * buf.shape[0] if buf is not None else 0, 64)
+            buf = self._features_host = torch.empty(grown, width, dtype=dtype, pin_memory=self._pinned)
+        return buf[:rows]
+
     def _read_results(self, batch: StepBatch, M: int, out: torch.Tensor, top_k: int, tail: StepTail,
                       committed: torch.Tensor | None, features: torch.Tensor | None,
                       layers: tuple[int, ...]) -> StepResults:
         B = batch.size
         host = self._out_buffer(out.numel()).view(out.shape)
         host.copy_(out, non_blocking=self._pinned)
-        feature_rows = None
-        if layers:
+        features_host = feature_rows = None
+        if layers and not batch.drafted_trees:
+            # No drafted nodes: every row is committed. The step's rows (0..R-1, its nodes in batch order) go
+            # in the same pinned copy as the results, and the host takes those of the sequences that asked.
+            # Choosing them on the device (below) waits on the GPU twice more and copies through pageable
+            # memory: on the H200 a decode step with features cost 0.30 / 0.67 / 1.75 ms more than one without
+            # at 1 / 8 / 64 requests that way, 0.16 / 0.10 / 0.96 ms this way (BENCHMARKS.md, "What asking
+            # for features adds to a target step"). A verify step copies only its committed rows (a few of
+            # its tree's): copying the whole tree was dearer there (8 x 8 nodes: +0.85 against +0.53 ms).
+            R = len(batch.tokens)
+            features_host = self._features_buffer(R, features.shape[1], features.dtype)
+            features_host.copy_(features[:R], non_blocking=self._pinned)
+        elif layers:
             # Committed rows of the sequences that asked, in row order, gathered on the device.
             want = tail.v["row_seq"].ge(0) if committed is None else committed & tail.v["row_seq"].ge(0)
             asked = torch.from_numpy(batch.return_features).to(self.device, non_blocking=False)
@@ -398,6 +426,8 @@ class TargetEngine:
             results.top_logprobs = raw[:, at + M * top_k: at + 2 * M * top_k].copy().view(np.float32).reshape(
                 B, M, top_k)
             results.top_k = batch.top_logprobs
+        if features_host is not None:  # the rows of the sequences that asked: a new tensor (the buffer is reused)
+            feature_rows = features_host[torch.from_numpy(asked_rows(batch))]
         if feature_rows is not None:
             results.features = feature_rows.cpu()  # in the model dtype: bf16 on a GPU, half the bytes of float32
             results.feature_counts = np.where(batch.return_features, committed_now, 0)

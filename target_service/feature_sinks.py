@@ -41,15 +41,17 @@ def split_features(results: StepResults) -> tuple[StepResults, list[tuple[int, C
     counts = results.feature_counts
     if results.features is None or counts is None:
         return results, []
-    host = results.features.cpu()  # one copy for the step; rows are slices of it
+    host = results.features.cpu()  # one tensor for the step (the engine's own, on the host); rows are views of it
     ends = np.cumsum(counts)
     found = []
     for b, rid in enumerate(results.request_ids):
         count = int(counts[b])
         if count:
-            # The rows are the tokens this step committed: the last `count` positions. A copy,
-            # so that rows kept for long do not keep the whole step's features alive.
-            rows = host[int(ends[b]) - count: int(ends[b])].clone()
+            # The rows are the tokens this step committed: the last `count` positions. Views: pushed rows are
+            # sent and dropped at once; whoever keeps rows for long copies them (TargetServicer._hold), so
+            # that they do not keep the whole step's features alive. (A copy per item cost 0.3-0.6 ms a step
+            # at 64 requests on the dev machine.)
+            rows = host[int(ends[b]) - count: int(ends[b])]
             found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows)))
     return dataclasses.replace(results, features=None, feature_counts=None), found
 

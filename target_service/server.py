@@ -198,7 +198,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return results, pushes
 
     def _hold(self, rows: CommittedRows) -> None:
-        self.held_features.hold(rows.request_id, rows.start, rows.rows)
+        # A copy: the rows are a view of the whole step's features (split_features), held until read.
+        self.held_features.hold(rows.request_id, rows.start, rows.rows.clone())
         if self.metrics is not None:
             self.metrics.held_feature_bytes.inc(rows.rows.numel() * rows.rows.element_size())
 

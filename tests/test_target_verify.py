@@ -192,3 +192,31 @@ def test_seeded_sampling_is_reproducible_across_chunking(model):
     b.step([SequenceStep.chain("x", PROMPT[:4], create=True, sampling=sp)])
     out_b = b.step([SequenceStep.chain("x", PROMPT[4:], sampling=sp)])[0].tokens
     assert out_a == out_b
+
+
+def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_rejected_node(model):
+    """Features come back for the committed rows only, fixed first and then the accepted nodes in order,
+    items that did not ask give none, and each row is the one a prefill of the committed tokens computes
+    for that position (float32, CPU). A tree with siblings before each accepted node and a wrong child at
+    depth 3 makes row order and node order differ."""
+    ref = greedy_plain(new_engine(model), "ref", PROMPT, 8)
+    engine = new_engine(model)
+    first = engine.step([SequenceStep.chain("f", PROMPT, create=True)])[0].tokens[0]
+    engine.step([SequenceStep.chain("quiet", [1, 2, 3], create=True)])
+    path = list(ref[1:6])
+    path[2] = (path[2] + 1) % model.cfg.vocab_size
+    vocab = model.cfg.vocab_size
+    tokens, parents = tree_with_path(first, path, {d: [(path[d - 1] + 3) % vocab] for d in (1, 2, 3)})
+    verify, quiet = engine.step([SequenceStep("f", tuple(tokens), tuple(parents), num_fixed=1, return_features=True),
+                                 SequenceStep.chain("quiet", [4])])
+    assert [tokens[i] for i in verify.accepted_nodes] == ref[1:3] and quiet.features is None
+    committed = PROMPT + [first] + ref[1:3]
+    assert verify.num_committed == len(committed) and verify.features.shape[0] == 3  # the root and 2 nodes
+    # A plain step beside an item that does not ask: only the asking item's row comes back.
+    quiet, plain_step = engine.step([SequenceStep.chain("quiet", quiet.tokens),
+                                     SequenceStep.chain("f", verify.tokens[-1:], return_features=True)])
+    assert quiet.features is None and plain_step.features.shape[0] == 1
+    fresh = new_engine(model)
+    [whole] = fresh.step([SequenceStep.chain("f", committed + verify.tokens[-1:], create=True, return_features=True)])
+    torch.testing.assert_close(verify.features, whole.features[len(PROMPT): len(committed)], atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain_step.features, whole.features[len(committed):], atol=1e-5, rtol=0)
