@@ -56,11 +56,7 @@ MAX_SEQS = 4096
 
 def asked_rows(batch: StepBatch) -> np.ndarray:
     """int64: the step rows (its nodes in batch order) of the items that asked for features."""
-    starts = batch.starts
-    asked = np.flatnonzero(batch.return_features)
-    if len(asked) == batch.size:
-        return np.arange(int(starts[-1]), dtype=np.int64)
-    return np.concatenate([np.arange(starts[b], starts[b + 1], dtype=np.int64) for b in asked.tolist()])
+    return np.flatnonzero(np.repeat(batch.return_features, batch.num_nodes))
 
 
 def batch_of_items(items: list[SequenceStep]) -> StepBatch:
