@@ -65,9 +65,9 @@ def main() -> None:
     rows = breakdown(args.out, args.mode, args.since)
     if not rows:
         raise SystemExit(f"no histograms moved for mode {args.mode!r} under {args.out}")
-    print(f"{'service':10s} {'metric':40s} {'labels':24s} {'mean ms':>9s} {'count':>7s}")
+    print(f"{'service':10s} {'metric':40s} {'labels':24s} {'mean ms':>9s} {'count':>7s} {'total s':>8s}")
     for service, name, labels, mean_ms, count in rows:
-        print(f"{service:10s} {name:40s} {labels:24s} {mean_ms:9.3f} {count:7d}")
+        print(f"{service:10s} {name:40s} {labels:24s} {mean_ms:9.3f} {count:7d} {mean_ms * count / 1000:8.3f}")
 
 
 if __name__ == "__main__":

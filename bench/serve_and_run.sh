@@ -12,7 +12,8 @@ command=$2; shift 2
 export SERVE_PORT=${SERVE_PORT:-8123}
 mkdir -p "$out"
 # Its banner (with the services' metrics URLs, for COMMAND to scrape) goes to OUT/serve.out too.
-python3 -m tandem.cli serve --port "$SERVE_PORT" --grpc-port $((SERVE_PORT + 1)) --log-dir "$out/logs" "$@" \
+# SERVE_LOG_LEVEL sets TANDEM_LOG_LEVEL for the services alone (DEBUG: the gateway's line per step), not COMMAND.
+TANDEM_LOG_LEVEL=${SERVE_LOG_LEVEL:-${TANDEM_LOG_LEVEL:-INFO}} python3 -m tandem.cli serve --port "$SERVE_PORT" --grpc-port $((SERVE_PORT + 1)) --log-dir "$out/logs" "$@" \
   > >(tee "$out/serve.out") 2>&1 &
 serve=$!
 trap 'kill -TERM $serve 2>/dev/null; wait $serve 2>/dev/null || true' EXIT

@@ -96,6 +96,17 @@ def _feature_rows(item: IngestItem) -> int:
     return item.num_feature_rows or item.target_feature_rows
 
 
+def _step_kind(outcome: StepOutcome, decode: bool) -> str:
+    """The kind of target step an outcome was (tandem_step_kind_seconds)."""
+    if outcome.trees:
+        return "trees"
+    if not decode:
+        return "prefill"
+    if outcome.granted:
+        return "granted"
+    return "fed" if outcome.fed_draft else "plain"
+
+
 def _other_work(plan: StepPlan, cands: list[Candidate]) -> tuple[int, int]:
     """(tokens, sequences) of the plan's items that are not among `cands`."""
     keys = {c.key for c in cands}
@@ -355,7 +366,7 @@ class GatewayCore:
         if log.isEnabledFor(logging.DEBUG):
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
             log.debug("step %d: %d items, %d tokens, trees %s, gate %s", self.step_count,
-                      len(plan.items), plan.num_tokens, spec, self.gate.arms)
+                      len(plan.items), plan.num_tokens, spec, self.gate.describe(len(plan.items)))
         return plan
 
     def _mode(self, req: Request) -> SpecMode:
@@ -768,6 +779,7 @@ class GatewayCore:
         # to neither arm either: one such round lifted the trees' cost ratio by a fifth, and auto at one
         # request then decoded plainly for the rest of the run (0.83x `always`, issue 14).
         arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft) and not plan.draft_captured
+        self.metrics.step_kind[_step_kind(outcome, decode)].observe(seconds)
         if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
                       "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),

@@ -102,6 +102,14 @@ class GatewayMetrics:
                            "(commit, emit, feed the draft), record (metrics, cost model, load gate)", ["phase"],
                            buckets=LATENCY_BUCKETS, registry=r)
         self.step_phase = {p: phases.labels(phase=p) for p in ("schedule", "draft", "execute", "update", "record")}
+        # Where a busy loop's time goes, step by step, as the policy weighs it (a planned step's whole
+        # round, a granted step's gap between replies): auto's loss against `never` at a load where it
+        # decodes plainly is in the steps that are not granted ones (fed, trees, probes).
+        kinds = Histogram("tandem_step_kind_seconds", "Target steps by kind: granted (inside a plain-decode "
+                          "grant), plain (planned alone, feeding no draft), fed (plain, feeding the drafts), "
+                          "trees (verifying drafted trees), prefill (carrying prompt chunks); seconds as the "
+                          "load gate counts them", ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.step_kind = {k: kinds.labels(kind=k) for k in ("granted", "plain", "fed", "trees", "prefill")}
         self.granted_steps = Counter("tandem_granted_steps", "Target steps run inside plain-decode grants "
                                      "(the target fed its own tokens forward)", registry=r)
         # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).

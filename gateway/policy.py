@@ -578,5 +578,7 @@ class LoadGate:
         def predicted(arm: Arm) -> str:
             return "" if arm.predicted is None else f", predicted {arm.predicted:.1f}"
 
+        probe = self._probing.get(b)
+        probing = "" if probe is None else f", probing {'trees' if probe.spec else 'plain'} ({probe.steps_left} left)"
         return (f"{bucket_range(b)} sequences: trees {s.goodput:.1f} tok/s ({s.samples} steps{predicted(s)}), "
-                f"plain {p.goodput:.1f} tok/s ({p.samples} steps{predicted(p)})")
+                f"plain {p.goodput:.1f} tok/s ({p.samples} steps{predicted(p)}){probing}")

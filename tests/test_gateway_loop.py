@@ -413,6 +413,29 @@ def test_a_plain_batch_is_granted_several_steps_and_ends_as_single_steps_do(toke
     assert core.metrics.granted_steps._value.get() > 0
 
 
+def _step_kinds(core) -> dict[str, int]:
+    return {kind: int(sum(bucket.get() for bucket in hist._buckets)) for kind, hist in core.metrics.step_kind.items()}
+
+
+def test_every_target_step_is_counted_once_under_its_kind(tokenizer):
+    core, _, _ = new_core(tokenizer, mode="never", grant_steps=8)
+    for i in range(3):
+        submit(core, f"n{i}", [20 + i, 1], max_tokens=12)
+    run_until_idle(core)
+    kinds = _step_kinds(core)
+    assert sum(kinds.values()) == core.step_count
+    assert kinds["granted"] == core.metrics.granted_steps._value.get() > 0
+    assert kinds["prefill"] >= 1 and kinds["trees"] == kinds["fed"] == 0
+
+    core, _, _ = new_core(tokenizer, mode="always")
+    submit(core, "a", [20, 1], max_tokens=12)
+    run_until_idle(core)
+    kinds = _step_kinds(core)
+    assert sum(kinds.values()) == core.step_count
+    assert kinds["trees"] >= 1 and kinds["granted"] == 0
+    assert kinds["trees"] == core.metrics.num_drafts._value.get()
+
+
 def test_a_stop_string_inside_a_grant_ends_it_and_the_text_is_cut_as_without_grants(tokenizer):
     texts = {}
     for k in (1, 8):
