@@ -15,6 +15,7 @@ workers report back through a queue the loop drains at the top of each step.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -155,6 +156,9 @@ class GatewayCore:
         self._quiet = 0  # consecutive steps in which auto chose no tree
         self._spell_start = 0  # the quiet count at which auto requests last woke (0: the first spell)
         self._wake_every = self.WAKE_EVERY  # quiet steps from that wake-up to the next
+        self._dormant_plans = 0  # plans made while auto's requests slept (see _predict_while_dormant)
+        # A wake-up's decode steps so far: [their seconds, the seconds as many granted plain steps would take]
+        self._wake_cost = [0.0, 0.0]
         self._explored = False  # this step's auto trees are exploration (see _explore_now)
         # The load gate measured that plain decoding pays at this step's load: auto requests then
         # run as plain decoding really runs (dormant: no features, no ingest, grantable), so the
@@ -440,13 +444,16 @@ class GatewayCore:
     # go dormant (no features, no ingest); WAKE_EVERY steps after they last woke they wake for
     # QUIET_STEPS steps, catch up from their tokens and are offered to the policy again. At any
     # load: on a GPU, with grants, features cost a plain step about half its speed (issue 14).
-    # Each wake-up that ends with trees still declined doubles the wait for the next, up to
-    # MAX_WAKE_EVERY; a tree the figures choose brings it back to WAKE_EVERY. On the H200 at one
-    # or two requests where plain decoding won, a wake-up every 128 steps (16 fed, ungranted
-    # steps of about twice a granted one's time, and a tree) cost auto about 5% against `never`.
+    # Each wake-up that ends with trees still declined doubles the wait for the next, and waits at
+    # least as long as keeps what the wake-up lost (its steps' time against as many granted plain
+    # steps) within WAKE_BUDGET of the time between wake-ups, up to MAX_WAKE_EVERY; a tree the figures
+    # choose brings it back to WAKE_EVERY. On the H200 at one or two requests where plain decoding
+    # won, a wake-up every 128 steps (16 fed, ungranted steps of about twice a granted one's time, and
+    # a tree) cost auto about 5% against `never`, and levels of 512 steps woke twice (0.91x at 0.6).
     QUIET_STEPS = 16
     WAKE_EVERY = 128
-    MAX_WAKE_EVERY = 512
+    MAX_WAKE_EVERY = 4096
+    WAKE_BUDGET = 0.02
 
     def _track_quiet(self, plan: StepPlan) -> None:
         # An exploration tree is no choice to speculate: it counts as a quiet step, so a draft that
@@ -456,6 +463,7 @@ class GatewayCore:
                and not (self._explored and self._mode(it.request) == SpecMode.AUTO) for it in plan.items):
             self._quiet = 0  # speculating
             self._spell_start, self._wake_every = 0, self.WAKE_EVERY
+            self._wake_cost = [0.0, 0.0]
         elif self._quiet >= self.QUIET_STEPS or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
                 for it in plan.items):
@@ -466,23 +474,40 @@ class GatewayCore:
             if self._quiet == self._spell_start + self._wake_every:  # wake up; the next waits longer
                 self._spell_start = self._quiet
                 self._wake_every = min(2 * self._wake_every, self.MAX_WAKE_EVERY)
+                self._wake_cost = [0.0, 0.0]
+            elif self._spell_start and self._quiet == self._spell_start + self.QUIET_STEPS:  # asleep again
+                spent, as_plain = self._wake_cost
+                plain_step = self.costs.step_time(len(plan.items), len(plan.items), [])
+                if spent > as_plain and plain_step > 0:
+                    affordable = (spent - as_plain) / (self.WAKE_BUDGET * plain_step)
+                    self._wake_every = min(max(self._wake_every, math.ceil(affordable)), self.MAX_WAKE_EVERY)
 
     def _candidate(self, req: Request) -> Candidate:
         return Candidate(req.request_id, {o: req.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
                          self._mode(req))
+
+    # The dormant audit's search prices every auto request under every option: 0.2 / 0.36 / 0.65 ms a
+    # plan at 16 / 32 / 64 requests on the 2-core dev machine (bench/gateway_step.py's fakes), against
+    # 0.3-1.0 ms for the whole of `never`'s plan, and a plan waits on it between two grants. The audit
+    # is a decayed mean: one plan in DORMANT_AUDIT_EVERY feeds it as well.
+    DORMANT_AUDIT_EVERY = 16
 
     def _predict_while_dormant(self, plan: StepPlan, cands: list[Candidate], ending: int) -> None:
         """The audit's figures at a load where auto's requests are dormant (no draft ready, so no
         candidate): what trees would deliver were every decoding auto request to draft, and what its
         plain steps deliver, granted. Without them the audit was empty from the load where the gate
         chose plain decoding (16-64 requests on the H200), which is where the gate's verdict most
-        needs checking. Nothing is chosen from these figures."""
+        needs checking. Nothing is chosen from these figures; one plan in DORMANT_AUDIT_EVERY asks."""
         known = {c.key for c in cands}
-        asleep = [self._candidate(it.request) for it in plan.items
-                  if it.is_decode and self._mode(it.request) == SpecMode.AUTO and it.request.request_id not in known
-                  and self._draft_room(it.request) >= 1]
-        if not asleep:
+        sleepers = [it.request for it in plan.items
+                    if it.is_decode and self._mode(it.request) == SpecMode.AUTO and it.request.request_id not in known
+                    and self._draft_room(it.request) >= 1 and self._dormant(it.request)]
+        if not sleepers:
             return
+        self._dormant_plans += 1
+        if self._dormant_plans % self.DORMANT_AUDIT_EVERY != 1:
+            return
+        asleep = [self._candidate(req) for req in sleepers]
         everyone = cands + asleep
         what_if = search_budgets(self.cfg.policy, self.costs, self.book, everyone, *_other_work(plan, everyone),
                                  other_committed=ending - len(everyone))
@@ -794,9 +819,13 @@ class GatewayCore:
             # request could stop speculating for good after unlucky first trees; see _explore_now.)
             budgets = [plan.budgets[rid] for rid in outcome.trees]
             self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
-        if arm_step and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
+        if decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
             committed = sum(len(res.tokens) for res in outcome.results)
-            verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds)
+            self.gate.spend(seqs, committed, seconds)  # a probe's whole cost, its unrecorded steps too
+            if self._spell_start and self._quiet - self._spell_start < self.QUIET_STEPS:  # awake after a wake-up
+                self._wake_cost[0] += seconds
+                self._wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
+            verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds) if arm_step else None
             if verdict is not None:
                 log.info("load gate, %s: %s", self.gate.describe(seqs),
                          "speculating" if verdict else "decoding plainly")

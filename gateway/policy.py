@@ -434,12 +434,23 @@ class LoadGate:
     # last one, and after at least `stale_after` and at most `max_stale_factor` times as
     # many steps (on emulated GPU-like costs at 16 requests, a 3-step re-probe of trees
     # every 117 steps cost auto 2-4% of never's throughput).
+    # What a re-probe loses is measured, not only estimated from its recorded steps: a probe of trees
+    # wakes dormant requests, which feed their drafts, ungranted, until the drafts have caught up on
+    # the tokens they slept through, and only then draft. On the H200 scale track at 16-32 requests
+    # each probe of trees took about as long as 25 plain steps' worth of lost time where the estimate
+    # said 8, and with the cap at 8 x stale_after a re-probe came every 384 steps: auto delivered
+    # 0.91x `never` there. The cap now only bounds how stale a verdict may get (64 x 48 steps: about
+    # 20 s of plain decoding at 6 ms a step).
     clear: float = 1.5
     probe_budget: float = 0.01
-    max_stale_factor: float = 8.0
+    max_stale_factor: float = 64.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
+    # bucket -> [seconds, committed tokens] of every decode step at that load while its probe runs
+    # (see spend), and what the last probe lost against the arm that won, in seconds.
+    _probe_spent: dict[int, list[float]] = field(default_factory=dict)
+    _probe_lost: dict[int, float] = field(default_factory=dict)
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
         """Whether auto may speculate at this load. model_prefers_spec: whether the cost model gives
@@ -483,6 +494,7 @@ class LoadGate:
             return self.stale_after
         reprobe = self.probe_steps // 4 + 1  # unrecorded warm-up steps, then one recorded
         lost = reprobe * loser.seconds * max(0.0, 1.0 - loser.goodput / winner.goodput)
+        lost = max(lost, self._probe_lost.get(b, 0.0))  # what the last probe here really lost
         steps = lost / (self.probe_budget * winner.seconds)
         return min(max(steps, self.stale_after), self.stale_after * self.max_stale_factor)
 
@@ -534,6 +546,23 @@ class LoadGate:
                          arm.predicted_sum, arm.predictions, arm.committed_total, arm.seconds_total)
                 for (b, spec), arm in sorted(arms)]
 
+    def spend(self, seqs: int, committed: int, seconds: float) -> None:
+        """Any decode step of auto requests, whether record is given it or not (a plain step that fed
+        the drafts, a round that captured a graph): while a probe runs at its load, what the probe
+        costs. Call before record, which may end the probe with this very step."""
+        b = batch_bucket(seqs)
+        if b in self._probing:
+            spent = self._probe_spent.setdefault(b, [0.0, 0.0])
+            spent[0] += seconds
+            spent[1] += committed
+
+    def _end_probe(self, b: int) -> None:
+        del self._probing[b]
+        seconds, committed = self._probe_spent.pop(b, (0.0, 0.0))
+        winner = self.arms[(b, self._verdict[b])]
+        if winner.goodput > 0:
+            self._probe_lost[b] = max(0.0, seconds - committed / winner.goodput)
+
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
         """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
         if seconds <= 0:
@@ -564,10 +593,12 @@ class LoadGate:
         if probe.steps_left > 1 and not settled:
             self._probing[b] = probe._replace(steps_left=probe.steps_left - 1)
             return None
-        del self._probing[b]
         if not other.samples:
+            del self._probing[b]
+            self._probe_spent.pop(b, None)
             return None
         self._verdict[b] = self._judge(b)
+        self._end_probe(b)
         return self._verdict[b]
 
     def describe(self, seqs: int) -> str:

@@ -652,7 +652,7 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
 def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(tokenizer):
     """Issue 14: where the gate chose plain decoding the requests go dormant and no draft is ready,
     so the policy has no candidate; the audit still gets what trees and plain decoding would deliver
-    there, for every step planned while they sleep."""
+    there, from the steps planned while they sleep (one in DORMANT_AUDIT_EVERY)."""
     core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     n = core.gate.min_batch + 2
@@ -731,7 +731,7 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     # dormant spells grow with the waits, each about twice the one before.
     assert len(dormancies) >= 3, fed
     assert all(later > 1.5 * earlier for earlier, later in zip(dormancies, dormancies[1:3])), dormancies
-    assert core._wake_every == core.MAX_WAKE_EVERY
+    assert core._wake_every >= 8 * core.WAKE_EVERY
     # A step with a tree the figures chose (not an exploration) resets the schedule.
     core._spell_start, core._quiet = 600, 700
     plan = SimpleNamespace(items=[SimpleNamespace(request=SimpleNamespace(request_id="r"), is_decode=True)],
@@ -739,6 +739,26 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     core._explored = False
     core._track_quiet(plan)
     assert (core._quiet, core._spell_start, core._wake_every) == (0, 0, core.WAKE_EVERY)
+
+
+def test_a_wake_up_that_cost_more_than_its_budget_makes_the_next_wait_long_enough_to_pay_for_it(tokenizer):
+    """Issue 14: a wake-up's 16 steps feed the drafts, ungranted (6 ms here against 2 ms for a granted
+    step, as on a GPU); what they lose against granted steps sets the next wait, so that wake-ups
+    cost at most WAKE_BUDGET of the time, not one every 128-512 steps whatever they cost."""
+    target = PacedTarget()
+    cfg = CoreConfig(policy=PolicyConfig("auto"), scheduler=SchedulerConfig(block_size=target.block_size),
+                     profile=False, grant_steps=8)
+    core = GatewayCore(target, [FakeDraft("draft0")], tokenizer, cfg, "fake")
+    core.configure()
+    core._ready = True
+    core.costs = CostModel(target_base=2e-3, target_per_token=0.0, target_per_seq=0.0, draft_base=1.0)
+    out = submit(core, "solo", [4, 5, 6], max_tokens=core.WAKE_EVERY + 3 * core.QUIET_STEPS)
+    run_until_idle(core)
+    assert tokens_of(out) == expected([4, 5, 6], core.WAKE_EVERY + 3 * core.QUIET_STEPS)
+    # One wake-up, after WAKE_EVERY quiet steps: its fed steps lost about 16 x 4 ms, so the next
+    # wait is at least 64 ms / (WAKE_BUDGET x 2 ms) = 1600 steps, well past the doubling's 256.
+    assert core._spell_start == core.WAKE_EVERY
+    assert core._wake_every >= 1000
 
 
 def test_a_woken_request_drafts_only_once_its_replica_has_caught_up_on_the_tokens_it_slept_through(tokenizer):
