@@ -231,7 +231,7 @@ class BudgetSearch(NamedTuple):
     single: tuple[float, DraftBudget, Candidate] | None  # exploration's one tree: (upside, option, request)
     every: tuple[float, DraftBudget] | None  # the best option given to every auto candidate
     rates: Rates
-    ceiling: float | None  # the best one-tree goodput were every drafted token accepted
+    ceiling: float | None  # the best goodput of any (option, k) were every drafted token accepted
     # Plain decoding's goodput from this step on as it would run: rates.plain (as `never` runs it) less
     # what awake requests pay until they go dormant (search_budgets' plain_extra_seconds). What a tree
     # must beat.
@@ -299,9 +299,12 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
             seconds = costs.tree_step_time(tokens, base_seqs, levels, fixed_expansions + k * o.steps * o.topk)
             rate = committed / seconds
             top_tree_rate = rate if top_tree_rate is None else max(top_tree_rate, rate)
+            # The ceiling over every k, not one tree alone: at two requests on the H200 one tree
+            # could never pay where trees for both did (`always` 412 tok/s against `never`'s 395), so
+            # figures that a cold start had set too low were never refreshed by an exploration.
+            full = (base_committed + k * o.steps) / seconds
+            ceiling = full if ceiling is None else max(ceiling, full)
             if k == 1:
-                full = (base_committed + o.steps) / seconds
-                ceiling = full if ceiling is None else max(ceiling, full)
                 # Exploration's pick: the option with the most plausible upside, for its likeliest
                 # request (optimistic adds the same doubt to every request's expectation of o).
                 upside = (base_committed + book.optimistic(o, c.own_stats.get(o))) / seconds
@@ -458,10 +461,19 @@ class LoadGate:
         if seqs < self.min_batch:
             return True
         b = batch_bucket(seqs)
-        if b in self._probing:
-            return self._probing[b].spec
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
+        probe = self._probing.get(b)
+        if probe is not None and probe.spec and spec.samples == 0 and self._plain_clearly_won_below(b):
+            # A first probe of trees left pending when its load passed (a burst of short requests
+            # met every bucket before any had a verdict: `tandem bench`'s warm-up) is dropped once a
+            # lighter load has shown plain decoding clearly winning: on the H200 such probes ran 8 tree
+            # steps at each of 8-15, 16-31 and 32-63 sequences where 4-7 had measured trees at 0.6x.
+            del self._probing[b]
+            self._probe_spent.pop(b, None)
+            return False
+        if probe is not None:
+            return probe.spec
         # Above a load where plain decoding clearly won, trees are not even probed: they only cost
         # more as the batch grows, and a probe there is dear (every request's draft catches up
         # from its tokens first: on the H200 scale track a probe at 32-63 sequences took 27 steps

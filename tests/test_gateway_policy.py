@@ -196,6 +196,23 @@ def test_exploration_tries_the_tree_with_the_most_plausible_upside_not_the_best_
     assert tried == chain and book.explored
 
 
+def test_asked_to_explore_at_two_requests_the_policy_tries_a_tree_where_trees_for_both_could_pay():
+    """Issue 14: at two requests one tree alone cannot pay even were all its tokens accepted, but
+    trees for both could; cold figures (every early tree rejected) decline trees, and the exploration
+    that would refresh them must still come (on the H200 auto never drafted at 2 requests: 0.90x)."""
+    costs = CostModel(target_base=5e-3, target_per_token=1e-5, target_per_seq=0.0, draft_base=1e-2,
+                      draft_per_level=1e-3, draft_per_expansion=1e-5)
+    book = AcceptanceBook()
+    for o in CFG.auto_options():
+        book.record(o, 0)
+    search = search_budgets(CFG, costs, book, candidates(2, stats={}), 0, 0)
+    plain = search.rates.plain
+    one_tree_best = max((2 + o.steps) / costs.step_time(2 + o.max_nodes, 2, [o]) for o in CFG.auto_options())
+    assert search.best is None and one_tree_best < plain < search.ceiling
+    tried = choose_budgets(CFG, costs, book, candidates(2, stats={}), 0, 0, explore=True)
+    assert sum(not b.empty for b in tried.values()) == 1 and book.explored
+
+
 def test_asked_to_explore_the_policy_drafts_its_best_single_tree_where_a_tree_could_pay():
     # The gateway asks just before its auto requests go dormant (they are no candidates then).
     costs = CostModel(target_base=1.2e-2, target_per_token=5e-4, target_per_seq=4e-3, draft_base=5e-3,
@@ -328,6 +345,25 @@ def test_no_tree_is_probed_above_a_load_where_plain_decoding_clearly_won():
     seen = run_gate(gate, 8, 800, spec_rate=400, plain_rate=200)
     assert all(seen[-100:])  # a re-probe found trees paying at 8-15 ...
     assert any(run_gate(gate, 16, 20, spec_rate=400, plain_rate=200))  # ... so 16-31 tries them
+
+
+def test_a_probe_of_trees_left_pending_by_a_short_burst_is_dropped_once_plain_clearly_won_below():
+    """Issue 14: `tandem bench`'s warm-up meets every load for a few steps before any has a verdict.
+    At 16-31 sequences it measured plain decoding and left a probe of trees pending; once 4-7 has
+    seen plain decoding win clearly, 16-31 decodes plainly without drafting that probe's trees."""
+    def burst() -> LoadGate:
+        gate = LoadGate()
+        assert not gate.allow_spec(16, lambda: False)  # the cost model prefers plain: measured first
+        run_gate(gate, 16, 8, spec_rate=100, plain_rate=200)
+        assert gate.allow_spec(16) and gate.probing_spec(16)  # trees due next, when the burst ends
+        return gate
+
+    gate = burst()
+    run_gate(gate, 4, 40, spec_rate=100, plain_rate=200)  # 4-7: plain clearly wins
+    assert not any(run_gate(gate, 16, 100, spec_rate=100, plain_rate=200))
+    gate = burst()  # where trees lose below, but not clearly, the pending probe still runs
+    run_gate(gate, 4, 40, spec_rate=100, plain_rate=120)
+    assert any(run_gate(gate, 16, 100, spec_rate=100, plain_rate=200))
 
 
 def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the_verdict():
