@@ -418,7 +418,10 @@ class GatewayCore:
         # them dormant, and a dormant request's draft is not ready until the gate asks for trees again.
         could_draft = any(it.is_decode and self._mode(it.request) == SpecMode.AUTO
                           and self._replica(it.request) is not None for it in plan.items)
-        gate_open = not could_draft or self.gate.allow_spec(len(plan.items), lambda: search.best is not None)
+        # A step of prompts alone asks the gate's standing answer: at a load where plain decoding won,
+        # a batch's first prefill fed every prompt's features to the drafts (64 at once on the H200).
+        gate_open = (self.gate.allow_spec(len(plan.items), lambda: search.best is not None) if could_draft
+                     else self.gate.would_allow_spec(len(plan.items)))
         self._gate_plain = not gate_open
         probing_trees = gate_open and self.gate.probing_spec(len(plan.items))
         self._gate_probing_trees = could_draft and probing_trees
@@ -589,6 +592,7 @@ class GatewayCore:
             ingest = [req.draft.pending for req, _ in items if req.draft.pending is not None]
             for req, _ in items:
                 req.draft.pending = None
+                req.draft.known = True
             calls = [(req.request_id, budget, req.num_tokens) for req, budget in items]
             futures[idx] = replica.submit(
                 lambda replica=replica, ingest=ingest, calls=calls: replica.client.draft(ingest, calls))
@@ -615,6 +619,8 @@ class GatewayCore:
         p = req.params
         sampling = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
         want_features = self._wants_features(req)
+        if want_features:
+            req.draft.known = True  # the target may push this step's features to the replica
         top = p.logprobs or 0
         if tree is not None:
             tokens, parents, num_fixed = tree.verify_tree()
@@ -849,14 +855,19 @@ class GatewayCore:
         req.draft = DraftLink(replica=replica.index)
         replica.requests.add(req.request_id)
 
-    def _detach_draft(self, req: Request, release: bool) -> None:
+    def _detach_draft(self, req: Request, release: bool, batch: dict[int, list[str]] | None = None) -> None:
+        """batch: where to collect the Release calls' ids per replica (one call each for many
+        requests), instead of a call now."""
         link = req.draft
         if link is None:
             return
         replica = self.pool.replicas[link.replica]
         replica.requests.discard(req.request_id)
-        if release and replica.healthy:
-            replica.submit(lambda: replica.client.release([req.request_id]))
+        if release and replica.healthy and link.known:
+            if batch is None:
+                replica.submit(lambda: replica.client.release([req.request_id]))
+            else:
+                batch.setdefault(replica.index, []).append(req.request_id)
         req.draft = None
         queued = self._ingest_queue.get(replica.index)
         if queued:
@@ -940,6 +951,7 @@ class GatewayCore:
         item, link.pending = link.pending, None
         if replica is None or item is None:
             return
+        link.known = True
         self._ingest_queue.setdefault(replica.index, []).append((req, item))
 
     def _flush_ingests(self) -> None:
@@ -1013,10 +1025,16 @@ class GatewayCore:
                 log.warning("target release failed: %s", exc)
             except Unavailable:
                 log.exception("target release failed")
+        # One Release call per replica: on the H200 at 64 requests a wave of 64 calls, each on a worker
+        # thread of this process, slowed the prefill steps that admitted the next wave.
+        releases: dict[int, list[str]] = {}
         for req in done:
-            self._detach_draft(req, release=True)
+            self._detach_draft(req, release=True, batch=releases)
             with self._lock:
                 self._ids.discard(req.request_id)
+        for idx, rids in releases.items():
+            replica = self.pool.replicas[idx]
+            replica.submit(lambda replica=replica, rids=rids: replica.client.release(rids))
         if not self.running and not self.waiting:  # idle: the draft gauge must not keep the last step's value
             for rep in self.pool.healthy():  # queued after the releases above, on the replica's FIFO worker
                 rep.submit(lambda rep=rep: self._draft_usage(rep.client.info().load))

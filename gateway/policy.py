@@ -500,6 +500,20 @@ class LoadGate:
             return not spec_wins
         return spec_wins
 
+    def would_allow_spec(self, seqs: int) -> bool:
+        """allow_spec's standing answer at this load, without starting or dropping a probe: for a
+        step in which no auto request could draft (all still take in their prompts), so that their
+        prefill feeds the drafts only where trees may be chosen once they decode."""
+        if seqs < self.min_batch:
+            return True
+        b = batch_bucket(seqs)
+        if b in self._probing:
+            return self._probing[b].spec
+        spec = self.arms.get((b, True))
+        if (spec is None or spec.samples == 0) and self._plain_clearly_won_below(b):
+            return False
+        return self._verdict.get(b, True)
+
     def _stale_after(self, b: int, spec_wins: bool) -> float:
         winner, loser = self.arms[(b, spec_wins)], self.arms[(b, not spec_wins)]
         if min(winner.goodput, loser.goodput, winner.seconds, loser.seconds) <= 0:

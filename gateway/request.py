@@ -57,6 +57,9 @@ class DraftLink:
     sent: int = 0  # tokens the replica has been sent (committed + pending)
     caught_up: bool = False  # the replica has applied an ingest since the last gap in what it was sent
     pending: IngestItem | None = None  # new tokens/features held for the next draft call
+    # The replica may hold state for the request (it was sent tokens, or features were pushed to it):
+    # only then does the request's end need a Release call there.
+    known: bool = False
 
 
 @dataclass(eq=False, kw_only=True)

@@ -139,6 +139,7 @@ class FakeDraft:
         self.reads_target_features = False  # fed by the gateway, as a DraftClient before info()
         self.feature_sink = ""
         self.ingested: list[IngestItem] = []
+        self.release_calls: list[list[str]] = []
         self.lock = threading.Lock()
 
     def healthy(self) -> bool:
@@ -185,6 +186,7 @@ class FakeDraft:
 
     def release(self, ids):
         with self.lock:
+            self.release_calls.append(list(ids))
             for rid in ids:
                 self.known.pop(rid, None)
 
@@ -288,6 +290,49 @@ def test_features_reach_a_replica_that_reads_the_target_as_row_counts_never_thro
         spans = [(it.start_position, n) for it, n in zip(items, rows, strict=True) if it.request_id == rid and n]
         assert spans[0][0] == 0
         assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+
+
+def test_requests_that_end_together_are_released_on_their_draft_in_one_call_and_unknown_ones_not_at_all(
+        tokenizer):
+    core, _, (draft,) = new_core(tokenizer, mode="always")
+    for i in range(4):
+        submit(core, f"e{i}", [30, 31, 32], max_tokens=9)
+    run_until_idle(core)
+    core.pool.replicas[0].submit(lambda: None).result()  # the replica's worker has run every call
+    assert sorted(rid for call in draft.release_calls for rid in call) == ["e0", "e1", "e2", "e3"]
+    assert len(draft.release_calls) < 4 and draft.known == {}
+    # A request whose replica was never sent anything (it slept from its first step) needs no call.
+    core, _, (draft,) = new_core(tokenizer, mode="auto")
+    submit(core, "quiet", [30, 31, 32], max_tokens=9)
+    core._take_inbox()
+    req = core.waiting.pop()
+    req.phase = Phase.RUNNING
+    core.running.append(req)
+    core._attach_draft(req)
+    req.phase = Phase.FINISHED
+    core._release_finished()
+    core.pool.replicas[0].submit(lambda: None).result()
+    assert draft.release_calls == []
+
+
+def test_a_batch_arriving_where_plain_decoding_clearly_won_feeds_its_prompts_to_no_draft(tokenizer):
+    """Issue 14: a step of prompts alone has no request that could draft, so the gate was not asked
+    and the prompts' features went to the drafts, although the batch would decode plainly at once."""
+    from gateway.policy import Arm
+
+    def first_steps_features(seed_gate: bool) -> list[bool]:
+        core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+        if seed_gate:  # 4-7 sequences: plain decoding measured 3x trees
+            core.gate.arms[(3, True)] = Arm(goodput=100.0, seconds=0.05, samples=3)
+            core.gate.arms[(3, False)] = Arm(goodput=300.0, seconds=0.005, samples=50)
+            core.gate._verdict[3] = False
+        for i in range(8):
+            submit(core, f"b{i}", [40 + i, 2, 3], max_tokens=20)
+        run_until_idle(core)
+        return [any(it.return_features for it in step) for step in target.steps[:1]]
+
+    assert first_steps_features(seed_gate=False) == [True]  # no verdict yet: the drafts take the prompts
+    assert first_steps_features(seed_gate=True) == [False]
 
 
 def test_a_lost_draft_falls_back_to_plain_decode_with_the_same_output(tokenizer):
