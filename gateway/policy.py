@@ -405,7 +405,7 @@ class LoadGate:
 
     Per batch bucket it keeps the goodput of recent steps with trees and
     without. Each arm is first measured for `probe_steps` steps; then
-    speculation stays on unless plain decode measured `margin` times better;
+    the better arm is chosen, and then kept unless the other measures `margin` times better;
     the losing arm is measured again now and then (see `probe_budget`), so a
     change in load mix or acceptance is noticed.
     The verdict is taken when a probe ends and held until the next one: the
@@ -425,7 +425,7 @@ class LoadGate:
 
     stale_after: int = 48
     probe_steps: int = 8
-    margin: float = 1.1  # plain decode must measure this much better to switch speculation off
+    margin: float = 1.1  # the other arm must measure this much better to overturn a standing verdict
     min_batch: int = 4
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
@@ -542,8 +542,16 @@ class LoadGate:
                 and plain.goodput >= self.clear * spec.goodput)
 
     def _judge(self, b: int) -> bool:
-        # The cost model already chose to speculate; overrule it only on clear evidence.
-        return self.arms[(b, False)].goodput <= self.margin * self.arms[(b, True)].goodput
+        """Speculate? A load's first verdict goes to the arm that measured better; a later one keeps
+        the standing verdict unless the other arm measured `margin` times better (no flapping on
+        noise). Keeping trees until plain decoding beat them by `margin` from the first verdict on
+        chose trees at 8-15 sequences on the H200 where plain had measured 4% better (1,620 against
+        1,556 tok/s) and `always` delivered 0.8x `never`: auto read 0.84x `never` there."""
+        spec, plain = self.arms[(b, True)].goodput, self.arms[(b, False)].goodput
+        standing = self._verdict.get(b)
+        if standing is None:
+            return spec >= plain
+        return plain <= self.margin * spec if standing else spec > self.margin * plain
 
     def probing_spec(self, seqs: int) -> bool:
         """Whether this step measures trees at this load (ask after allow_spec): then the policy drafts

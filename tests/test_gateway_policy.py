@@ -366,6 +366,20 @@ def test_a_probe_of_trees_left_pending_by_a_short_burst_is_dropped_once_plain_cl
     assert any(run_gate(gate, 16, 100, spec_rate=100, plain_rate=200))
 
 
+def test_a_first_verdict_goes_to_the_arm_that_measured_better_and_then_holds_within_the_margin():
+    """Issue 14: plain decoding measured 4% better at 8-15 sequences; the gate kept trees (it only
+    switched them off for 10%) where `always` ran at 0.8x `never` on the H200. Now the first
+    verdict is the better arm's, and a standing verdict holds against anything within `margin`."""
+    def share_of_trees(seen: list[bool]) -> float:
+        return sum(seen) / len(seen)
+
+    gate = LoadGate()  # (the losing arm, within the margin, is still re-probed every ~50 steps)
+    assert share_of_trees(run_gate(gate, 8, 400, spec_rate=100, plain_rate=104)[16:]) < 0.2
+    assert share_of_trees(run_gate(gate, 8, 400, spec_rate=108, plain_rate=104)) < 0.2  # within the margin
+    assert share_of_trees(run_gate(gate, 8, 400, spec_rate=150, plain_rate=104)[-200:]) > 0.9  # trees clearly win
+    assert share_of_trees(run_gate(gate, 8, 400, spec_rate=100, plain_rate=104)) > 0.8  # and hold within it
+
+
 def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the_verdict():
     """Trees 1.4x worse (not `clear`ly): the first probe runs its 8 steps; later re-probes of the
     still-losing trees (every 80 steps, the cap) take 3: two warm-up steps unrecorded, one
