@@ -439,11 +439,10 @@ class LoadGate:
     # every 117 steps cost auto 2-4% of never's throughput).
     # What a re-probe loses is measured, not only estimated from its recorded steps: a probe of trees
     # wakes dormant requests, which feed their drafts, ungranted, until the drafts have caught up on
-    # the tokens they slept through, and only then draft. On the H200 scale track at 16-32 requests
-    # each probe of trees took about as long as 25 plain steps' worth of lost time where the estimate
-    # said 8, and with the cap at 8 x stale_after a re-probe came every 384 steps: auto delivered
-    # 0.91x `never` there. The cap now only bounds how stale a verdict may get (64 x 48 steps: about
-    # 20 s of plain decoding at 6 ms a step).
+    # the tokens they slept through (1-3 such steps before the first tree on the H200 scale track),
+    # and its first steps are not recorded at all (see spend). The cap only bounds how stale a verdict
+    # may get: 64 x 48 steps, about 20 s of plain decoding at 6 ms a step (with 8 x 48, each level of
+    # 512 steps that `tandem bench` ran at 4-32 requests on the H200 held a re-probe of trees).
     clear: float = 1.5
     probe_budget: float = 0.01
     max_stale_factor: float = 64.0
