@@ -52,7 +52,8 @@
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
 #            and each mode's metrics are scraped after it; bench/auto_report.py then prints the modes side by
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
-#            BENCH_ARGS="--requests-per-slot 4" makes every level twice as long (serve_and_bench.sh)
+#            BENCH_ARGS="--requests-per-slot 4" makes every level twice as long (serve_and_bench.sh);
+#            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh)
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
