@@ -463,23 +463,21 @@ class LoadGate:
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
         probe = self._probing.get(b)
-        if probe is not None and probe.spec and spec.samples == 0 and self._plain_clearly_won_below(b):
-            # A first probe of trees left pending when its load passed (a burst of short requests
-            # met every bucket before any had a verdict: `tandem bench`'s warm-up) is dropped once a
-            # lighter load has shown plain decoding clearly winning: on the H200 such probes ran 8 tree
-            # steps at each of 8-15, 16-31 and 32-63 sequences where 4-7 had measured trees at 0.6x.
-            del self._probing[b]
-            self._probe_spent.pop(b, None)
-            return False
-        if probe is not None:
-            return probe.spec
         # Above a load where plain decoding clearly won, trees are not even probed: they only cost
         # more as the batch grows, and a probe there is dear (every request's draft catches up
         # from its tokens first: on the H200 scale track a probe at 32-63 sequences took 27 steps
         # that fed the draft at 3x a granted step, then a 431 ms round; probes cost auto a third of
         # `never`'s throughput at 64 requests). Where trees later win below, this bucket is new again.
-        if spec.samples == 0 and self._plain_clearly_won_below(b):
+        if self._trees_need_no_probe(b):
+            if probe is not None and probe.spec:
+                # A first probe of trees left pending when its load passed (a burst of short requests
+                # met every bucket before any had a verdict: `tandem bench`'s warm-up) is dropped: on
+                # the H200 such probes ran 8 tree steps at 8-15 and 16-31 sequences where 4-7 had
+                # measured trees at 0.6x.
+                self._drop_probe(b)
             return False
+        if probe is not None:
+            return probe.spec
         # A new bucket measures plain decoding first where it won at the nearest lighter load
         # (trees only cost more as the batch grows) or where the cost model predicts it: the
         # probe of trees, measured second, then ends after one recorded step if they clearly
@@ -506,12 +504,19 @@ class LoadGate:
         if seqs < self.min_batch:
             return True
         b = batch_bucket(seqs)
-        if b in self._probing:
-            return self._probing[b].spec
-        spec = self.arms.get((b, True))
-        if (spec is None or spec.samples == 0) and self._plain_clearly_won_below(b):
+        if self._trees_need_no_probe(b):
             return False
-        return self._verdict.get(b, True)
+        probe = self._probing.get(b)
+        return probe.spec if probe is not None else self._verdict.get(b, True)
+
+    def _trees_need_no_probe(self, b: int) -> bool:
+        """Trees are unmeasured at this load and plain decoding clearly won at a lighter one."""
+        spec = self.arms.get((b, True))
+        return (spec is None or spec.samples == 0) and self._plain_clearly_won_below(b)
+
+    def _drop_probe(self, b: int) -> None:
+        del self._probing[b]
+        self._probe_spent.pop(b, None)
 
     def _stale_after(self, b: int, spec_wins: bool) -> float:
         winner, loser = self.arms[(b, spec_wins)], self.arms[(b, not spec_wins)]
@@ -627,8 +632,7 @@ class LoadGate:
             self._probing[b] = probe._replace(steps_left=probe.steps_left - 1)
             return None
         if not other.samples:
-            del self._probing[b]
-            self._probe_spent.pop(b, None)
+            self._drop_probe(b)
             return None
         self._verdict[b] = self._judge(b)
         self._end_probe(b)
