@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from draft_service.types import DraftBudget
+from kernels.topk import top_k_ranked
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.graph_capture import capture_graphs
@@ -41,21 +42,6 @@ MAX_SLOTS = 64  # run slots per request: one 64-bit ancestor word (5/4/8 uses 16
 
 def fits(budget: DraftBudget) -> bool:
     return not budget.empty and (budget.steps - 1) * budget.topk <= MAX_SLOTS
-
-
-def top_k_ranked(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values of each row and their indices, best first, ties to the lower
-    index (what a stable descending sort gives), without sorting the row: the k-th value
-    bounds the choice, and among values equal to it the lowest indices fill the rest."""
-    kth = values.topk(k, -1).values[..., -1:]
-    above = values > kth
-    at = values == kth
-    need = k - above.sum(-1, keepdim=True)
-    taken = above | (at & (at.cumsum(-1) <= need))
-    idx = taken.to(values.dtype).topk(k, -1).indices.sort(-1).values  # the k taken, by index
-    picked = values.gather(-1, idx)
-    order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
-    return picked.gather(-1, order), idx.gather(-1, order)
 
 
 @dataclass(frozen=True)
@@ -158,6 +144,10 @@ class BatchTreeGrowth:
         slots += [torch.zeros(0, dtype=torch.long)] * (B - len(slots))  # the padding requests
         return StepLayout(tuple(range(0, B * R, R)), (R,) * B, tuple(slots), tuple(masks[b] for b in range(B)))
 
+    def _top_k(self, values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Two Triton launches where attention runs on Triton (a GPU; the interpreter in the CPU tests).
+        return top_k_ranked(values, k, use_triton=self.model.attention.name == "triton")
+
     def run(self) -> None:
         """Grow every request's tree; results in self.out (read with `trees`)."""
         if self.graph is not None:
@@ -177,7 +167,7 @@ class BatchTreeGrowth:
         cand_lp = torch.zeros(B, C, dtype=torch.float32, device=dev)
         cand_score = torch.zeros(B, C, dtype=torch.float64, device=dev)
         # Level 0: the root's children.
-        lp, ids = top_k_ranked(model.logprobs(self.root_h), K)  # [B, K]
+        lp, ids = self._top_k(model.logprobs(self.root_h), K)  # [B, K]
         cand_token[:, :K] = ids
         cand_lp[:, :K] = lp
         cand_score[:, :K] = lp.double()
@@ -203,7 +193,7 @@ class BatchTreeGrowth:
             attn = model.attention(self.q, self.k_scratch, self.v_scratch, self.kv.k[0], self.kv.v[0],
                                    self._plan(run), model.scale)
             h = model.finish(attn[at], g.reshape(B * K, -1))  # [B*K, H]
-            child_lp, child_ids = top_k_ranked(model.logprobs(h), K)  # [B*K, K]
+            child_lp, child_ids = self._top_k(model.logprobs(h), K)  # [B*K, K]
             child_score = (cand_score.gather(1, frontier)[:, :, None] + child_lp.view(B, K, K).double()
                            ).reshape(B, K * K)
             new = slice(created, created + K * K)
@@ -226,7 +216,7 @@ class BatchTreeGrowth:
         B, C, n = token.shape[0], token.shape[1], self.shape.kept
         if n <= 0:
             return
-        chosen = top_k_ranked(score, n)[1].sort(-1).values  # [B, n] candidate indices, ascending
+        chosen = self._top_k(score, n)[1].sort(-1).values  # [B, n] candidate indices, ascending
         index_of = torch.full((B, C + 1), -1, dtype=torch.long, device=token.device)
         index_of.scatter_(1, chosen, torch.arange(n, device=token.device).expand(B, n))
         parent_index = index_of.gather(1, torch.where(parent.gather(1, chosen) >= 0, parent.gather(1, chosen), C))

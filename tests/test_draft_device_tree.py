@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import draft_service.engine as draft_engine
-from draft_service.device_tree import top_k_ranked
+from kernels.topk import top_k_ranked_reference as top_k_ranked
 from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget, DraftItem, IngestItem
