@@ -105,7 +105,7 @@ def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget
     width, vocab = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
-                              torch.randn(prefix, width)) for r in ids], catch_up=True)
+                              torch.randn(prefix, width, dtype=engine.model.dtype)) for r in ids], catch_up=True)
     times = []
     with around or contextlib.nullcontext():
         _calls(engine, ids, budget, accepted, iters + 2, vocab, width, device, grow_only, times)
@@ -119,9 +119,10 @@ def _calls(engine: DraftEngine, ids: list[str], budget: DraftBudget, accepted: i
         ingest = []
         for r in ids if not grow_only else ():
             start = len(engine.requests[r].tokens) - 1
+            # Features as the service gets them: host tensors in the model's dtype (bf16 from the target).
             ingest.append(IngestItem(r, start, tuple(engine.requests[r].tokens[start:]) +
                                      tuple(torch.randint(0, vocab, (accepted + 1,)).tolist()),
-                                     torch.randn(accepted + 1, width)))
+                                     torch.randn(accepted + 1, width, dtype=engine.model.dtype)))
         sync(device)
         t0 = time.perf_counter()
         engine.draft([DraftItem(r, budget) for r in ids], ingest)
@@ -188,8 +189,12 @@ def profile_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBud
     time_calls(engine, batch, prefix, budget, accepted, 3, device, grow_only, around=prof)
     ops = prof.key_averages()
     device_key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-    path.write_text(f"batch {batch}, budget {budget.steps}/{budget.topk}/{budget.num_draft_tokens}, 5 calls\n\n"
-                    f"by device time:\n{ops.table(sort_by=device_key, row_limit=40)}\n\n"
+    # Kernels (and in-graph copies) are the rows with device time and no host time of their own.
+    kernels = sum(e.count for e in ops if e.self_cpu_time_total == 0 and e.self_device_time_total > 0)
+    device_ms = sum(e.self_device_time_total for e in ops) / 1000 / 5
+    path.write_text(f"batch {batch}, budget {budget.steps}/{budget.topk}/{budget.num_draft_tokens}, 5 calls\n"
+                    f"device kernels per call: {kernels / 5:.0f}; device time per call: {device_ms:.3f} ms\n\n"
+                    f"by device time:\n{ops.table(sort_by=device_key, row_limit=60)}\n\n"
                     f"by host time:\n{ops.table(sort_by='self_cpu_time_total', row_limit=40)}\n")
     print(f"profile: {path}")
 

@@ -18,8 +18,11 @@
 #            pack, graph replay, the wait for the GPU, results), batch 1/8/64, decode and verify 8
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
 #            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
-#   drafttests  the draft's tree-growth tests on the GPU (captured graphs)
+#   drafttests  the draft's tree-growth and top-k kernel tests on the GPU (captured graphs, compiled Triton)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
+#            (DRAFT_GROW=0 skips the growth alone)
+#   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
+#            batch 1 before (where .before/ exists) and after, and at batch 64 after
 #   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
 #            gateway's phases beside the services' own step times (bench/round_breakdown.py), the drafts
@@ -170,14 +173,23 @@ for stage in "$@"; do
       run engine_phases after 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
         --modes graphs --phases --out "$OUT/engine_phases.json" ;;
     drafttests)
-      run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py ;;
+      run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py \
+        tests/test_topk.py ;;
     draft)
       for tree in before after; do
         run "draft_$tree" $tree 200 python3 bench/draft_step.py --batches 1,8,64 --budgets "3,1,4;5,4,8;6,8,16" \
           --iters 10 --out "$OUT/draft_$tree.json"
       done
-      run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 --budgets "3,1,4;5,4,8;6,8,16" \
-        --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
+      [[ ${DRAFT_GROW:-1} == 1 ]] && run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 \
+        --budgets "3,1,4;5,4,8;6,8,16" --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
+    draftprofile)
+      trees=after; [[ -d $root/.before ]] && trees="before after"
+      for tree in $trees; do
+        run "draft_profile_${tree}_b1" $tree 150 python3 bench/draft_step.py --batches 1 --budgets "5,4,8" \
+          --iters 3 --profile "$OUT/draft_profile_${tree}_b1.txt"
+      done
+      run draft_profile_after_b64 after 150 python3 bench/draft_step.py --batches 64 --budgets "5,4,8" \
+        --iters 3 --profile "$OUT/draft_profile_after_b64.txt" ;;
     spec)  # after only: always against never on the scale track (forced acceptance 0.8) and the demo track
       need_scale scale_track $scale
       scale_serve $scale 0.8
