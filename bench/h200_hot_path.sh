@@ -23,7 +23,8 @@
 #            (DRAFT_GROW=0 skips the growth alone)
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
 #            batch 1 before (where .before/ exists) and after, and at batch 64 after
-#   spec     after only: `always` against `never`, scale track (acceptance 0.8) and demo track
+#   spec     `always` against `never`, scale track (acceptance 0.8) and demo track (bf16); SPEC_TREES="before
+#            after" runs .before/ first (spec_*_before; .before/demo may be a link to ../demo)
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
 #            gateway's phases beside the services' own step times (bench/round_breakdown.py), the drafts
 #            taking pushed features (the default) and then reading them (--pull-features), back to back
@@ -190,11 +191,15 @@ for stage in "$@"; do
       done
       run draft_profile_after_b64 after 150 python3 bench/draft_step.py --batches 64 --budgets "5,4,8" \
         --iters 3 --profile "$OUT/draft_profile_after_b64.txt" ;;
-    spec)  # after only: always against never on the scale track (forced acceptance 0.8) and the demo track
+    spec)  # always against never on the scale track (forced acceptance 0.8) and the demo track (bf16);
+           # SPEC_TREES="before after" runs .before/ first, as spec_*_before
       need_scale scale_track $scale
       scale_serve $scale 0.8
-      serve_bench spec_scale 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
-      serve_bench spec_demo 8300 1,4 never,always --device cuda ;;
+      for tree in ${SPEC_TREES:-after}; do
+        suffix=""; [[ $tree == before ]] && suffix=_before
+        SERVE_TREE=$tree serve_bench "spec_scale$suffix" 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
+        SERVE_TREE=$tree serve_bench "spec_demo$suffix" 8300 1,4 never,always --device cuda --dtype bfloat16
+      done ;;
     round)  # after only: where a round's time goes at one request, every service's metrics scraped
       need_scale scale_track $scale
       for how in push pull; do

@@ -11,12 +11,14 @@ features, more than WIDTH new positions) take the engine's eager path.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 import numpy as np
 import torch
 
+from draft_service.staging import StagedInput
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.graph_capture import capture_graphs
@@ -37,13 +39,15 @@ class BatchCatchUp:
         self.block_m = choose_block_m(W, group)
         self.per_tile = self.block_m // group
         self.tiles_per_seq = -(-W // self.per_tile)
-        self.ints_host = np.zeros(SEQ_INFO_FIELDS * batch + 3 * batch * self.tiles_per_seq, dtype=np.int32)
-        self.ints = torch.zeros(len(self.ints_host), dtype=torch.int32, device=dev)
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.slots = torch.full((rows,), kv.trash_slot, dtype=torch.long, device=dev)
-        self.last_row = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.features = torch.zeros(rows, model.cfg.feature_width, dtype=model.dtype, device=dev)
+        # A call's inputs, each in one non-blocking copy: the attention's ints; the rows' tokens,
+        # positions, cache slots and feature rows, then each request's last row; the features, packed.
+        self.ints_in = StagedInput((SEQ_INFO_FIELDS * batch + 3 * batch * self.tiles_per_seq,), torch.int32, dev)
+        self.ints = self.ints_in.device
+        self.longs_in = StagedInput((4 * rows + batch,), torch.long, dev)
+        self.tokens, self.positions, self.slots, self.feature_rows = self.longs_in.device[: 4 * rows].view(4, rows)
+        self.last_row = self.longs_in.device[4 * rows:]
+        self.slots.fill_(kv.trash_slot)  # the capture's warm-up runs before any load: it writes only trash
+        self.features_in = StagedInput((rows, model.cfg.feature_width), model.dtype, dev)
         # Row j of a request sees its rows 0..j: the same causal words for every call.
         own = torch.arange(W, device=dev)
         self.words = ((torch.ones_like(own) << (own + 1)) - 1).repeat(batch)[:, None].contiguous()
@@ -51,51 +55,53 @@ class BatchCatchUp:
         self.splits = choose_num_splits(batch * self.tiles_per_seq * model.num_kv_heads, model.max_position, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.host_slots: list[np.ndarray] = []
-        self.counts: list[int] = []
         if capture:
             self._capture()
 
-    def load(self, tokens: list[list[int]], positions: list[int], features: list[torch.Tensor], slots: np.ndarray,
-             table_rows: list[int], padding_row: int, host_prefix: list[np.ndarray] | None = None) -> None:
-        """Request b computes len(tokens[b]) positions from positions[b] (its computed length):
-        tokens[b] are the next tokens of those positions, features[b] their target features,
-        slots its rows' cache slots (all requests' together, in order)."""
-        B, W = self.batch, WIDTH
+    def load(self, tokens: list[list[int]], starts: list[int], features: list[torch.Tensor], table_rows: list[int],
+             host_prefix: list[np.ndarray] | None = None) -> None:
+        """Request b computes len(tokens[b]) positions from starts[b] (its computed length):
+        tokens[b] are the next tokens of those positions; features holds every position's
+        feature row, request by request; table_rows are the requests' rows of the block table."""
+        B, W, bs = self.batch, WIDTH, self.kv.block_size
         n = len(tokens)
-        counts = [len(t) for t in tokens]
-        info = self.ints_host[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
-        info[:] = (0, 0, 0, padding_row)
+        counts = np.zeros(B, dtype=np.int64)
+        counts[:n] = [len(t) for t in tokens]
+        table = self.kv.block_table
+        seq_rows = np.full(B, table.padding_row, dtype=np.int64)
+        seq_rows[:n] = table_rows
+        ints = self.ints_in.host().numpy()
+        info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
+        info[:] = 0
         info[:, 1] = np.arange(B) * W
-        info[:n, 0] = positions
-        info[:n, 2] = counts
-        info[:n, 3] = table_rows
-        tiles = self.ints_host[SEQ_INFO_FIELDS * B:].reshape(B, self.tiles_per_seq, 3)
+        info[:n, 0] = starts
+        info[:, 2] = counts
+        info[:, 3] = seq_rows
+        tiles = ints[SEQ_INFO_FIELDS * B:].reshape(B, self.tiles_per_seq, 3)
         first = np.arange(self.tiles_per_seq) * self.per_tile
         tiles[:, :, 0] = np.arange(B)[:, None]
         tiles[:, :, 1] = first
-        count = np.zeros(B, dtype=np.int64)
-        count[:n] = counts
-        tiles[:, :, 2] = np.clip(count[:, None] - first[None, :], 0, self.per_tile)
-        self.ints.copy_(torch.from_numpy(self.ints_host))
-        flat_tokens = np.zeros(B * W, dtype=np.int64)
-        flat_positions = np.zeros(B * W, dtype=np.int64)
-        flat_slots = np.full(B * W, self.kv.trash_slot, dtype=np.int64)
-        at = 0
-        for b, (toks, start) in enumerate(zip(tokens, positions)):
-            k = len(toks)
-            flat_tokens[b * W: b * W + k] = toks
-            flat_positions[b * W: b * W + k] = np.arange(start, start + k)
-            flat_slots[b * W: b * W + k] = slots[at: at + k]
-            at += k
-        self.tokens.copy_(torch.from_numpy(flat_tokens))
-        self.positions.copy_(torch.from_numpy(flat_positions))
-        self.slots.copy_(torch.from_numpy(flat_slots))
-        self.last_row.copy_(torch.tensor([b * W + max(c, 1) - 1 for b, c in enumerate(counts + [1] * (B - n))]))
-        stacked = torch.zeros(B, W, self.features.shape[1], dtype=self.features.dtype)
-        for b, f in enumerate(features):
-            stacked[b, : f.shape[0]] = f.to(self.features.dtype)
-        self.features.copy_(stacked.view(B * W, -1))
-        self.counts = counts
+        tiles[:, :, 2] = np.clip(counts[:, None] - first[None, :], 0, self.per_tile)
+        longs = self.longs_in.host().numpy()
+        token, position, slot, feature_row = longs[: 4 * B * W].reshape(4, B, W)
+        used = np.arange(W)[None, :] < counts[:, None]  # [B, W]: the rows that compute a position
+        start = np.zeros(B, dtype=np.int64)
+        start[:n] = starts
+        at = np.where(used, start[:, None] + np.arange(W)[None, :], 0)
+        total = int(counts.sum())
+        token[:] = 0
+        token[used] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=total)
+        position[:] = at
+        # The block table's host mirror is current: every slot of the call in one gather.
+        slot[:] = np.where(used, table.host[seq_rows[:, None], at // bs] * bs + at % bs, self.kv.trash_slot)
+        feature_row[:] = 0
+        feature_row[used] = np.arange(total)
+        longs[4 * B * W:] = np.arange(B) * W + np.maximum(counts, 1) - 1
+        if total:
+            torch.stack(features, out=self.features_in.host()[:total])
+        self.ints_in.send()
+        self.longs_in.send()
+        self.features_in.send(total)
         self.host_slots = host_prefix or []
 
     def _plan(self):
@@ -113,7 +119,7 @@ class BatchCatchUp:
 
     def _compute(self) -> None:
         model = self.model
-        g = model.project(self.features)
+        g = model.project(self.features_in.device[self.feature_rows])
         q, k, v = model.attention_inputs(self.tokens, g, self.positions)
         attn = model.attention(q, k, v, self.kv.k[0], self.kv.v[0], self._plan(), model.scale)
         h = model.finish(attn, g)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from draft_service.staging import StagedInput
 from draft_service.types import DraftBudget
 from kernels.topk import top_k_ranked
 from kernels.tree_attention import StepLayout
@@ -81,16 +82,20 @@ class BatchTreeGrowth:
         self.per_tile = self.block_m // group
         self.tiles_per_run = -(-K // self.per_tile)
         tiles = B * self.tiles_per_run
-        # ints: seq_info [B, 4], then each run's tiles [tiles, 3].
-        self.ints_host = np.zeros(SEQ_INFO_FIELDS * B + 3 * tiles * max(shape.runs, 1), dtype=np.int32)
-        self.ints = torch.zeros(len(self.ints_host), dtype=torch.int32, device=dev)
+        # ints: seq_info [B, 4] (a request's length first), then each run's tiles [tiles, 3]; one
+        # non-blocking copy a call.
+        self.ints_in = StagedInput((SEQ_INFO_FIELDS * B + 3 * tiles * max(shape.runs, 1),), torch.int32, dev)
+        self.ints = self.ints_in.device
         self.root_h = torch.zeros(B, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-        self.lengths = torch.zeros(B, dtype=torch.long, device=dev)
         self.words = torch.zeros(B * R, 1, dtype=torch.int64, device=dev)
         self.q = torch.zeros(B * R, model.num_heads, model.head_dim, dtype=model.dtype, device=dev)
         self.k_scratch = torch.zeros(B * R, model.num_kv_heads, model.head_dim, dtype=model.dtype, device=dev)
         self.v_scratch = torch.zeros_like(self.k_scratch)
         self.out = torch.zeros(B, 5 * max(shape.kept, 1), dtype=torch.int32, device=dev)
+        # Constants of the growth, made once (in a graph each would be kernels every replay): every slot's
+        # own ancestor bit, and level 0's frontier.
+        self.own_words = (1 << torch.arange(R, device=dev)).repeat(B)[:, None].contiguous()
+        self.first_frontier = torch.arange(K, device=dev).expand(B, K)
         self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_seconds = 0.0
@@ -98,12 +103,14 @@ class BatchTreeGrowth:
             self._capture()
 
     # --- inputs -------------------------------------------------------------------
-    def load(self, root_h: torch.Tensor, lengths: list[int], table_rows: list[int], padding_row: int,
+    def load(self, root_h: list[torch.Tensor], lengths: list[int], table_rows: list[int], padding_row: int,
              host_slots: list[np.ndarray] | None = None) -> None:
-        """The requests of this call (fewer than the bucket's batch: the rest are padding)."""
+        """The requests of this call (fewer than the bucket's batch: the rest are padding): each
+        one's last pre-norm h (on the device), computed length and block-table row."""
         B, R, K = self.shape.batch, self.shape.slots, self.shape.k
         n = len(lengths)
-        info = self.ints_host[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
+        ints = self.ints_in.host().numpy()
+        info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
         info[:] = (0, 0, 0, padding_row)
         info[:, 1] = np.arange(B) * R
         info[:n, 0] = lengths
@@ -111,18 +118,17 @@ class BatchTreeGrowth:
         info[:n, 3] = table_rows
         at = SEQ_INFO_FIELDS * B
         for run in range(self.shape.runs):
-            tiles = self.ints_host[at: at + 3 * B * self.tiles_per_run].reshape(B, self.tiles_per_run, 3)
+            tiles = ints[at: at + 3 * B * self.tiles_per_run].reshape(B, self.tiles_per_run, 3)
             first = run * K + np.arange(self.tiles_per_run) * self.per_tile
             tiles[:, :, 0] = np.arange(B)[:, None]
             tiles[:, :, 1] = first
             tiles[:, :, 2] = np.minimum(self.per_tile, (run + 1) * K - first)
             tiles[n:, :, 2] = 0  # padding requests do nothing
             at += 3 * B * self.tiles_per_run
-        self.ints.copy_(torch.from_numpy(self.ints_host), non_blocking=False)
-        self.root_h[:n].copy_(root_h)
+        self.ints_in.send()
+        if n:
+            torch.stack(root_h, out=self.root_h[:n])
         self.root_h[n:].zero_()
-        self.lengths[:n].copy_(torch.tensor(lengths, dtype=torch.long))
-        self.lengths[n:] = 0
         if self.model.attention.name == "torch":
             self.host_slots = host_slots or [np.zeros(0, dtype=np.int64)] * n
 
@@ -160,42 +166,50 @@ class BatchTreeGrowth:
         B, K, R, runs, C = shape.batch, shape.k, shape.slots, shape.runs, shape.candidates
         dev = model.device
         d2t = model.d2t
-        # Every candidate, in creation order: [B, C] each, written level by level.
-        cand_token = torch.zeros(B, C, dtype=torch.long, device=dev)
-        cand_parent = torch.full((B, C), -1, dtype=torch.long, device=dev)
-        cand_level = torch.zeros(B, C, dtype=torch.long, device=dev)
-        cand_lp = torch.zeros(B, C, dtype=torch.float32, device=dev)
-        cand_score = torch.zeros(B, C, dtype=torch.float64, device=dev)
+        heads, kv_heads, dim = model.num_heads, model.num_kv_heads, model.head_dim
+        lengths = self.ints[: SEQ_INFO_FIELDS * B].view(B, SEQ_INFO_FIELDS)[:, 0].long()  # padding: 0
+        # Every candidate, in creation order: [B, C] each, written level by level (each column once).
+        cand_token = torch.empty(B, C, dtype=torch.long, device=dev)
+        cand_parent = torch.empty(B, C, dtype=torch.long, device=dev)
+        cand_level = torch.empty(B, C, dtype=torch.long, device=dev)
+        cand_lp = torch.empty(B, C, dtype=torch.float32, device=dev)
+        cand_score = torch.empty(B, C, dtype=torch.float64, device=dev)
         # Level 0: the root's children.
         lp, ids = self._top_k(model.logprobs(self.root_h), K)  # [B, K]
         cand_token[:, :K] = ids
+        cand_parent[:, :K] = -1
+        cand_level[:, :K] = 0
         cand_lp[:, :K] = lp
-        cand_score[:, :K] = lp.double()
-        frontier = torch.arange(K, device=dev).expand(B, K)  # candidate indices, ascending
-        frontier_parent_slot = torch.full((B, K), -1, dtype=torch.long, device=dev)
+        cand_score[:, :K] = lp
+        frontier = self.first_frontier  # candidate indices, ascending
+        frontier_parent_slot = None  # level 0's parent is the root, which has no slot
         g = self.root_h[:, None, :].expand(B, K, -1)
-        own = torch.arange(R, device=dev)
-        self.words.copy_((torch.ones_like(own) << own).repeat(B)[:, None])
-        rows = (torch.arange(B, device=dev) * R)[:, None]
+        self.words.copy_(self.own_words)
+        # A run's rows of every request: slots run * K .. run * K + K - 1 of each request's R.
+        q_rows = self.q.view(B, R, heads, dim)
+        k_rows = self.k_scratch.view(B, R, kv_heads, dim)
+        v_rows = self.v_scratch.view(B, R, kv_heads, dim)
         created = K
         for run in range(runs):
-            slot = run * K + torch.arange(K, device=dev)  # this run's slots
+            slots = slice(run * K, (run + 1) * K)
             token = d2t[cand_token.gather(1, frontier)]
-            positions = self.lengths[:, None] + cand_level.gather(1, frontier)
-            parent_words = self.words.view(B, R).gather(1, frontier_parent_slot.clamp(min=0))
-            parent_words = torch.where(frontier_parent_slot >= 0, parent_words, 0)
-            self.words.view(B, R)[:, run * K: (run + 1) * K] = parent_words | (1 << slot)
+            positions = lengths[:, None] + cand_level.gather(1, frontier)
+            own = self.own_words[slots, 0]
+            if frontier_parent_slot is None:
+                self.words.view(B, R)[:, slots] = own
+            else:
+                self.words.view(B, R)[:, slots] = self.words.view(B, R).gather(1, frontier_parent_slot) | own
             q, k, v = model.attention_inputs(token.reshape(-1), g.reshape(B * K, -1), positions.reshape(-1))
-            at = (rows + slot).reshape(-1)
-            self.q[at] = q
-            self.k_scratch[at] = k
-            self.v_scratch[at] = v
+            q_rows[:, slots] = q.view(B, K, heads, dim)
+            k_rows[:, slots] = k.view(B, K, kv_heads, dim)
+            v_rows[:, slots] = v.view(B, K, kv_heads, dim)
             attn = model.attention(self.q, self.k_scratch, self.v_scratch, self.kv.k[0], self.kv.v[0],
                                    self._plan(run), model.scale)
-            h = model.finish(attn[at], g.reshape(B * K, -1))  # [B*K, H]
+            h = model.finish(attn.view(B, R, heads, dim)[:, slots].reshape(B * K, heads, dim),
+                             g.reshape(B * K, -1))  # [B*K, H]
             child_lp, child_ids = self._top_k(model.logprobs(h), K)  # [B*K, K]
-            child_score = (cand_score.gather(1, frontier)[:, :, None] + child_lp.view(B, K, K).double()
-                           ).reshape(B, K * K)
+            # float64 scores: the float32 log-prob is promoted inside the add.
+            child_score = (cand_score.gather(1, frontier)[:, :, None] + child_lp.view(B, K, K)).reshape(B, K * K)
             new = slice(created, created + K * K)
             cand_token[:, new] = child_ids.view(B, K * K)
             cand_parent[:, new] = frontier[:, :, None].expand(B, K, K).reshape(B, K * K)
@@ -206,8 +220,9 @@ class BatchTreeGrowth:
             # in creation order, and where their parents ran.
             best = torch.sort(child_score, dim=-1, descending=True, stable=True).indices[:, :K].sort(-1).values
             frontier = created + best
-            frontier_parent_slot = run * K + best // K
-            g = h.view(B, K, -1).gather(1, (best // K)[:, :, None].expand(B, K, h.shape[-1]))
+            parent = best // K
+            frontier_parent_slot = run * K + parent
+            g = h.view(B, K, -1).gather(1, parent[:, :, None].expand(B, K, h.shape[-1]))
             created += K * K
         self._select(cand_token, cand_parent, cand_level, cand_lp, cand_score)
 
@@ -220,18 +235,17 @@ class BatchTreeGrowth:
         index_of = torch.full((B, C + 1), -1, dtype=torch.long, device=token.device)
         index_of.scatter_(1, chosen, torch.arange(n, device=token.device).expand(B, n))
         parent_index = index_of.gather(1, torch.where(parent.gather(1, chosen) >= 0, parent.gather(1, chosen), C))
-        out = self.out.view(B, 5, n)
-        out[:, 0] = self.model.d2t[token.gather(1, chosen)].int()
-        out[:, 1] = parent_index.int()
-        out[:, 2] = (level.gather(1, chosen) + 1).int()
-        out[:, 3] = lp.gather(1, chosen).float().view(torch.int32)
+        out = self.out.view(B, 5, n)  # int32: each copy below converts as it writes
+        out[:, 0] = self.model.d2t[token.gather(1, chosen)]
+        out[:, 1] = parent_index
+        out[:, 2] = level.gather(1, chosen) + 1
+        out[:, 3] = lp.gather(1, chosen).view(torch.int32)
         out[:, 4] = score.gather(1, chosen).float().view(torch.int32)
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
         padding_row = self.kv.block_table.padding_row
-        self.load(torch.zeros(0, self.model.cfg.hidden_size, dtype=self.model.dtype, device=self.model.device),
-                  [], [], padding_row)
+        self.load([], [], [], padding_row)
         [self.graph] = capture_graphs(self._grow)
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured the draft tree graph for batch %d, budget %d/%d/%d in %.2f s", self.shape.batch,

@@ -264,9 +264,8 @@ class DraftEngine:
         if self.model.attention.name == "torch":
             host_prefix = [self.kv.host_slots(rid, 0, a) for rid, a, _ in batch]
         catch.load([st.tokens[a + 1: b + 1] for st, (_, a, b) in zip(reqs, batch)], [a for _, a, _ in batch],
-                   [torch.stack([st.features[p] for p in range(a, b)]) for st, (_, a, b) in zip(reqs, batch)],
-                   np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch]),
-                   [self.kv.seqs[rid].row for rid, _, _ in batch], self.table.padding_row, host_prefix)
+                   [st.features[p] for st, (_, a, b) in zip(reqs, batch) for p in range(a, b)],
+                   [self.kv.seqs[rid].row for rid, _, _ in batch], host_prefix)
         catch.run()
         # One copy for the batch: the next call overwrites catch.last_h, and nothing writes into a last_h.
         last_hs = catch.last_h[: len(batch)].clone()
@@ -399,7 +398,7 @@ class DraftEngine:
         host_slots = None
         if self.model.attention.name == "torch":
             host_slots = [self.kv.host_slots(rid, 0, self.computed(rid)) for rid in rids]
-        growth.load(torch.stack([self.requests[rid].last_h for rid in rids]),
+        growth.load([self.requests[rid].last_h for rid in rids],
                     [self.computed(rid) for rid in rids], [self.kv.seqs[rid].row for rid in rids],
                     self.table.padding_row, host_slots)
         growth.run()

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from draft_service.config import load_draft_config
 from draft_service.types import MAX_STEPS
+from kernels.activation import silu_mul_triton
 from kernels.backend import get_attention_backend
-from kernels.rmsnorm import rms_norm_triton
+from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from kernels.rope import rope_triton
 from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
@@ -131,14 +132,18 @@ class Eagle3Draft:
         """g = fc(features): [T, feature_width] -> [T, H]."""
         return F.linear(features.to(device=self.device, dtype=self.dtype), self.fc, self.fc_bias)
 
+    @property
+    def _fused(self) -> bool:
+        # On GPU one Triton kernel instead of several torch ops: the draft's levels are launch-bound.
+        return self.device.type == "cuda" and self.attention.name == "triton"
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # On GPU one Triton kernel instead of ~8 torch ops: the draft's levels are launch-bound.
-        if self.device.type == "cuda" and self.attention.name == "triton":
+        if self._fused:
             return rms_norm_triton(x, weight, self.cfg.layer.rms_norm_eps)
         return rms_norm(x, weight, self.cfg.layer.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda" and self.attention.name == "triton":
+        if self._fused:
             return rope_triton(x, positions, self.rotary.cos, self.rotary.sin)
         return self.rotary.apply(x, positions)
 
@@ -163,7 +168,11 @@ class Eagle3Draft:
 
     def finish(self, attn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """The pre-norm hidden state h from the attention output and g."""
-        h = g + F.linear(attn.reshape(attn.shape[0], -1), self.o)
+        o = F.linear(attn.reshape(attn.shape[0], -1), self.o)
+        if self._fused:  # the residual add with the norm, silu with the product: two launches fewer
+            h, normed = add_rms_norm_triton(o, g, self.post_norm, self.cfg.layer.rms_norm_eps)
+            return h + F.linear(silu_mul_triton(F.linear(normed, self.gate_up)), self.down)
+        h = g + o
         gate, up = F.linear(self._norm(h, self.post_norm), self.gate_up).chunk(2, -1)
         return h + F.linear(F.silu(gate) * up, self.down)
 
@@ -175,5 +184,5 @@ class Eagle3Draft:
 
     def logprobs(self, h: torch.Tensor) -> torch.Tensor:
         """float32 log-probs over the draft vocabulary: [T, draft_vocab]."""
-        logits = F.linear(self._norm(h, self.norm), self.lm_head).float()
-        return torch.log_softmax(logits, -1)
+        # dtype= converts inside the kernel: no float32 copy of the logits first.
+        return torch.log_softmax(F.linear(self._norm(h, self.norm), self.lm_head), -1, dtype=torch.float32)

@@ -58,9 +58,11 @@ class BlockTable:
         into a step's input)."""
         pending = self.take_pending()
         if pending:
-            index = torch.tensor(list(pending.keys()), dtype=torch.long)
-            blocks = torch.tensor(list(pending.values()), dtype=torch.int32)
-            self.table.view(-1)[index.to(self.table.device)] = blocks.to(self.table.device)
+            # Queued in stream order without waiting for the GPU: a copy from pageable memory is
+            # staged by the driver before the call returns, so the host tensors may go at once.
+            entries = torch.tensor([list(pending.keys()), list(pending.values())], dtype=torch.long)
+            entries = entries.to(self.table.device, non_blocking=True)
+            self.table.view(-1)[entries[0]] = entries[1].to(self.table.dtype)
 
 
 class PagedKVCache:

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import draft_service.engine as draft_engine
-from kernels.topk import top_k_ranked_reference as top_k_ranked
 from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget, DraftItem, IngestItem
+from kernels.topk import top_k_ranked_reference
 from tests.tiny_draft import make_tiny_eagle3
 
 BUDGETS = [DraftBudget(5, 4, 8), DraftBudget(3, 1, 4), DraftBudget(6, 8, 16), DraftBudget(2, 3, 30),
@@ -61,13 +61,13 @@ def test_device_growth_gives_the_host_rules_trees(pair, backend, monkeypatch):
         assert b.scores == pytest.approx(a.scores, abs=1e-5) and b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
 
 
-def test_top_k_ranked_breaks_ties_towards_the_lower_index_like_a_stable_sort():
+def test_the_top_k_reference_breaks_ties_towards_the_lower_index_like_a_stable_sort():
     rng = random.Random(1)
     for _ in range(200):
         width = rng.randint(1, 12)
         k = rng.randint(1, width)
         values = torch.tensor([float(rng.choice([0, -1, -2, -1e9])) for _ in range(width)]).expand(3, width)
-        got_values, got_index = top_k_ranked(values, k)
+        got_values, got_index = top_k_ranked_reference(values, k)
         want = torch.sort(values, dim=-1, descending=True, stable=True)
         assert torch.equal(got_index, want.indices[:, :k]) and torch.equal(got_values, want.values[:, :k])
 

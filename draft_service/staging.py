@@ -1,0 +1,36 @@
+"""A call's inputs on their way to the device: a pinned host buffer and its device twin.
+
+A copy from pageable memory makes torch wait for the GPU (it synchronises the stream), so
+a draft call that copied each input that way waited for the catch-up graph before it could
+load the growth's inputs, a dozen times a call (BENCHMARKS.md, the draft call's profile).
+From a pinned buffer the copy is queued and the host goes on. The host side is written
+again only once the last copy from it has run (an event), so a copy never reads a
+buffer the next call is filling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StagedInput:
+    """host (pinned where the device is CUDA) and device, both of `shape` and `dtype`."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        pinned = device.type == "cuda"
+        self.device = torch.zeros(shape, dtype=dtype, device=device)
+        self._host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+        self._sent = torch.cuda.Event() if pinned else None
+
+    def host(self) -> torch.Tensor:
+        """The host buffer, once the last copy from it has run."""
+        if self._sent is not None:
+            self._sent.synchronize()
+        return self._host
+
+    def send(self, rows: int | None = None) -> None:
+        """Copy the first `rows` rows (all when None) to the device, without waiting for the copy."""
+        src, dst = (self._host, self.device) if rows is None else (self._host[:rows], self.device[:rows])
+        dst.copy_(src, non_blocking=self._sent is not None)
+        if self._sent is not None:
+            self._sent.record()
