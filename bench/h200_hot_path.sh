@@ -24,7 +24,8 @@
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
 #            batch 1 before (where .before/ exists) and after, and at batch 64 after
 #   spec     `always` against `never`, scale track (acceptance 0.8) and demo track (bf16); SPEC_TREES="before
-#            after" runs .before/ first (spec_*_before; .before/demo may be a link to ../demo)
+#            after" runs .before/ first (spec_*_before; it needs demo/heldout_prompts.jsonl, and the demo track
+#            demo/target and demo/draft); SPEC_DEMO=0 skips the demo track
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
 #            gateway's phases beside the services' own step times (bench/round_breakdown.py), the drafts
 #            taking pushed features (the default) and then reading them (--pull-features), back to back
@@ -198,7 +199,8 @@ for stage in "$@"; do
       for tree in ${SPEC_TREES:-after}; do
         suffix=""; [[ $tree == before ]] && suffix=_before
         SERVE_TREE=$tree serve_bench "spec_scale$suffix" 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
-        SERVE_TREE=$tree serve_bench "spec_demo$suffix" 8300 1,4 never,always --device cuda --dtype bfloat16
+        [[ ${SPEC_DEMO:-1} == 1 ]] &&
+          SERVE_TREE=$tree serve_bench "spec_demo$suffix" 8300 1,4 never,always --device cuda --dtype bfloat16
       done ;;
     round)  # after only: where a round's time goes at one request, every service's metrics scraped
       need_scale scale_track $scale
