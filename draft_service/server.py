@@ -16,7 +16,7 @@ from draft_service.engine import DraftEngine
 from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
 from draft_service.metrics import DraftMetrics
 from draft_service.model import Eagle3Draft
-from draft_service.target_features import TargetFeatureReader
+from draft_service.target_features import DEFAULT_RING_BYTES, TargetFeatureReader
 from draft_service.tree_wire import trees_to_proto
 from draft_service.types import (
     MAX_DRAFT_TOKENS,
@@ -243,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-features", action="store_true",
                    help="with --target: read every row with ReadFeatures, one round trip before each tree, "
                         "instead of subscribing to pushes (for comparison; default off)")
+    p.add_argument("--feature-ring-mb", type=int, default=DEFAULT_RING_BYTES >> 20, metavar="MB",
+                   help="with --target: a shared-memory ring of this size under /dev/shm for the pushed "
+                        "features, used when the target runs on this host and can open it (the stream then "
+                        "carries only where each step's rows are); 0 turns it off. Default "
+                        f"{DEFAULT_RING_BYTES >> 20}")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
@@ -281,10 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)
     if args.pull_features and not args.target:
         raise SystemExit("error: --pull-features needs --target")
+    if args.feature_ring_mb < 0:
+        raise SystemExit(f"error: --feature-ring-mb must be >= 0, got {args.feature_ring_mb}")
     if args.target:
         try:
             servicer.target_features = TargetFeatureReader(args.target, target_tls(args),
-                                                           subscribe=not args.pull_features)
+                                                           subscribe=not args.pull_features,
+                                                           ring_bytes=args.feature_ring_mb << 20)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
     metrics = None

@@ -9,14 +9,18 @@ steps): the target then pushes each step's rows as the step ends, and they
 are here, or on their way, when an ingest needs them. Rows that were not
 pushed (no live subscription when the step ran) are read from the target
 (ReadFeatures, one call for all of a call's items) before the engine sees the
-items. Rows the target no longer holds, or a target that cannot be reached,
-leave those positions without features: the engine catches them up from its
-own hidden state (approximate; output never depends on it).
+items. A subscription takes a step's rows in one message and, where the
+target is on this host, offers it a shared-memory ring for them
+(tandem.feature_ring): the target writes the rows there, and its message says
+only where they are. Rows the target no longer holds, or a target that cannot
+be reached, leave those positions without features: the engine catches them
+up from its own hidden state (approximate; output never depends on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import threading
 import time
@@ -24,11 +28,15 @@ import uuid
 from collections.abc import Callable
 
 import grpc
+import numpy as np
+import torch
 
 from draft_service.types import IngestItem
 from tandem.channels import open_channel
+from tandem.errors import InvalidArgument
+from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
-from tandem.tensors import tensor_from_proto
+from tandem.tensors import array_from_proto, tensor_from_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import target_pb2, target_pb2_grpc
 
@@ -39,15 +47,32 @@ WARN_EVERY_S = 60.0  # a target that cannot be reached is logged at most this of
 # first; a miss costs this wait and then a pull.
 PUSH_WAIT_S = 0.05
 PUSHED_ROWS = 16384  # rows kept until an ingest uses them (as the target's --max-held-features)
+# The shared-memory ring a subscription offers the target (--feature-ring-mb): 128 MB keeps about
+# 20 steps of 64 requests' rows on the 8B shapes (24 KB a row, about 4 rows a request a step).
+DEFAULT_RING_BYTES = 128 << 20
+RING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether HOST:PORT names this host by a loopback name or address."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class TargetFeatureReader:
     """subscribe: take pushed rows (a subscription thread, reconnecting after a break);
     False: pull every row with ReadFeatures. on_rows(source, rows): told, per fill, how many
-    rows were pushed, read, or absent (the service's metrics)."""
+    rows were pushed, read, or absent (the service's metrics). A subscription asks for a step's
+    rows in one message; where the target's address is a loopback one it also offers a
+    shared-memory ring of ring_bytes for them (tandem.feature_ring; 0: none)."""
 
     def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0, subscribe: bool = True,
-                 on_rows: Callable[[str, int], None] | None = None):
+                 on_rows: Callable[[str, int], None] | None = None, ring_bytes: int = DEFAULT_RING_BYTES):
         self.address = address
         self.on_rows = on_rows
         self.timeout = timeout
@@ -57,6 +82,9 @@ class TargetFeatureReader:
         self.sink = f"draft-{uuid.uuid4().hex}" if subscribe else ""
         self.pushed = FeatureStore(PUSHED_ROWS)
         self.live = False  # the target has confirmed the subscription and pushes to it
+        self.ring_bytes = ring_bytes
+        self.ring: FeatureRing | None = None  # the live subscription's, where the target writes into it
+        self._ring_refused = False
         self._closed = threading.Event()
         self._call = None
         self._thread = None
@@ -64,17 +92,35 @@ class TargetFeatureReader:
             self._thread = threading.Thread(target=self._subscribe, name="feature-subscription", daemon=True)
             self._thread.start()
 
+    def _new_ring(self) -> FeatureRing | None:
+        # Only a target on this host can open the ring; one elsewhere (another pod, another node)
+        # would leave it unused, so it is offered to a loopback address alone.
+        if self.ring_bytes <= 0 or not _is_loopback(self.address):
+            return None
+        try:
+            return FeatureRing.create(self.ring_bytes)
+        except RingUnavailable as exc:
+            if not self._ring_refused:
+                self._ring_refused = True
+                log.info("%s; pushed features come in the stream", exc)
+            return None
+
     def _subscribe(self) -> None:
         backoff = 0.1
         while not self._closed.is_set():
+            ring = self._new_ring()  # one per subscription: the target maps it when it subscribes us
             try:
-                self._call = self.stub.SubscribeFeatures(target_pb2.SubscribeFeaturesRequest(sink=self.sink))
+                self._call = self.stub.SubscribeFeatures(target_pb2.SubscribeFeaturesRequest(
+                    sink=self.sink, batched=True, ring_name=ring.name if ring else "",
+                    ring_bytes=ring.data_bytes if ring else 0))
                 for msg in self._call:
-                    if not msg.request_id:
-                        self.live, backoff = True, 0.1
-                        log.info("features from the target at %s are pushed to this draft", self.address)
-                        continue
-                    self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
+                    if msg.request_ids:
+                        self._take_batch(msg)
+                    elif msg.request_id:  # a target that sends a message per sequence
+                        self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
+                    else:
+                        ring = self._went_live(msg, ring)
+                        backoff = 0.1
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
@@ -83,10 +129,55 @@ class TargetFeatureReader:
                     return
                 self._warn(f"feature subscription to the target at {self.address} broke "
                            f"({exc.code().name}: {exc.details()}); features are read until it is back")
+            except (InvalidArgument, ValueError) as exc:  # a message this draft cannot take: resubscribe
+                self._warn(f"feature subscription to the target at {self.address}: {exc}; subscribing again")
             finally:
                 self.live = False
+                self.ring = None
+                if ring is not None:
+                    ring.close()
             self._closed.wait(backoff)
             backoff = min(2 * backoff, 2.0)
+
+    def _went_live(self, msg: target_pb2.FeatureRows, ring: FeatureRing | None) -> FeatureRing | None:
+        """The subscription's first message. The ring's file goes now either way: the target has
+        mapped it, or will not."""
+        if ring is not None:
+            ring.unlink()
+            if not msg.ring_attached:
+                ring.close()
+                ring = None
+        self.ring = ring
+        self.live = True
+        log.info("features from the target at %s are pushed to this draft%s", self.address,
+                 " through shared memory" if ring is not None else "")
+        return ring
+
+    def _take_batch(self, msg: target_pb2.FeatureRows) -> None:
+        """A step's rows for several sequences, from the message or the ring."""
+        starts = array_from_proto(msg.start_positions, "int64", "start_positions")
+        counts = array_from_proto(msg.row_counts, "int64", "row_counts")
+        if not len(starts) == len(counts) == len(msg.request_ids) or (counts < 0).any():
+            raise InvalidArgument(f"a batch of {len(msg.request_ids)} sequences with {len(starts)} starts "
+                                  f"and {len(counts)} row counts")
+        if msg.HasField("ring_rows"):
+            if self.ring is None:
+                raise InvalidArgument("rows in a ring this subscription has not attached")
+            dtype = RING_DTYPES.get(msg.ring_rows.dtype)
+            if dtype is None:
+                raise InvalidArgument(f"ring rows of dtype {msg.ring_rows.dtype!r}")
+            rows = self.ring.read(msg.ring_rows.start, tuple(msg.ring_rows.shape), dtype)
+            if rows is None:  # written over before it was read: those positions go without features
+                self._warn(f"pushed features of {len(counts)} sequence(s) were overwritten in the shared-memory "
+                           f"ring before this draft read them; a larger --feature-ring-mb keeps more steps")
+                return
+        else:
+            rows = tensor_from_proto(msg.features)
+        if rows.dim() != 2 or rows.shape[0] != int(counts.sum()):
+            raise InvalidArgument(f"a batch of {int(counts.sum())} rows came with rows of shape {list(rows.shape)}")
+        ends = np.cumsum(counts)
+        self.pushed.hold_many([(rid, int(start), rows[int(end - count): int(end)])
+                               for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)])
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
         """The items with the target's rows for them in `features` (target_feature_rows
@@ -159,7 +250,7 @@ class TargetFeatureReader:
         self.pushed.release(request_ids)
 
     def close(self) -> None:
-        self._closed.set()
+        self._closed.set()  # the subscription thread closes its ring as it ends
         if self._call is not None:
             self._call.cancel()
         self.channel.close()

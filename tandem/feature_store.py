@@ -54,19 +54,24 @@ class FeatureStore:
     def hold(self, request_id: str, start: int, rows: torch.Tensor) -> None:
         """Keep `rows` ([n, F], host) as the features of positions start.., after what is held
         when contiguous with it, otherwise instead of it."""
-        n = int(rows.shape[0])
-        if n == 0:
-            return
+        self.hold_many([(request_id, start, rows)])
+
+    def hold_many(self, entries: list[tuple[str, int, torch.Tensor]]) -> None:
+        """hold() for several sequences (a step's pushed rows) under one lock, waking waiters once."""
         with self._lock:
-            held = self._held.pop(request_id, None)
-            if held is None or held.end != start or (held.chunks and held.chunks[0].shape[1:] != rows.shape[1:]):
-                if held is not None:
-                    self._rows -= held.rows
-                held = _Held(start)
-            held.chunks.append(rows)
-            held.rows += n
-            self._rows += n
-            self._held[request_id] = held
+            for request_id, start, rows in entries:
+                n = int(rows.shape[0])
+                if n == 0:
+                    continue
+                held = self._held.pop(request_id, None)
+                if held is None or held.end != start or (held.chunks and held.chunks[0].shape[1:] != rows.shape[1:]):
+                    if held is not None:
+                        self._rows -= held.rows
+                    held = _Held(start)
+                held.chunks.append(rows)
+                held.rows += n
+                self._rows += n
+                self._held[request_id] = held
             self._evict()
             self._written.notify_all()
 

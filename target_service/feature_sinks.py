@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.feature_ring import FeatureRing
+from tandem.tensors import array_to_proto, tensor_to_proto
+from tandem.v1 import target_pb2
 from target_service.step_batch import StepResults
 
 
@@ -60,24 +63,25 @@ _END = None  # what a closed subscription's queue ends with
 
 
 class Subscription:
-    """One subscriber's queue of pushed rows; iterating yields them until it is closed."""
+    """One subscriber's queue of pushed rows, a step's at a time; iterating yields them until it
+    is closed."""
 
     def __init__(self, name: str):
         self.name = name
-        self._queue: queue.SimpleQueue[CommittedRows | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[CommittedRows] | None] = queue.SimpleQueue()
         self.closed = False
 
-    def put(self, rows: CommittedRows) -> None:
-        self._queue.put(rows)
+    def put(self, batch: list[CommittedRows]) -> None:
+        self._queue.put(batch)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self._queue.put(_END)
 
-    def __iter__(self) -> Iterator[CommittedRows]:
-        while (rows := self._queue.get()) is not _END:
-            yield rows
+    def __iter__(self) -> Iterator[list[CommittedRows]]:
+        while (batch := self._queue.get()) is not _END:
+            yield batch
 
 
 class FeatureSinks:
@@ -114,14 +118,14 @@ class FeatureSinks:
             if self._subs.get(sub.name) is sub:
                 del self._subs[sub.name]
 
-    def push(self, name: str, rows: CommittedRows) -> bool:
-        """Queue the rows for the subscriber `name`; False when none is subscribed (the
+    def push(self, name: str, batch: list[CommittedRows]) -> bool:
+        """Queue one step's rows for the subscriber `name`; False when none is subscribed (the
         caller then holds them for a pull)."""
         with self._lock:
             sub = self._subs.get(name)
             if sub is None or sub.closed:
                 return False
-            sub.put(rows)
+            sub.put(batch)
             return True
 
     def close_all(self) -> None:
@@ -131,3 +135,27 @@ class FeatureSinks:
             subs, self._subs = list(self._subs.values()), {}
         for sub in subs:
             sub.close()
+
+
+def batch_to_proto(batch: list[CommittedRows], ring: FeatureRing | None) -> target_pb2.FeatureRows:
+    """One step's rows for a batched subscriber: in its ring where there is one and they fit,
+    else in the message."""
+    msg = target_pb2.FeatureRows(
+        request_ids=[rows.request_id for rows in batch],
+        start_positions=array_to_proto(np.array([rows.start for rows in batch], dtype=np.int64)),
+        row_counts=array_to_proto(np.array([rows.rows.shape[0] for rows in batch], dtype=np.int64)))
+    parts = [rows.rows for rows in batch]
+    start = ring.write(parts) if ring is not None else None
+    if start is None:
+        msg.features.CopyFrom(tensor_to_proto(parts[0] if len(parts) == 1 else torch.cat(parts)))
+    else:
+        shape = [sum(int(part.shape[0]) for part in parts), *parts[0].shape[1:]]
+        msg.ring_rows.CopyFrom(target_pb2.RingRows(start=start, shape=shape,
+                                                   dtype=str(parts[0].dtype).removeprefix("torch.")))
+    return msg
+
+
+def single_to_proto(rows: CommittedRows) -> target_pb2.FeatureRows:
+    """One sequence's rows, for a subscriber that does not take batches."""
+    return target_pb2.FeatureRows(request_id=rows.request_id, start_position=rows.start,
+                                  features=tensor_to_proto(rows.rows))

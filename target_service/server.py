@@ -17,6 +17,7 @@ import numpy as np
 
 from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
+from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
@@ -26,7 +27,13 @@ from tandem.tensors import array_from_proto, tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import batch_of_items
-from target_service.feature_sinks import CommittedRows, FeatureSinks, split_features
+from target_service.feature_sinks import (
+    CommittedRows,
+    FeatureSinks,
+    batch_to_proto,
+    single_to_proto,
+    split_features,
+)
 from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.metrics import TargetMetrics
 from target_service.parallel import EngineSpec, ParallelEngine
@@ -210,12 +217,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         on a round's critical path before. Never raises: on a stream the reply has already left,
         and a second reply would be read as the next call's."""
         try:
+            by_sink: dict[str, list[CommittedRows]] = {}
             for sink, rows in run.pushes:
-                if self.feature_sinks.push(sink, rows):
+                by_sink.setdefault(sink, []).append(rows)
+            for sink, batch in by_sink.items():  # one batch a subscriber a step: one message, not one a sequence
+                if self.feature_sinks.push(sink, batch):
                     if self.metrics is not None:
-                        self.metrics.pushed_feature_bytes.inc(rows.rows.numel() * rows.rows.element_size())
+                        self.metrics.pushed_feature_bytes.inc(
+                            sum(rows.rows.numel() * rows.rows.element_size() for rows in batch))
                 else:
-                    self._hold(rows)
+                    for rows in batch:
+                        self._hold(rows)
             if self.metrics is not None:
                 self.metrics.record_batch(run.batch, run.results, run.load, run.seconds)
         except Exception:
@@ -317,17 +329,28 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def SubscribeFeatures(self, request, context):
         if not request.sink:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a feature subscription needs a sink name")
+        ring = None
+        if request.batched and request.ring_name:
+            try:
+                ring = FeatureRing.attach(request.ring_name, request.ring_bytes)
+            except RingUnavailable as exc:  # another host's, or not ours to open: rows go in the messages
+                log.info("feature sink %s: %s; its rows go in the stream", request.sink, exc)
         sub = self.feature_sinks.subscribe(request.sink)
         context.add_callback(sub.close)  # the subscriber left: end the loop below
         try:
             if sub.closed:  # the target is stopping
                 return
-            yield target_pb2.FeatureRows()  # live: steps naming this sink push here from now on
-            for rows in sub:
-                yield target_pb2.FeatureRows(request_id=rows.request_id, start_position=rows.start,
-                                             features=tensor_to_proto(rows.rows))
+            # Live: steps naming this sink push here from now on.
+            yield target_pb2.FeatureRows(ring_attached=ring is not None)
+            for batch in sub:
+                if request.batched:
+                    yield batch_to_proto(batch, ring)
+                else:
+                    yield from (single_to_proto(rows) for rows in batch)
         finally:
             self.feature_sinks.leave(sub)
+            if ring is not None:
+                ring.close()
 
     @map_errors
     def GetLoad(self, request, context):

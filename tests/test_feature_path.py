@@ -109,7 +109,7 @@ def test_a_reader_waits_for_rows_on_their_way_and_no_longer_than_it_said():
 
 def test_rows_are_pushed_only_to_a_live_subscriber_and_a_newer_one_replaces_it():
     sinks = FeatureSinks()
-    pushed = CommittedRows("a", 4, rows(4, 2))
+    pushed = [CommittedRows("a", 4, rows(4, 2))]  # one step's rows for the sink
     assert not sinks.push("s", pushed)  # nobody subscribed: the caller holds them
     first = sinks.subscribe("s")
     assert sinks.push("s", pushed)
@@ -155,7 +155,7 @@ def test_a_steps_features_are_pushed_once_its_reply_has_left_and_what_follows_it
     load = KvLoad(num_sequences=3, block_size=16, total_blocks=8, free_blocks=8)
     servicer._after_reply(_StepRun(batch, light, load, 0.001, pushes))
     resubscribed.close()
-    assert [r.request_id for r in resubscribed] == ["a"]
+    assert [[r.request_id for r in batch] for batch in resubscribed] == [["a"]]  # one batch for the step
     assert "broken metrics" in caplog.text
 
 
@@ -294,6 +294,8 @@ def test_a_draft_that_takes_its_features_from_the_target_drafts_as_one_the_gatew
     rows = {source: draft.get(f'tandem_draft_target_feature_rows_total{{source="{source}"}}', 0)
             for source in ("pushed", "read", "absent")}
     assert rows["pushed"] > 0 and rows["read"] + rows["absent"] < 0.05 * rows["pushed"], rows
+    # Both services on this host: the rows went through the draft's shared-memory ring.
+    assert "through shared memory" in from_target.drafts[0].log_path.read_text()
 
 
 def _metrics_url(service: Service) -> str:

@@ -150,14 +150,34 @@ class ReadFeaturesRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[FeatureRange, _Mapping]]] = ...) -> None: ...
 
 class FeatureRows(_message.Message):
-    __slots__ = ("request_id", "start_position", "features")
+    __slots__ = ("request_id", "start_position", "features", "request_ids", "start_positions", "row_counts", "ring_rows", "ring_attached")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    RING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    RING_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     features: _common_pb2.Tensor
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    start_positions: _common_pb2.Tensor
+    row_counts: _common_pb2.Tensor
+    ring_rows: RingRows
+    ring_attached: bool
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., start_positions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., row_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_rows: _Optional[_Union[RingRows, _Mapping]] = ..., ring_attached: _Optional[bool] = ...) -> None: ...
+
+class RingRows(_message.Message):
+    __slots__ = ("start", "shape", "dtype")
+    START_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, start: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReadFeaturesResponse(_message.Message):
     __slots__ = ("rows",)
@@ -166,10 +186,16 @@ class ReadFeaturesResponse(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[FeatureRows, _Mapping]]] = ...) -> None: ...
 
 class SubscribeFeaturesRequest(_message.Message):
-    __slots__ = ("sink",)
+    __slots__ = ("sink", "batched", "ring_name", "ring_bytes")
     SINK_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
+    RING_NAME_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     sink: str
-    def __init__(self, sink: _Optional[str] = ...) -> None: ...
+    batched: bool
+    ring_name: str
+    ring_bytes: int
+    def __init__(self, sink: _Optional[str] = ..., batched: _Optional[bool] = ..., ring_name: _Optional[str] = ..., ring_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -148,10 +148,14 @@ class TargetServiceServicer:
         """Features pushed as steps commit them, instead of held for ReadFeatures:
         a step with hold_features whose item names this subscriber's sink
         (PackedStep.feature_sinks) sends that item's rows here as the step ends,
-        one FeatureRows per item, in step order. The first message, with an empty
-        request_id, says the subscription is live. A later subscription under the
-        same name ends this one; the stream also ends when the target stops.
-        While nobody is subscribed under a sink's name, its rows are held.
+        one FeatureRows per item, in step order; a subscriber that asks for
+        batches (SubscribeFeaturesRequest.batched) gets one FeatureRows per step
+        with every such item's rows, in the subscriber's shared-memory ring where
+        it named one the target could open. The first message, with neither
+        request_id nor request_ids, says the subscription is live (and whether
+        the ring is in use). A later subscription under the same name ends this
+        one; the stream also ends when the target stops. While nobody is
+        subscribed under a sink's name, its rows are held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
