@@ -21,6 +21,8 @@
 #   drafttests  the draft's tree-growth and top-k kernel tests on the GPU (captured graphs, compiled Triton)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #            (DRAFT_GROW=0 skips the growth alone)
+#   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
+#            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
 #            batch 1 before (where .before/ exists) and after, and at batch 64 after
 #   spec     `always` against `never`, scale track (acceptance 0.8) and demo track (bf16); SPEC_TREES="before
@@ -184,6 +186,9 @@ for stage in "$@"; do
       done
       [[ ${DRAFT_GROW:-1} == 1 ]] && run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 \
         --budgets "3,1,4;5,4,8;6,8,16" --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
+    featurepush)
+      run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
+        --out "$OUT/feature_push.json" ;;
     draftprofile)
       trees=after; [[ -d $root/.before ]] && trees="before after"
       for tree in $trees; do
