@@ -97,8 +97,9 @@ class BatchCatchUp:
         feature_row[:] = 0
         feature_row[used] = np.arange(total)
         longs[4 * B * W:] = np.arange(B) * W + np.maximum(counts, 1) - 1
-        if total:
-            torch.stack(features, out=self.features_in.host()[:total])
+        if total:  # features arrive on the host (from the target's messages, or its ring)
+            torch.stack([f.cpu() for f in features] if features[0].is_cuda else features,
+                        out=self.features_in.host()[:total])
         self.ints_in.send()
         self.longs_in.send()
         self.features_in.send(total)
