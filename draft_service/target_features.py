@@ -94,59 +94,66 @@ class TargetFeatureReader:
 
     def _new_ring(self) -> FeatureRing | None:
         # Only a target on this host can open the ring; one elsewhere (another pod, another node)
-        # would leave it unused, so it is offered to a loopback address alone.
-        if self.ring_bytes <= 0 or not _is_loopback(self.address):
+        # would leave it unused, so it is offered to a loopback address alone, and no more once a
+        # target has not opened one.
+        if self.ring_bytes <= 0 or self._ring_refused or not _is_loopback(self.address):
             return None
         try:
             return FeatureRing.create(self.ring_bytes)
         except RingUnavailable as exc:
-            if not self._ring_refused:
-                self._ring_refused = True
-                log.info("%s; pushed features come in the stream", exc)
+            self._ring_refused = True
+            log.info("%s; pushed features come in the stream", exc)
             return None
 
     def _subscribe(self) -> None:
         backoff = 0.1
-        while not self._closed.is_set():
-            ring = self._new_ring()  # one per subscription: the target maps it when it subscribes us
-            try:
-                self._call = self.stub.SubscribeFeatures(target_pb2.SubscribeFeaturesRequest(
-                    sink=self.sink, batched=True, ring_name=ring.name if ring else "",
-                    ring_bytes=ring.data_bytes if ring else 0))
-                for msg in self._call:
-                    if msg.request_ids:
-                        self._take_batch(msg)
-                    elif msg.request_id:  # a target that sends a message per sequence
-                        self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
-                    else:
-                        ring = self._went_live(msg, ring)
-                        backoff = 0.1
-            except grpc.RpcError as exc:
-                if self._closed.is_set():
-                    return
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("the target at %s pushes no features; this draft reads them", self.address)
-                    return
-                self._warn(f"feature subscription to the target at {self.address} broke "
-                           f"({exc.code().name}: {exc.details()}); features are read until it is back")
-            except (InvalidArgument, ValueError) as exc:  # a message this draft cannot take: resubscribe
-                self._warn(f"feature subscription to the target at {self.address}: {exc}; subscribing again")
-            finally:
-                self.live = False
-                self.ring = None
-                if ring is not None:
-                    ring.close()
-            self._closed.wait(backoff)
-            backoff = min(2 * backoff, 2.0)
+        ring = None  # offered to the target; kept across attempts that fail before it answers
+        try:
+            while not self._closed.is_set():
+                if ring is None:
+                    ring = self._new_ring()  # about 0.1 s for 128 MB: not remade for every retry
+                try:
+                    self._call = self.stub.SubscribeFeatures(target_pb2.SubscribeFeaturesRequest(
+                        sink=self.sink, batched=True, ring_name=ring.name if ring else "",
+                        ring_bytes=ring.data_bytes if ring else 0))
+                    for msg in self._call:
+                        if msg.request_ids:
+                            self._take_batch(msg)
+                        elif msg.request_id:  # a target that sends a message per sequence
+                            self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
+                        else:
+                            ring = self._went_live(msg, ring)
+                            backoff = 0.1
+                except grpc.RpcError as exc:
+                    if self._closed.is_set():
+                        return
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        log.info("the target at %s pushes no features; this draft reads them", self.address)
+                        return
+                    self._warn(f"feature subscription to the target at {self.address} broke "
+                               f"({exc.code().name}: {exc.details()}); features are read until it is back")
+                except (InvalidArgument, ValueError) as exc:  # a message this draft cannot take: resubscribe
+                    self._warn(f"feature subscription to the target at {self.address}: {exc}; subscribing again")
+                finally:
+                    self.live = False
+                    if self.ring is not None:  # the target had it, and its file is gone: the next needs a new one
+                        self.ring.close()
+                        self.ring = ring = None
+                self._closed.wait(backoff)
+                backoff = min(2 * backoff, 2.0)
+        finally:
+            if ring is not None:
+                ring.close()
 
     def _went_live(self, msg: target_pb2.FeatureRows, ring: FeatureRing | None) -> FeatureRing | None:
         """The subscription's first message. The ring's file goes now either way: the target has
-        mapped it, or will not."""
+        mapped it, or will not (and is offered none again)."""
         if ring is not None:
             ring.unlink()
             if not msg.ring_attached:
                 ring.close()
                 ring = None
+                self._ring_refused = True
         self.ring = ring
         self.live = True
         log.info("features from the target at %s are pushed to this draft%s", self.address,
