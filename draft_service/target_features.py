@@ -29,14 +29,13 @@ from collections.abc import Callable
 
 import grpc
 import numpy as np
-import torch
 
 from draft_service.types import IngestItem
 from tandem.channels import open_channel
 from tandem.errors import InvalidArgument
 from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
-from tandem.tensors import array_from_proto, tensor_from_proto
+from tandem.tensors import array_from_proto, dtype_from_name, tensor_from_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import target_pb2, target_pb2_grpc
 
@@ -50,7 +49,6 @@ PUSHED_ROWS = 16384  # rows kept until an ingest uses them (as the target's --ma
 # The shared-memory ring a subscription offers the target (--feature-ring-mb): 128 MB keeps about
 # 20 steps of 64 requests' rows on the 8B shapes (24 KB a row, about 4 rows a request a step).
 DEFAULT_RING_BYTES = 128 << 20
-RING_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _is_loopback(address: str) -> bool:
@@ -170,10 +168,8 @@ class TargetFeatureReader:
         if msg.HasField("ring_rows"):
             if self.ring is None:
                 raise InvalidArgument("rows in a ring this subscription has not attached")
-            dtype = RING_DTYPES.get(msg.ring_rows.dtype)
-            if dtype is None:
-                raise InvalidArgument(f"ring rows of dtype {msg.ring_rows.dtype!r}")
-            rows = self.ring.read(msg.ring_rows.start, tuple(msg.ring_rows.shape), dtype)
+            rows = self.ring.read(msg.ring_rows.start, tuple(msg.ring_rows.shape),
+                                  dtype_from_name(msg.ring_rows.dtype))
             if rows is None:  # written over before it was read: those positions go without features
                 self._warn(f"pushed features of {len(counts)} sequence(s) were overwritten in the shared-memory "
                            f"ring before this draft read them; a larger --feature-ring-mb keeps more steps")

@@ -1,8 +1,8 @@
 """A shared-memory ring for pushed feature rows, where the target and a draft share a host.
 
 Pushed through the subscription stream, a step's features are serialised, copied by gRPC and
-copied again on arrival: at 64 requests on the 8B shapes, 6.3 MB a step, which cost 12 ms
-as one message and 25 ms as a message per sequence on the dev machine (BENCHMARKS.md, "Pushed
+copied again on arrival: at 64 requests on the 8B shapes, 6.3 MB a step, which cost 11-13 ms
+as one message and 26-31 ms as a message per sequence on the dev machine (BENCHMARKS.md, "Pushed
 features"). Through the ring the target copies the rows once into memory the draft maps, and
 the stream carries only where they are.
 
@@ -106,11 +106,8 @@ class FeatureRing:
 
     def close(self) -> None:
         self.unlink()
-        self._claimed = self._data = None
-        try:
-            self._map.close()
-        except BufferError:  # a tensor read from it is still alive somewhere: the GC unmaps it later
-            pass
+        self._claimed = self._data = None  # the views go first: a mapping with views cannot close
+        self._map.close()
 
     # --- the writer ------------------------------------------------------------------
     def write(self, parts: list[torch.Tensor]) -> int | None:
@@ -136,7 +133,7 @@ class FeatureRing:
         """A copy of the rows written at `start`, or None if the writer may have overwritten them."""
         n = int(np.prod(shape)) * dtype.itemsize
         at = start % self.data_bytes
-        if n > self.data_bytes or at + n > self.data_bytes:
+        if at + n > self.data_bytes:
             return None
         out = self._data[at: at + n].copy()
         if int(self._claimed[0]) > start + self.data_bytes:

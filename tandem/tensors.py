@@ -17,18 +17,29 @@ _DTYPES = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire's name of a dtype (Tensor.dtype, RingRows.dtype)."""
+    if dtype not in _NAMES:
+        raise TypeError(f"cannot pack dtype {dtype}")
+    return _NAMES[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype a wire name stands for; InvalidArgument for one it does not know."""
+    if name not in _DTYPES:
+        raise InvalidArgument(f"unknown tensor dtype {name!r}")
+    return _DTYPES[name]
+
+
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
     t = t.detach().contiguous().cpu()
-    if t.dtype not in _NAMES:
-        raise TypeError(f"cannot pack dtype {t.dtype}")
+    name = dtype_name(t.dtype)
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
-    return common_pb2.Tensor(dtype=_NAMES[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
+    return common_pb2.Tensor(dtype=name, shape=list(t.shape), data=raw.numpy().tobytes())
 
 
 def tensor_from_proto(msg: common_pb2.Tensor) -> torch.Tensor:
-    if msg.dtype not in _DTYPES:
-        raise InvalidArgument(f"unknown tensor dtype {msg.dtype!r}")
-    dtype = _DTYPES[msg.dtype]
+    dtype = dtype_from_name(msg.dtype)
     shape = tuple(msg.shape)
     count = math.prod(shape)
     if len(msg.data) != count * dtype.itemsize:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tandem.feature_ring import FeatureRing
-from tandem.tensors import array_to_proto, tensor_to_proto
+from tandem.tensors import array_to_proto, dtype_name, tensor_to_proto
 from tandem.v1 import target_pb2
 from target_service.step_batch import StepResults
 
@@ -151,7 +151,7 @@ def batch_to_proto(batch: list[CommittedRows], ring: FeatureRing | None) -> targ
     else:
         shape = [sum(int(part.shape[0]) for part in parts), *parts[0].shape[1:]]
         msg.ring_rows.CopyFrom(target_pb2.RingRows(start=start, shape=shape,
-                                                   dtype=str(parts[0].dtype).removeprefix("torch.")))
+                                                   dtype=dtype_name(parts[0].dtype)))
     return msg
 
 
