@@ -74,8 +74,35 @@ def _squeeze_scalar_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _row_invariant_dot() -> None:
+    """The interpreter's tl.dot is NumPy's matmul, and with NumPy 2.4.6's OpenBLAS (0.3.31, Haswell
+    kernel) a row of a 64x64 product comes out a few ulps different at some positions of the block
+    (row 7 differs from the same row at 0; row 15 does not), so a kernel whose tiles do not depend
+    on the batch still gave a row another result among others. On the GPU a tile's dot reduces
+    every row alike. Under the interpreter, take the product with einsum, whose own loops (no BLAS
+    without `optimize`) sum every output over K the same way, wherever its row sits."""
+    try:
+        import numpy as np
+        from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+        original = InterpreterBuilder.create_dot
+    except (ImportError, AttributeError):  # another Triton: nothing to do
+        return
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8/int8: as Triton does it
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc_dtype = d.data.dtype
+        a_data = a.data.astype(acc_dtype, copy=False)
+        b_data = b.data.astype(acc_dtype, copy=False)
+        product = np.einsum("...mk,...kn->...mn", a_data, b_data)
+        return TensorHandle(product + d.data, d.dtype.scalar)
+
+    InterpreterBuilder.create_dot = create_dot
+
+
 if HAS_TRITON and interpreting():
     _squeeze_scalar_index()
+    _row_invariant_dot()
 
 
 __all__ = ["HAS_TRITON", "interpreting", "triton", "tl"]
