@@ -28,6 +28,7 @@ from draft_service.types import (
     IngestItem,
     RequestStatus,
 )
+from kernels.compile_watch import CompileWatch
 from kernels.tree_attention import warm_up
 from tandem import telemetry
 from tandem.errors import Unavailable
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
+    compiles = CompileWatch(log)
+    compiles.install()
     try:
         servicer.engine = build_engine(args)
     except Exception as exc:
@@ -329,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("ready: target feature layers %s (%s), %d KV blocks of %d tokens", list(info.feature_layers),
              f"read from the target at {args.target}" if args.target else "sent by the gateway",
              load.total_blocks, load.block_size)
+    compiles.mark_serving()
     if pacing is not None:
         log.warning("emulating call cost: every Draft call lasts at least %g ms + %g ms per tree node "
                     "expanded (steps x topk per request)",

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from kernels.compile_watch import CompileWatch
 from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
 from tandem.feature_ring import FeatureRing, RingUnavailable
@@ -434,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
+    compiles = CompileWatch(log)
+    compiles.install()
     try:
         servicer.engine = ParallelEngine(spec, args.tp)
     except Exception as exc:
@@ -443,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if metrics is not None:
         metrics.record_load(load)
     log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
+    compiles.mark_serving()
     if pacing is not None:
         log.warning("emulating step cost: every step lasts at least %g ms + %g ms per token",
                     pacing.base_ms, pacing.per_token_ms)
