@@ -27,7 +27,8 @@
 #            batch 1 before (where .before/ exists) and after, and at batch 64 after
 #   spec     `always` against `never`, scale track (acceptance 0.8) and demo track (bf16); SPEC_TREES="before
 #            after" runs .before/ first (spec_*_before; it needs demo/heldout_prompts.jsonl, and the demo track
-#            demo/target and demo/draft); SPEC_DEMO=0 skips the demo track
+#            demo/target and demo/draft); SPEC_DEMO=0 skips the demo track, SPEC_SCALE=0 the scale track;
+#            SPEC_DEMO_CONCURRENCY sets the demo track's levels (default 1,4)
 #   round    after only: `never` then `always` at one request (scale track, acceptance 0.8), with the
 #            gateway's phases beside the services' own step times (bench/round_breakdown.py), the drafts
 #            taking pushed features (the default) and then reading them (--pull-features), back to back
@@ -199,13 +200,14 @@ for stage in "$@"; do
         --iters 3 --profile "$OUT/draft_profile_after_b64.txt" ;;
     spec)  # always against never on the scale track (forced acceptance 0.8) and the demo track (bf16);
            # SPEC_TREES="before after" runs .before/ first, as spec_*_before
-      need_scale scale_track $scale
-      scale_serve $scale 0.8
+      [[ ${SPEC_SCALE:-1} == 1 ]] && need_scale scale_track $scale && scale_serve $scale 0.8
       for tree in ${SPEC_TREES:-after}; do
         suffix=""; [[ $tree == before ]] && suffix=_before
-        SERVE_TREE=$tree serve_bench "spec_scale$suffix" 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
+        [[ ${SPEC_SCALE:-1} == 1 ]] &&
+          SERVE_TREE=$tree serve_bench "spec_scale$suffix" 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
         [[ ${SPEC_DEMO:-1} == 1 ]] &&
-          SERVE_TREE=$tree serve_bench "spec_demo$suffix" 8300 1,4 never,always --device cuda --dtype bfloat16
+          SERVE_TREE=$tree serve_bench "spec_demo$suffix" 8300 "${SPEC_DEMO_CONCURRENCY:-1,4}" never,always \
+            --device cuda --dtype bfloat16
       done ;;
     round)  # after only: where a round's time goes at one request, every service's metrics scraped
       need_scale scale_track $scale

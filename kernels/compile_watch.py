@@ -54,7 +54,7 @@ class CompileWatch:
             self._started[self._key(fn, key)] = time.perf_counter()
         return False  # True would tell Triton to skip the compile
 
-    def _after_compile(self, *, key: Any, repr: str, fn: Any, **_: Any) -> bool:
+    def _after_compile(self, *, key: Any, fn: Any, **_: Any) -> bool:
         now = time.perf_counter()
         with self._lock:
             started = self._started.pop(self._key(fn, key), now)
@@ -63,9 +63,12 @@ class CompileWatch:
             if self.serving:
                 self.compiles_while_serving += 1
                 self.seconds_while_serving += seconds
+        # The key holds each argument's specialisation in order (type, and for ints and pointers
+        # "D" for divisible by 16, "1" for one): what makes this variant new.
+        name, specialisation = self._key(fn, key)
         if self.serving:
-            self.log.warning("Triton compiled a kernel while serving (%.2f s; a step waited for it): %s",
-                             seconds, repr)
+            self.log.warning("Triton compiled %s while serving (%.2f s; a step waited for it); arguments %s",
+                             name, seconds, specialisation[:2000])
         else:
-            self.log.debug("Triton compiled %s in %.2f s", repr, seconds)
+            self.log.debug("Triton compiled %s in %.2f s; arguments %s", name, seconds, specialisation[:2000])
         return False

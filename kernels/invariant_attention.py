@@ -434,7 +434,7 @@ def _invariant_rows_kernel(
                  out.to(Out.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["info_off"])
+@triton.jit(do_not_specialize=["info_off", "sa_r", "sa_h", "sa_s", "sm_r", "sm_h", "sm_s"])  # as the kernels above
 def _merge_splits_kernel(
     PartAcc, PartMl, Ints, RowSeq, Depth, Out, info_off,
     sa_r, sa_h, sa_s, sm_r, sm_h, sm_s, so_t, so_h,

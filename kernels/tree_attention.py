@@ -107,8 +107,13 @@ def _logits(q, k, qk_scale, F32_DOT: tl.constexpr):
 # compiles a variant per (== 1, % 16 == 0, other) class of each int argument, and
 # these classes vary with batch and prefix, so a served step could stop for a
 # compile whenever a new combination shows up. Only constexprs pick variants now,
-# and warm_up() compiles them all at start-up.
-@triton.jit(do_not_specialize=["info_off", "tile_off", "bt_stride", "mw_stride", "num_splits"])
+# and warm_up() compiles them all at start-up. The split partials' first strides
+# are rows x heads (x head_dim): with 4 query heads their class moved with the rows,
+# and the demo target compiled for 1.3-1.4 s three times while serving on an H200.
+STEP_SHAPED = ["info_off", "tile_off", "num_splits", "sp_s", "sl_s"]
+
+
+@triton.jit(do_not_specialize=[*STEP_SHAPED, "bt_stride", "mw_stride"])
 def _tree_attention_kernel(
     Q, K, V, KC, VC, Out, PartOut, PartLse, Ints, BlockTable, MaskWords,
     info_off, tile_off, bt_stride, mw_stride,
@@ -195,7 +200,7 @@ def _tree_attention_kernel(
                  out.to(Out.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["info_off", "tile_off", "num_splits"])
+@triton.jit(do_not_specialize=STEP_SHAPED)
 def _merge_splits_kernel(
     PartOut, PartLse, Ints, Out, info_off, tile_off,
     sp_s, sp_t, sp_h, sl_s, sl_t, so_t, so_h, num_splits,

@@ -1,0 +1,76 @@
+"""A served step never waits for Triton: the attention kernels' arguments that change with the
+step's shape are not specialised on.
+
+Triton compiles a variant of a kernel for each class of its integer arguments (1, a multiple of
+16, other) and of its pointers' alignment, unless the argument is in `do_not_specialize`. Start-up
+compiles the variants that constexprs pick (`kernels.tree_attention.warm_up`); any class that moves
+with the number of rows in a step would compile again in the middle of serving. On the H200 the
+demo pair (4 query heads) compiled the tree-attention kernel three times while serving, 1.3-1.4 s
+each, before the split partials' row strides were left unspecialised.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from kernels import tree_attention
+from kernels.tree_metadata import build_tree_metadata
+
+
+def _kernel_params(kernel) -> tuple[list[str], set[str]]:
+    """(argument names, names not specialised) of a jitted kernel, compiled or interpreted."""
+    names = list(kernel.arg_names)
+    unspecialised = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+    if unspecialised is None:  # a compiled JITFunction keeps indices
+        unspecialised = [names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize]
+    return names, set(unspecialised)
+
+
+def _classes(value) -> str | None:
+    """The class Triton specialises an argument on (None: not a specialised kind)."""
+    if isinstance(value, torch.Tensor):
+        return "aligned" if value.data_ptr() % 16 == 0 else "unaligned"
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return "one" if value == 1 else "multiple of 16" if value % 16 == 0 else "other"
+
+
+def _spy(monkeypatch, name: str, launches: dict):
+    kernel = getattr(tree_attention, name)
+    names, unspecialised = _kernel_params(kernel)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                variant = tuple(sorted((k, v) for k, v in constexprs.items() if k != "num_warps"))
+                for arg_name, value in zip(names, args, strict=False):
+                    if arg_name not in unspecialised and (cls := _classes(value)) is not None:
+                        launches[(name, variant, arg_name)].add(cls)
+                return kernel[grid](*args, **constexprs)
+            return launch
+
+    monkeypatch.setattr(tree_attention, name, Spy())
+
+
+def test_tree_attention_arguments_that_change_with_the_step_are_not_specialised(monkeypatch):
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 16  # the demo pair's 4 query heads
+    launches: dict = defaultdict(set)
+    for name in ("_tree_attention_kernel", "_merge_splits_kernel"):
+        _spy(monkeypatch, name, launches)
+    cache_k = torch.randn(8, block_size, kv_heads, head_dim)
+    cache_v = torch.randn_like(cache_k)
+    # Rows per step 1..9 (the class of rows x heads moves), with and without prefix splits.
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        for splits in (1, 2):
+            mask = torch.ones(rows, rows, dtype=torch.bool).tril()
+            meta = build_tree_metadata([[0, 1, 2]], [2 * block_size], [0], [mask], block_size=block_size,
+                                       num_q_heads=heads, num_kv_heads=kv_heads, device="cpu", num_splits=splits)
+            q = torch.randn(rows, heads, head_dim)
+            k = torch.randn(rows, kv_heads, head_dim)
+            tree_attention.tree_attention_triton(q, k, k, cache_k, cache_v, meta, 1.0)
+    assert launches, "the spies saw no launch"
+    moved = {f"{kernel}.{arg} ({sorted(classes)})" for (kernel, _, arg), classes in launches.items()
+             if len(classes) > 1}
+    assert not moved, f"specialised arguments whose class changes with the step: {sorted(moved)}"
