@@ -55,8 +55,13 @@ _REGIONS = (
     ("update_index", lambda s: s.updates), ("update_block", lambda s: s.updates),
     ("temperature", lambda s: s.seqs), ("top_k", lambda s: s.seqs), ("top_p", lambda s: s.seqs),
     ("seed_lo", lambda s: s.seqs), ("seed_hi", lambda s: s.seqs), ("greedy", lambda s: s.seqs),
-    ("mask", lambda s: 2 * s.rows * s.words),  # int64 [R, W]; kept last and 8-byte aligned
+    ("mask", lambda s: 2 * s.rows * s.words),  # int64 [R, W]; kept last
 )
+# Every region starts on 16 bytes. Triton specialises a kernel on whether each pointer is
+# 16-byte aligned; regions packed end to end moved between the classes with the step's rows
+# (the demo target compiled its tree attention for 0.77 s while serving, its mask words' view
+# 8 bytes off), so a served step could wait for a compile.
+REGION_ALIGN_WORDS = 4
 _FLOATS = {"temperature", "top_p"}
 
 
@@ -68,8 +73,7 @@ class InputLayout:
         self.spans: dict[str, tuple[int, int]] = {}
         at = 0
         for name, length in _REGIONS:
-            if name == "mask" and at % 2:
-                at += 1  # int64 view
+            at = -(-at // REGION_ALIGN_WORDS) * REGION_ALIGN_WORDS
             n = length(shape)
             self.spans[name] = (at, n)
             at += n

@@ -17,6 +17,7 @@ import torch
 
 from kernels import tree_attention
 from kernels.tree_metadata import build_tree_metadata
+from target_service.step_inputs import InputLayout, InputShape
 
 
 def _kernel_params(kernel) -> tuple[list[str], set[str]]:
@@ -74,3 +75,16 @@ def test_tree_attention_arguments_that_change_with_the_step_are_not_specialised(
     moved = {f"{kernel}.{arg} ({sorted(classes)})" for (kernel, _, arg), classes in launches.items()
              if len(classes) > 1}
     assert not moved, f"specialised arguments whose class changes with the step: {sorted(moved)}"
+
+
+def test_every_region_of_a_target_steps_inputs_starts_on_16_bytes_whatever_the_shape():
+    # The kernels take views of one packed buffer (positions, slots, mask words): each view's
+    # alignment class must not move with the step's rows, sequences or tree.
+    for rows, seqs, tree, tiles, updates, words in ((1, 1, 1, 1, 1, 1), (3, 1, 3, 1, 0, 1), (5, 2, 3, 2, 1, 1),
+                                                    (7, 3, 4, 3, 2, 2), (17, 5, 8, 9, 3, 1)):
+        layout = InputLayout(InputShape(rows=rows, seqs=seqs, tree=tree, tiles=tiles, updates=updates, words=words))
+        misaligned = {name: at for name, (at, _) in layout.spans.items() if (4 * at) % 16}
+        assert not misaligned, f"regions off 16 bytes for rows={rows}, seqs={seqs}: {misaligned}"
+        ends = sorted((at, at + n) for at, n in layout.spans.values())
+        assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:])), "regions overlap"
+        assert layout.size >= ends[-1][1]
