@@ -29,6 +29,7 @@ from draft_service.types import (
     RequestStatus,
 )
 from kernels.compile_watch import CompileWatch
+from kernels.topk import warm_up as warm_up_top_k
 from kernels.tree_attention import warm_up
 from tandem import telemetry
 from tandem.errors import Unavailable
@@ -273,6 +274,9 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
         t0 = time.perf_counter()
         n = warm_up(model.num_heads, model.num_kv_heads, model.head_dim, args.block_size, model.dtype, model.device)
         log.info("compiled %d tree-attention variants in %.1f s", n, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        n = warm_up_top_k(model.device, model.cfg.draft_vocab_size)
+        log.info("compiled the tree growth's top-k variants (%d launches) in %.1f s", n, time.perf_counter() - t0)
     return DraftEngine(model, num_blocks, args.block_size)
 
 

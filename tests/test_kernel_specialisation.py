@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from kernels import tree_attention
+from kernels import topk, tree_attention
 from kernels.tree_metadata import build_tree_metadata
 from target_service.step_inputs import InputLayout, InputShape
 
@@ -25,7 +25,7 @@ def _kernel_params(kernel) -> tuple[list[str], set[str]]:
     names = list(kernel.arg_names)
     unspecialised = getattr(kernel, "kwargs", {}).get("do_not_specialize")
     if unspecialised is None:  # a compiled JITFunction keeps indices
-        unspecialised = [names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize]
+        unspecialised = [names[i] if isinstance(i, int) else i for i in getattr(kernel, "do_not_specialize", ())]
     return names, set(unspecialised)
 
 
@@ -38,21 +38,26 @@ def _classes(value) -> str | None:
     return "one" if value == 1 else "multiple of 16" if value % 16 == 0 else "other"
 
 
-def _spy(monkeypatch, name: str, launches: dict):
-    kernel = getattr(tree_attention, name)
+def _spy(monkeypatch, name: str, launches: dict, module=tree_attention, variants: list | None = None):
+    """Record, per (kernel, constexprs, argument), the classes a specialised argument took;
+    and each launch's (kernel, constexprs) in `variants`."""
+    kernel = getattr(module, name)
     names, unspecialised = _kernel_params(kernel)
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **constexprs):
                 variant = tuple(sorted((k, v) for k, v in constexprs.items() if k != "num_warps"))
+                if variants is not None:
+                    dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+                    variants.append((name, str(dtype), variant))
                 for arg_name, value in zip(names, args, strict=False):
                     if arg_name not in unspecialised and (cls := _classes(value)) is not None:
                         launches[(name, variant, arg_name)].add(cls)
                 return kernel[grid](*args, **constexprs)
             return launch
 
-    monkeypatch.setattr(tree_attention, name, Spy())
+    monkeypatch.setattr(module, name, Spy())
 
 
 def test_tree_attention_arguments_that_change_with_the_step_are_not_specialised(monkeypatch):
@@ -88,3 +93,30 @@ def test_every_region_of_a_target_steps_inputs_starts_on_16_bytes_whatever_the_s
         ends = sorted((at, at + n) for at, n in layout.spans.values())
         assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:])), "regions overlap"
         assert layout.size >= ends[-1][1]
+
+
+def test_every_top_k_launch_of_a_served_call_is_a_variant_that_start_up_compiled(monkeypatch):
+    # A tree's budget trimmed near max_tokens asks for other k (kept nodes) over other rows (its
+    # candidates); on the H200 each new k compiled both kernels while serving, 0.05-0.11 s.
+    launches: dict = defaultdict(set)
+    launched: list = []
+    for name in ("_chunk_top_k_kernel", "_merge_top_k_kernel"):
+        _spy(monkeypatch, name, launches, module=topk, variants=launched)
+    longest = 4 * topk.CHUNK  # a 4k vocabulary here; the draft warms up with its own
+    topk.warm_up("cpu", longest)
+    warmed = set(launched)
+    assert warmed
+    del launched[:]
+    g = torch.Generator().manual_seed(0)
+    for n in (8, 68, 264, 1000, longest):  # candidates of 1/8/16 .. 6/8/16 trees, and a vocabulary
+        for k in (1, 3, 8, 15, 32):
+            for dtype in (torch.float32, torch.float64):
+                if k <= n:
+                    values = torch.randn(2, n, generator=g).to(dtype)
+                    got, index = topk.top_k_ranked_triton(values, k)
+                    want, want_index = topk.top_k_ranked_reference(values, k)
+                    assert torch.equal(index, want_index) and torch.equal(got, want)
+    new = sorted(set(launched) - warmed)
+    assert not new, f"variants a served call would compile: {new}"
+    moved = {f"{kernel}.{arg}" for (kernel, _, arg), classes in launches.items() if len(classes) > 1}
+    assert not moved, f"specialised arguments whose class changes with the call: {sorted(moved)}"
