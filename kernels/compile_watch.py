@@ -56,16 +56,15 @@ class CompileWatch:
 
     def _after_compile(self, *, key: Any, fn: Any, **_: Any) -> bool:
         now = time.perf_counter()
+        # The key holds each argument's specialisation in order (type, and for ints and pointers
+        # "D" for divisible by 16, "1" for one): what makes this variant new.
+        name, specialisation = watched = self._key(fn, key)
         with self._lock:
-            started = self._started.pop(self._key(fn, key), now)
+            seconds = now - self._started.pop(watched, now)
             self.compiles += 1
-            seconds = now - started
             if self.serving:
                 self.compiles_while_serving += 1
                 self.seconds_while_serving += seconds
-        # The key holds each argument's specialisation in order (type, and for ints and pointers
-        # "D" for divisible by 16, "1" for one): what makes this variant new.
-        name, specialisation = self._key(fn, key)
         if self.serving:
             self.log.warning("Triton compiled %s while serving (%.2f s; a step waited for it); arguments %s",
                              name, seconds, specialisation[:2000])
