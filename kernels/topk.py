@@ -142,8 +142,7 @@ def warm_up(device: torch.device | str, longest_row: int,
         for chunks in range(1, most_chunks + 1):
             for k in range(1, MAX_K + 1):
                 merges.setdefault(_merge_block(chunks, k), (chunks, k))
-        for chunks, k in merges.values():
-            n = chunks * CHUNK
-            top_k_ranked_triton(torch.zeros(1, n, dtype=dtype, device=device), min(k, n))
+        for chunks, k in merges.values():  # rows of whole CHUNKs: k <= MAX_K fits any of them
+            top_k_ranked_triton(torch.zeros(1, chunks * CHUNK, dtype=dtype, device=device), k)
             runs += 1
     return runs
