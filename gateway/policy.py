@@ -180,13 +180,24 @@ class AcceptanceBook:
         s[1] = 0.98 * s[1] + 1.0
 
     def optimistic(self, budget: DraftBudget, own: tuple[float, float] | None) -> float:
-        """`expected` plus two standard errors of doubt, the most a budget may plausibly accept:
-        what exploration ranks by. (Ranked by `expected`, an untried wide tree's prior outranked a
-        chain whose three trees at the hardest positions had accepted nothing; the tree was
-        explored 16 times, accepted 2.1 on average, did not pay at that, and the chain, which pays
-        from 0.94, was never tried again: demo pair, emulated-cost CI track.)"""
+        """`expected` plus an upper-confidence bonus, the most a budget may plausibly accept: what
+        exploration ranks by. The bonus is UCB1's, on acceptance's range (0 to the budget's depth):
+        depth x sqrt(2 ln N / n), n the budget's recent trees plus the prior's weight, N the same
+        over all budgets. It shrinks as a budget is tried and grows, slowly, as the others are, so
+        no budget goes untried for good.
+
+        (Ranked by `expected`, an untried wide tree's prior outranked a chain whose three trees at
+        the hardest positions had accepted nothing; the tree was explored 16 times, accepted 2.1 on
+        average, did not pay at that, and the chain, which pays from 0.94, was never tried again.
+        With two standard errors of doubt, depth / sqrt(n), a 5/4/8 tree that had accepted 2 and 3
+        kept its upside at its depth while the chain's three misses held the chain's at 1.9: every
+        exploration drafted the tree, which did not pay, and a lone request decoded 98% of its
+        steps plainly where the chain, at 2.0 accepted, paid 1.5x: demo pair, emulated-cost CI
+        track, tests/test_gateway_auto_phases.py.)"""
         weight = self.totals.get(budget, [0.0, 0.0])[1] + self.prior_weight
-        return min(self.expected(budget, own) + budget.steps / math.sqrt(weight), float(budget.steps))
+        everyone = sum(s[1] for s in self.totals.values()) + self.prior_weight
+        bonus = budget.steps * math.sqrt(2.0 * math.log(everyone) / weight)
+        return min(self.expected(budget, own) + bonus, float(budget.steps))
 
     def evidence_is_thin(self) -> bool:
         """Whether the book holds fewer recent trees than `thin_evidence`."""

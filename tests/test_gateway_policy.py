@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from draft_service.types import DraftBudget
@@ -194,6 +196,36 @@ def test_exploration_tries_the_tree_with_the_most_plausible_upside_not_the_best_
     assert by_expected == wide
     tried = choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0, search=search, explore=True)["r0"]
     assert tried == chain and book.explored
+
+
+def test_exploration_tries_again_the_chain_whose_first_trees_missed_before_a_tree_that_does_not_pay():
+    """The CI track's first held-out prompt (2026-12-02): the chain's three trees at positions 2, 6
+    and 10 accepted nothing, two 5/4/8 trees accepted 2 and 3 (at 115 ms a round against 33 ms a
+    plain step, short of paying). With two standard errors of doubt, the tree's upside stayed at
+    its depth and the chain's at 1.9: every exploration drafted the tree. UCB1's bonus tries the
+    chain, whose ceiling is the higher."""
+    costs = CostModel(target_base=0.0285, target_per_token=0.00116, target_per_seq=0.0026, draft_base=0.0068,
+                      draft_per_level=0.0001, draft_per_expansion=0.003)  # that run's profile
+    costs.ratios[(1, True)] = 1.15  # its five rounds with trees took 1.05-1.25x what the profile said
+    chain, tree = CFG.auto_options()[:2]
+    book = AcceptanceBook()
+    for accepted in (0, 0, 0):
+        book.record(chain, accepted)
+    for accepted in (2, 3):
+        book.record(tree, accepted)
+    own = {chain: (0.0, 3.0), tree: (2.5, 2.0)}
+    search = search_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)
+    assert search.best is None  # the figures decline every tree
+    two_errors = max(CFG.auto_options(), key=lambda o: (1 + min(
+        book.expected(o, own.get(o)) + o.steps / math.sqrt(book.totals.get(o, [0.0, 0.0])[1] + book.prior_weight),
+        o.steps)) / costs.step_time(1 + o.max_nodes, 1, [o]))
+    assert two_errors == tree
+    tried = choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0, search=search, explore=True)["r0"]
+    assert tried == chain and book.explored
+    for _ in range(6):  # tried and missed again and again: the chain's doubt shrinks, the others' grows
+        book.record(chain, 0)
+    assert book.optimistic(chain, None) < chain.steps
+    assert book.optimistic(tree, None) == tree.steps
 
 
 def test_asked_to_explore_at_two_requests_the_policy_tries_a_tree_where_trees_for_both_could_pay():
