@@ -38,8 +38,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.stack import Stack
+
+# The gate's verdicts rest on measured tok/s: run alone, not beside another test (see .ci/run).
+pytestmark = pytest.mark.serial
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 PROMPTS = [json.loads(line)["prompt"] for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines()]
