@@ -42,11 +42,12 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Least squares with every coefficient >= 0: the best fit over each subset of the columns
     whose solution has no negative coefficient (a handful of columns: the subsets are few).
 
-    Clamping the unconstrained solution instead keeps the other coefficients it was balanced
-    against: on the emulated-cost CI track, whose draft calls have no cost per level, noise made
-    the per-level slope about -1 ms, and clamped to 0 it left the fitted base at 12.3 ms where
-    the calls' fixed cost was 7 ms. `auto` then priced every tree 5 ms too dear and decoded a lone
-    request plainly in 2 of 3 runs (tests/test_gateway_auto_phases.py)."""
+    Clamping the unconstrained solution instead keeps the other coefficients as they were balanced
+    against the negative one. On the emulated-cost CI track, whose draft calls have no cost per
+    level, two start-ups of five fitted the draft's per-level slope at 0 (clamped) and its base at
+    12.3 and 12.9 ms; the others fitted a base of 6.9-7.2 ms (5 ms emulated, the rest gRPC). Such
+    a base prices every tree 5 ms too dear (tests/test_gateway_auto_phases.py: a 3-token chain
+    pays from about 0.9 accepted, and a lone request's first trees accept about that)."""
     a = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64)[:, None]
     columns = a.shape[1]
