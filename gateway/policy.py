@@ -190,10 +190,10 @@ class AcceptanceBook:
         the hardest positions had accepted nothing; the tree was explored 16 times, accepted 2.1 on
         average, did not pay at that, and the chain, which pays from 0.94, was never tried again.
         With two standard errors of doubt, depth / sqrt(n), a 5/4/8 tree that had accepted 2 and 3
-        kept its upside at its depth while the chain's three misses held the chain's at 1.9: every
-        exploration drafted the tree, which did not pay, and a lone request decoded 98% of its
-        steps plainly where the chain, at 2.0 accepted, paid 1.5x: demo pair, emulated-cost CI
-        track, tests/test_gateway_auto_phases.py.)"""
+        kept its upside at its depth while the chain's three misses held the chain's at 1.9, so
+        exploration drafted the tree, which did not pay at that; 8 trees were drafted in 3 lone
+        requests of 128 tokens, where runs that kept the chain drafted about 120 at about 2.0 accepted a tree:
+        demo pair, emulated-cost CI track, tests/test_gateway_auto_phases.py, 2026-12-02.)"""
         weight = self.totals.get(budget, [0.0, 0.0])[1] + self.prior_weight
         everyone = sum(s[1] for s in self.totals.values()) + self.prior_weight
         bonus = budget.steps * math.sqrt(2.0 * math.log(everyone) / weight)
