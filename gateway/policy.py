@@ -174,6 +174,10 @@ class AcceptanceBook:
     # until the book holds this much (GatewayCore._explore_now).
     thin_evidence: float = 8.0
 
+    def __post_init__(self) -> None:
+        if self.prior_weight < 1.0:  # optimistic's ln N must not be negative
+            raise ValueError(f"prior_weight must be at least 1, got {self.prior_weight}")
+
     def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
         s[0] = 0.98 * s[0] + accepted
@@ -192,8 +196,9 @@ class AcceptanceBook:
         With two standard errors of doubt, depth / sqrt(n), a 5/4/8 tree that had accepted 2 and 3
         kept its upside at its depth while the chain's three misses held the chain's at 1.9, so
         exploration drafted the tree, which did not pay at that; 8 trees were drafted in 3 lone
-        requests of 128 tokens, where runs that kept the chain drafted about 120 at about 2.0 accepted a tree:
-        demo pair, emulated-cost CI track, tests/test_gateway_auto_phases.py, 2026-12-02.)"""
+        requests of 128 tokens, where runs that kept the chain drafted about 120 at about 2.0
+        accepted a tree: demo pair, emulated-cost CI track, tests/test_gateway_auto_phases.py,
+        2026-12-02.)"""
         weight = self.totals.get(budget, [0.0, 0.0])[1] + self.prior_weight
         everyone = sum(s[1] for s in self.totals.values()) + self.prior_weight
         bonus = budget.steps * math.sqrt(2.0 * math.log(everyone) / weight)

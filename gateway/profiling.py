@@ -46,8 +46,9 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     against the negative one. On the emulated-cost CI track (5 ms a draft call, nothing per level),
     a rerun of the test that failed in CI on 2026-12-02 fitted the draft's base at 12.9 ms, the
     per-level slope clamped to 0, where start-ups that passed fitted about 7 ms (5 ms emulated,
-    the rest gRPC). Such a base prices every tree 5 ms too dear: a 3-token chain there pays from about 0.9
-    accepted, about what a lone request's first trees accept (tests/test_gateway_auto_phases.py)."""
+    the rest gRPC). Such a base prices every tree 5 ms too dear: a 3-token chain there pays from
+    about 0.9 accepted, about what a lone request's first trees accept
+    (tests/test_gateway_auto_phases.py)."""
     a = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64)[:, None]
     columns = a.shape[1]

@@ -539,3 +539,9 @@ def test_the_audit_sums_let_an_interval_be_audited_from_two_readings():
     measured = (plain1.committed_total - plain0.committed_total) / (plain1.seconds_total - plain0.seconds_total)
     assert measured == pytest.approx(525.0)
     assert after[("8-15", True)].committed_total == 0 and after[("8-15", True)].predictions == 3
+
+
+def test_an_acceptance_book_refuses_a_prior_lighter_than_one_tree():
+    with pytest.raises(ValueError, match="prior_weight"):
+        AcceptanceBook(prior_weight=0.5)
+    assert AcceptanceBook(prior_weight=1.0).optimistic(CFG.fixed_budget, None) >= 0
