@@ -52,19 +52,17 @@ def _fit(rows: list[list[float]], ys: list[float]) -> list[float]:
     a = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64)[:, None]
     columns = a.shape[1]
-    best, best_residual = [0.0] * columns, float(y.square().sum())
+    best, best_residual = torch.zeros(columns, dtype=torch.float64), float(y.square().sum())
     for subset in itertools.chain.from_iterable(
             itertools.combinations(range(columns), n) for n in range(1, columns + 1)):
-        coef = torch.linalg.lstsq(a[:, subset], y).solution[:, 0]
-        if (coef < 0).any():
-            continue
-        residual = float((a[:, subset] @ coef[:, None] - y).square().sum())
-        if residual < best_residual:
-            best = [0.0] * columns
-            for col, value in zip(subset, coef.tolist(), strict=True):
-                best[col] = value
+        cols = list(subset)
+        coef = torch.linalg.lstsq(a[:, cols], y).solution
+        residual = float((a[:, cols] @ coef - y).square().sum())
+        if (coef >= 0).all() and residual < best_residual:
+            best = torch.zeros(columns, dtype=torch.float64)
+            best[cols] = coef[:, 0]
             best_residual = residual
-    return best
+    return best.tolist()
 
 
 def _profile_target(target: TargetClient, block_size: int, free_blocks: int,

@@ -216,10 +216,13 @@ def test_exploration_tries_again_the_chain_whose_first_trees_missed_before_a_tre
     own = {chain: (0.0, 3.0), tree: (2.5, 2.0)}
     search = search_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)
     assert search.best is None  # the figures decline every tree
-    two_errors = max(CFG.auto_options(), key=lambda o: (1 + min(
-        book.expected(o, own.get(o)) + o.steps / math.sqrt(book.totals.get(o, [0.0, 0.0])[1] + book.prior_weight),
-        o.steps)) / costs.step_time(1 + o.max_nodes, 1, [o]))
-    assert two_errors == tree
+
+    def upside_by_two_errors(o: DraftBudget) -> float:  # the ranking before UCB1, in tok/s
+        doubt = o.steps / math.sqrt(book.totals.get(o, [0.0, 0.0])[1] + book.prior_weight)
+        accepted = min(book.expected(o, own.get(o)) + doubt, o.steps)
+        return (1 + accepted) / costs.step_time(1 + o.max_nodes, 1, [o])
+
+    assert max(CFG.auto_options(), key=upside_by_two_errors) == tree
     tried = choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0, search=search, explore=True)["r0"]
     assert tried == chain and book.explored
     for _ in range(6):  # tried and missed again and again: the chain's doubt shrinks, the others' grows
