@@ -24,6 +24,8 @@ VARIANTS = {
                                          "original_max_position_embeddings": 32}),
     # Multi-head attention, a different eps.
     "mha": dict(num_key_value_heads=4, rms_norm_eps=1e-6, vocab_size=67),
+    # "gqa" with 2 layers: for tests whose kernels run interpreted (each layer's launches cost seconds).
+    "gqa_2layer": dict(num_hidden_layers=2),
     # A byte-level vocabulary (save_byte_tokenizer): random weights emit any byte, so outputs
     # end inside multi-byte characters and hold invalid UTF-8.
     "bytes": dict(vocab_size=BYTE_VOCAB),
