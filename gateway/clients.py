@@ -263,9 +263,11 @@ class TargetClient:
                                     feature_sinks=feature_sinks)))
 
     def grant(self, items: list[SequenceStep], feature_layers: tuple[int, ...], steps: int,
-              stops: GrantStops) -> TargetGrant:
-        """Up to `steps` plain-decode steps that the target feeds forward itself."""
-        return self._call(items, feature_layers, steps, stops)
+              stops: GrantStops, hold_features: bool = False, feature_sinks: list[str] | None = None) -> TargetGrant:
+        """Up to `steps` plain-decode steps that the target feeds forward itself; items that ask
+        for features get each step's, held or pushed as `step` has them (a fed grant)."""
+        return self._call(items, feature_layers, steps, stops, hold_features=hold_features,
+                          feature_sinks=feature_sinks)
 
     def release(self, request_ids: list[str]) -> KvLoad:
         try:

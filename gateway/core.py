@@ -63,9 +63,12 @@ class CoreConfig:
     max_queue: int = 1024
     max_model_len: int | None = None
     profile: bool = True  # measure the cost model at start-up
-    # Plain-decode steps granted to the target at once when a batch decodes plainly
-    # and feeds nothing to the draft; 1 = one call per step.
+    # Plain-decode steps granted to the target at once when a batch decodes plainly; 1 = one call
+    # per step.
     grant_steps: int = 1
+    # Grants for awake auto requests too (a fed grant: the target pushes each step's features to the
+    # drafts), up to the next step at which the policy may draft or the requests go dormant.
+    fed_grants: bool = True
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 
@@ -165,6 +168,9 @@ class GatewayCore:
         # plain arm is measured as `never` would run and not taxed by feature traffic (issue 14).
         self._gate_plain = False
         self._gate_probing_trees = False  # the gate measures trees at this load: dormant requests wake for it
+        # The auto candidates for whom plain decoding would still win were their own acceptance faded
+        # into the book's, as plain steps fade it: the only ones a fed grant may take (_grant_steps).
+        self._plain_holds: frozenset[str] = frozenset()
         self._ingest_queue: dict[int, list[tuple[Request, IngestItem]]] = {}  # replica -> this step's ingests
         self._release_after_grant: list[Request] = []
         # Finished requests whose target release failed because the target was unreachable:
@@ -432,6 +438,16 @@ class GatewayCore:
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands), probe,
                                  search, self._explore_now(), other_committed=ending - len(cands))
         self._explored = self.book.explored
+        self._plain_holds = frozenset()
+        if self.cfg.fed_grants and search is not None and search.auto and not any(
+                not budgets.get(c.key, NO_SPEC).empty for c in search.auto):
+            # Each plain step fades a request's own figures into the book's; a grant must not outlast a
+            # choice that fading would flip, so it is made only where the faded figures decline trees too.
+            faded = [Candidate(c.key, dict.fromkeys(c.own_stats), c.mode) for c in cands]
+            if search_budgets(self.cfg.policy, self.costs, self.book, faded, *_other_work(plan, faded),
+                              other_committed=ending - len(faded),
+                              plain_extra_seconds=self._plain_extra_seconds(plan, faded)).best is None:
+                self._plain_holds = frozenset(c.key for c in search.auto)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
         for rid, budget in list(budgets.items()):
@@ -558,18 +574,25 @@ class GatewayCore:
         tokens (1 in 3 runs here), where luckier runs speculated in 83% of the steps at 2.1
         accepted per tree.
         """
+        return self._explore_at(self._quiet)
+
+    def _explore_at(self, quiet: int) -> bool:
+        """_explore_now for a plan made at `quiet` quiet steps (this spell's start unchanged)."""
         if self.QUIET_STEPS < 2:
             return False
-        phase = self._quiet - self._spell_start + 2  # steps into the spell, + 2
+        phase = quiet - self._spell_start + 2  # steps into the spell, + 2
         if phase == self.QUIET_STEPS:
             return True
         backoff = 4 <= phase < self.QUIET_STEPS and phase & (phase - 1) == 0  # 4, 8, ...
         return backoff and self.book.evidence_is_thin()
 
+    def _asleep_at(self, quiet: int) -> bool:
+        """Whether auto requests are dormant at `quiet` quiet steps by the count alone (the gate aside)."""
+        return quiet >= self.QUIET_STEPS and quiet - self._spell_start >= self.QUIET_STEPS
+
     def _dormant(self, req: Request) -> bool:
-        q = self._quiet
-        quiet = q >= self.QUIET_STEPS and q - self._spell_start >= self.QUIET_STEPS
-        return self._mode(req) == SpecMode.AUTO and not self._gate_probing_trees and (self._gate_plain or quiet)
+        return self._mode(req) == SpecMode.AUTO and not self._gate_probing_trees and (
+            self._gate_plain or self._asleep_at(self._quiet))
 
     # --- draft -----------------------------------------------------------------------
     def _draft(self, plan: StepPlan) -> dict[str, DraftTree]:
@@ -674,13 +697,22 @@ class GatewayCore:
     def _grant_steps(self, plan: StepPlan, trees: dict[str, DraftTree], steps: list[SequenceStep]) -> int:
         """How many plain steps the target may run on its own for this plan (1: just this one).
 
-        Only a batch that decodes plainly and feeds nothing to the draft is granted, and
-        only as many steps as the free KV covers for every request."""
+        Only a batch that decodes plainly is granted, and only as many steps as the free KV
+        covers for every request. Where requests feed their drafts, only awake auto requests
+        whose drafts are ready and for whom plain decoding holds as their figures fade are (a
+        fed grant; `always` drafts as soon as its draft has caught up), and only up to the next
+        step at which the policy may explore a tree for them or they go dormant
+        (_steps_to_next_choice)."""
         k = self.cfg.grant_steps
-        if k <= 1 or trees or any(step.return_features for step in steps):
+        if k <= 1 or trees:
             return 1
         if not all(it.is_decode for it in plan.items) or self._ingest_queue:
             return 1
+        fed = [it.request for it, step in zip(plan.items, steps, strict=True) if step.return_features]
+        if fed:
+            if any(req.request_id not in self._plain_holds for req in fed):
+                return 1
+            k = min(k, self._steps_to_next_choice(k))
         bs = self._block_size
         while k > 1:
             need = sum(blocks_for(it.request.target_len + k, bs) - blocks_for(it.request.target_len, bs)
@@ -690,13 +722,28 @@ class GatewayCore:
             k //= 2
         return k
 
+    def _steps_to_next_choice(self, most: int) -> int:
+        """How many steps a fed grant made now may run (at most `most`): it ends where the next
+        plan would come at a quiet count at which the policy explores a tree (_explore_at) or the
+        auto requests go dormant, so that a grant neither skips a choice nor feeds a dormant
+        request's draft. Each granted step after the first counts one quiet step (_record), and
+        this plan's own is counted already."""
+        for steps in range(1, most + 1):
+            quiet = self._quiet + steps - 1  # the quiet count of the plan that follows a grant of `steps`
+            if self._explore_at(quiet) or self._asleep_at(quiet):
+                return steps
+        return most
+
     def _run_grant(self, plan: StepPlan, steps: list[SequenceStep], k: int, t0: float) -> Iterator[StepOutcome]:
         reqs = [it.request for it in plan.items]
         stops = GrantStops(
             max_new_tokens=np.array([min(req.params.max_tokens - len(req.output), self.max_model_len - req.num_tokens)
                                      for req in reqs], dtype=np.int32),
             stop_token_ids=tuple(req.target_stop_ids for req in reqs))
-        grant = self.target.grant(steps, self.feature_layers, k, stops)
+        fed = any(step.return_features for step in steps)
+        hold = fed and self._hold_features(plan, steps)
+        sinks = self._feature_sinks(plan, steps) if hold else None
+        grant = self.target.grant(steps, self.feature_layers, k, stops, hold_features=hold, feature_sinks=sinks)
         by_id = {it.request.request_id: it for it in plan.items}
         index = 0
         try:
@@ -705,7 +752,7 @@ class GatewayCore:
                 index += 1
                 if results:
                     yield StepOutcome(items=[by_id[res.request_id] for res in results], results=results, load=load,
-                                      seconds=now - t0, trees={}, granted=index)
+                                      seconds=now - t0, trees={}, granted=index, held_features=hold, fed_draft=fed)
                 t0 = now
                 if self._should_interrupt(reqs):
                     grant.interrupt()
@@ -728,7 +775,9 @@ class GatewayCore:
         else:
             self._release_finished()
         # The ingests queued here go out with the next step's (one call per replica per step),
-        # while the target runs that step.
+        # while the target runs that step; a fed grant's go now, while the target runs its next.
+        if outcome.granted and outcome.fed_draft:
+            self._flush_ingests()
 
     def _apply(self, it: PlannedItem, res: SequenceResult, tree: DraftTree | None, budget: DraftBudget,
                held: bool = False) -> None:

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "to K steps on its own, feeding its tokens forward (stops at max_tokens, EOS and stop "
                         "token ids; a new arrival, an abort or a stop string ends the grant after the step "
                         f"in flight). 1 = one call per step (default {DEFAULT_GRANT_STEPS})")
+    p.add_argument("--no-fed-grants", action="store_true",
+                   help="grant steps only to batches that feed no draft: `auto` requests that are still awake "
+                        "(feeding their drafts the target's features) then decode one call a step instead of in "
+                        "grants during which the target pushes each step's features to the drafts (benchmarks)")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
-        grant_steps=args.grant_steps, target_wait_s=args.target_wait)
+        grant_steps=args.grant_steps, fed_grants=not args.no_fed_grants, target_wait_s=args.target_wait)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

@@ -216,10 +216,11 @@ class TargetEngine:
 
     @torch.inference_mode()
     def grant(self, batch: StepBatch, stops: GrantStops, steps: int,
-              interrupted: Callable[[], bool]) -> Iterator[GrantStep]:
+              interrupted: Callable[[], bool], feature_layers: tuple[int, ...] = ()) -> Iterator[GrantStep]:
         """Up to `steps` plain-decode steps of `batch` fed forward on the target (check_grant
         first). On CUDA-graph buckets two steps are in flight at once (pipelined_grant);
-        otherwise one step after another."""
+        otherwise, and where items ask for their features (`feature_layers`, as `run` takes
+        them: a fed grant), one step after another."""
         check_grant(batch, stops)
         self._validate(batch)
         # A sequence is never fed past the model's length, whatever the caller's limit.
@@ -228,7 +229,7 @@ class TargetEngine:
         if pipelined(self, batch):
             yield from PipelinedGrant(self, batch, stops, steps, interrupted)
         else:
-            yield from run_grant(self.run, batch, stops, steps, interrupted)
+            yield from run_grant(lambda part: self.run(part, feature_layers), batch, stops, steps, interrupted)
 
     def _host_buffer(self, words: int) -> np.ndarray:
         if self._host_buf.numel() < words:

@@ -160,12 +160,12 @@ def _answers_from(pipe: Connection) -> Callable[[], bool]:
     return interrupted
 
 
-def _run_grant(engine: TargetEngine, packed: bytes, commands: Connection) -> None:
+def _run_grant(engine: TargetEngine, packed: bytes, commands: Connection, layers: tuple[int, ...]) -> None:
     call = target_pb2.PackedStep()
     call.ParseFromString(packed)
     batch = batch_from_proto(call.items)
     for _ in engine.grant(batch, GrantStops.from_proto(call.stops, batch.size), call.grant_steps,
-                          _answers_from(commands)):
+                          _answers_from(commands), layers):
         pass
 
 
@@ -211,7 +211,7 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: 
                 items.ParseFromString(packed)
                 engine.run(batch_from_proto(items), tuple(cmd["layers"]))
             elif cmd["op"] == "grant":
-                _run_grant(engine, packed, commands)
+                _run_grant(engine, packed, commands, tuple(cmd.get("layers", ())))
             elif cmd["op"] == "release":
                 engine.release(cmd["ids"])
         except (InvalidArgument, ResourceExhausted):
@@ -266,16 +266,17 @@ class ParallelEngine:
         return self.engine.run(batch, feature_layers)
 
     def grant(self, batch: StepBatch, stops: GrantStops, steps: int,
-              interrupted: Callable[[], bool]) -> Iterator[GrantStep]:
+              interrupted: Callable[[], bool], feature_layers: tuple[int, ...] = ()) -> Iterator[GrantStep]:
         """Up to `steps` plain steps of `batch` (seeds filled in by the caller), each rank
         running the engine's grant loop (see the module's docstring). Closing this before
-        its last step ends the grant after the steps in flight, on every rank alike."""
+        its last step ends the grant after the steps in flight, on every rank alike.
+        feature_layers: as for `run`, for items that ask for their features (a fed grant)."""
         if self._group is None:
-            yield from self.engine.grant(batch, stops, steps, interrupted)
+            yield from self.engine.grant(batch, stops, steps, interrupted, feature_layers)
             return
         self._check_workers()
         call = target_pb2.PackedStep(items=batch_to_proto(batch), grant_steps=steps, stops=stops.to_proto())
-        _send({"op": "grant"}, self._pipes, call.SerializeToString())
+        _send({"op": "grant", "layers": list(feature_layers)}, self._pipes, call.SerializeToString())
         abandoned = False
 
         def told_to_every_rank() -> bool:
@@ -284,7 +285,7 @@ class ParallelEngine:
                 pipe.send_bytes(_STOP if stop else _GO_ON)
             return stop
 
-        granted_steps = self.engine.grant(batch, stops, steps, told_to_every_rank)
+        granted_steps = self.engine.grant(batch, stops, steps, told_to_every_rank, feature_layers)
         try:
             # Not `yield from`: that would close granted_steps with this generator, unfinished.
             for granted in granted_steps:  # noqa: UP028

@@ -218,21 +218,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         on a round's critical path before. Never raises: on a stream the reply has already left,
         and a second reply would be read as the next call's."""
         try:
-            by_sink: dict[str, list[CommittedRows]] = {}
-            for sink, rows in run.pushes:
-                by_sink.setdefault(sink, []).append(rows)
-            for sink, batch in by_sink.items():  # one batch a subscriber a step: one message, not one a sequence
-                if self.feature_sinks.push(sink, batch):
-                    if self.metrics is not None:
-                        self.metrics.pushed_feature_bytes.inc(
-                            sum(rows.rows.numel() * rows.rows.element_size() for rows in batch))
-                else:
-                    for rows in batch:
-                        self._hold(rows)
+            self._push(run.pushes)
             if self.metrics is not None:
                 self.metrics.record_batch(run.batch, run.results, run.load, run.seconds)
         except Exception:
             log.exception("after a step's reply: pushing its features or recording its metrics failed")
+
+    def _push(self, pushes: list[tuple[str, CommittedRows]]) -> None:
+        """A step's rows to their subscribers, one message a subscriber (not one a sequence); the
+        rows of a subscriber gone since are held for a pull."""
+        by_sink: dict[str, list[CommittedRows]] = {}
+        for sink, rows in pushes:
+            by_sink.setdefault(sink, []).append(rows)
+        for sink, batch in by_sink.items():
+            if self.feature_sinks.push(sink, batch):
+                if self.metrics is not None:
+                    self.metrics.pushed_feature_bytes.inc(
+                        sum(rows.rows.numel() * rows.rows.element_size() for rows in batch))
+            else:
+                for rows in batch:
+                    self._hold(rows)
 
     def _grant(self, engine: ParallelEngine, batch: StepBatch, layers: tuple[int, ...], stops: GrantStops,
                steps: int, interrupted) -> Iterator[tuple[GrantStep, KvLoad, float]]:
@@ -251,7 +256,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             for granted in run_grant(step, batch, stops, steps, interrupted):
                 yield granted, timing.get("load") or engine.load(), timing.get("seconds", 0.0)
             return
-        granted_steps = engine.grant(batch, stops, steps, interrupted)
+        granted_steps = engine.grant(batch, stops, steps, interrupted, layers)
         # closing(): a caller that goes away ends the grant here, under the lock (at TP > 1 the
         # other ranks finish it alike before the next command).
         with self._lock, closing(granted_steps):
@@ -288,12 +293,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             stops = GrantStops.from_proto(call.stops, batch.size)
             check_grant(batch, stops)
             batch = batch.with_seeds(engine.engine.draw_seed)  # one seed for the whole grant
+            # A fed grant (items that ask for features, held here): each step's rows are held or pushed
+            # as a single step's are, the push after that step's reply has left.
+            sinks = _item_sinks(call, batch.size) if call.hold_features else None
+            sink_of = dict(zip(batch.request_ids, sinks, strict=True)) if sinks else None
             for granted, load, seconds in self._grant(engine, batch, layers, stops, call.grant_steps, interrupted):
                 index += 1
                 if granted.results is None:
                     yield target_pb2.StepReply(load=load_to_proto(load), step_index=index, done=granted.last)
-                else:
-                    yield _reply(granted.results, granted.item_index, load, seconds, index, granted.last)
+                    continue
+                results, pushes = granted.results, []
+                if call.hold_features and results.features is not None:
+                    results, pushes = self._keep_features(
+                        results, [sink_of[rid] for rid in results.request_ids] if sink_of else None)
+                try:
+                    yield _reply(results, granted.item_index, load, seconds, index, granted.last)
+                finally:  # never raises: the reply has left
+                    try:
+                        self._push(pushes)
+                    except Exception:
+                        log.exception("after a granted step's reply: pushing its features failed")
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:

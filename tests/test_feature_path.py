@@ -248,6 +248,57 @@ def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_r
     reader.close()
 
 
+def test_a_fed_grant_pushes_or_holds_each_steps_features_as_single_steps_return_them(tiny_llama, tmp_path):
+    """Awake auto requests decode plainly in grants that still feed their drafts: the target pushes
+    each granted step's rows to the sink the call names (or holds them for a pull) after that step's
+    reply, and they are the rows the same steps return one call at a time (float32, CPU; within
+    float32's tolerance, as the grant's batch holds two sequences)."""
+    import numpy as np
+
+    from target_service.wire import GrantStops
+
+    target = Service(["target", "--model", str(tiny_llama("gqa")), "--num-blocks", "64", "--block-size", "4"],
+                     tmp_path, "target")
+    reader = None
+    try:
+        target.wait_serving()
+        reader = TargetFeatureReader(target.address)
+        _wait(lambda: reader.live)
+        client = TargetClient(target.address)
+        prompt, steps = (5, 17, 3, 9, 33, 2), 5
+
+        def prefill(rid: str) -> int:
+            [first], _, _ = client.step([SequenceStep.chain(rid, prompt, create=True, return_features=True)], ())
+            return first.tokens[-1]
+
+        one_by_one, token = [], prefill("single")
+        for _ in range(steps):
+            [res], _, _ = client.step([SequenceStep.chain("single", (token,), return_features=True)], ())
+            one_by_one.append(res.features)
+            token = res.tokens[-1]
+        expected = torch.cat(one_by_one)  # positions len(prompt)-1 .. len(prompt)+steps-2 fed, then committed
+
+        stops = GrantStops(max_new_tokens=np.array([steps, steps], dtype=np.int32),
+                           stop_token_ids=(frozenset(), frozenset()))
+        first = {rid: prefill(rid) for rid in ("pushed", "held")}
+        items = [SequenceStep.chain(rid, (first[rid],), return_features=True) for rid in ("pushed", "held")]
+        replies = list(client.grant(items, (), steps, stops, hold_features=True, feature_sinks=[reader.sink, ""]))
+        assert len(replies) == steps
+        assert all(res.features is None for results, _, _ in replies for res in results)  # not in the replies
+        start = len(prompt)
+        assert reader.pushed.wait_for("pushed", start + steps, timeout=30)
+        _, pushed = reader.pushed.read("pushed", start, start + steps)
+        # A batch of two against steps of one: equal within float32's reordering, not bitwise.
+        torch.testing.assert_close(pushed.float(), expected.float(), rtol=1e-4, atol=1e-5)
+        [held] = reader.fill([IngestItem("held", start, (0,) * steps, target_feature_rows=steps)])
+        assert torch.equal(held.features, pushed)  # the same prompt in the same steps
+        client.close()
+    finally:
+        target.stop()
+    _wait(lambda: not reader.live)
+    reader.close()
+
+
 # --- end to end ----------------------------------------------------------------------------------
 
 
