@@ -62,6 +62,10 @@
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
 #            BENCH_ARGS="--requests-per-slot 4" makes every level twice as long (serve_and_bench.sh);
 #            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh)
+#   fedgrants after only: `auto` with fed grants (awake auto requests decode plainly in grants that push each
+#            step's features to the drafts; the default) against `--gateway-args=--no-fed-grants`, each on a fresh
+#            serve, demo track (bf16) then scale track (0.8), FED_CONCURRENCY (default 1,2,4); `never` (and, without
+#            fed grants, `always`) on the same serves
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -282,6 +286,25 @@ for stage in "$@"; do
           run "auto_scale_${acceptance}${suffix}_report" after 60 python3 bench/auto_report.py \
             "$OUT/auto_scale_$acceptance$suffix"
         done
+      done ;;
+    fedgrants)  # after only: auto with fed grants (the default) against --no-fed-grants on fresh serves, back to
+                # back, demo track (bf16) then scale track (0.8); FED_TRACKS, FED_CONCURRENCY (default 1,2,4)
+      for track in ${FED_TRACKS:-demo scale}; do
+        if [[ $track == scale ]]; then
+          need_scale scale_track $scale
+          scale_serve $scale 0.8
+          flags=("${serve[@]}")
+        else
+          flags=(--device cuda --dtype bfloat16)
+        fi
+        for how in off on; do
+          extra=(); modes=never,auto
+          [[ $how == off ]] && extra=(--gateway-args=--no-fed-grants) && modes=never,always,auto
+          port=8900; [[ $track == scale ]] && port=$((port + 50)); [[ $how == on ]] && port=$((port + 20))
+          serve_bench "fed_${track}_$how" $port "${FED_CONCURRENCY:-1,2,4}" $modes \
+            "${flags[@]}" "${extra[@]}"
+        done
+        run "fed_${track}_report" after 60 python3 bench/auto_report.py "$OUT/fed_${track}_off"
       done ;;
     autodemo)
       for tree in ${AUTO_TREES:-after}; do

@@ -1,0 +1,62 @@
+"""Where a serve's steps went, from the gateway's DEBUG log (a line per target step).
+
+    python bench/step_log.py GATEWAY_LOG [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs]
+
+Groups the `step N done: ...` lines (SERVE_LOG_LEVEL=DEBUG in bench/serve_and_run.sh) by kind: trees or
+plain, granted or one call, fed to the draft or not, and prints per kind the steps, their summed
+milliseconds at the gateway and the tokens they committed. --runs also prints each run of consecutive
+steps of one kind (and batch size) with its quiet count, in order. A level's window comes from the
+timestamps (a level starts where the previous one's last request ended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+STEP = re.compile(r"(\d\d:\d\d:\d\d,\d+) gateway DEBUG step (\d+) done: (\d+) seqs, (\d+) trees, granted (\d+), "
+                  r"fed draft (\w+), decode (\w+), (\d+) committed, ([\d.]+) ms, quiet (\d+)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("log", type=Path)
+    ap.add_argument("--since", default="00:00:00,000")
+    ap.add_argument("--until", default="99:99:99,999")
+    ap.add_argument("--runs", action="store_true", help="print each run of steps of one kind")
+    args = ap.parse_args(argv)
+    rows = [m.groups() for m in map(STEP.search, args.log.read_text().splitlines()) if m]
+    rows = [row for row in rows if args.since <= row[0] <= args.until]
+    if not rows:
+        print("no step lines in that window (was the gateway at DEBUG?)", file=sys.stderr)
+        return 1
+
+    def kind(row: tuple[str, ...]) -> tuple[str, str, str]:
+        return ("trees" if row[3] != "0" else "plain", "granted" if row[4] != "0" else "one call",
+                "fed" if row[5] == "True" else "not fed")
+
+    totals: dict[tuple[str, str, str], list[float]] = {}
+    run: list[tuple[str, ...]] = []
+    for row in [*rows, None]:
+        if run and (row is None or (kind(row), row[2]) != (kind(run[-1]), run[-1][2])):
+            ms, committed = sum(float(r[8]) for r in run), sum(int(r[7]) for r in run)
+            if args.runs:
+                print(f"{run[0][0]} steps {run[0][1]}-{run[-1][1]}: {run[0][2]} seqs, {', '.join(kind(run[0]))}, "
+                      f"{len(run)} steps, {ms:.1f} ms, {committed} committed, quiet {run[0][9]}-{run[-1][9]}")
+            total = totals.setdefault(kind(run[0]), [0, 0.0, 0])
+            total[0] += len(run)
+            total[1] += ms
+            total[2] += committed
+            run = []
+        if row is not None:
+            run.append(row)
+    print(f"{'kind':<32} {'steps':>6} {'ms':>9} {'committed':>9} {'ms/step':>8}")
+    for what, (steps, ms, committed) in sorted(totals.items()):
+        print(f"{', '.join(what):<32} {steps:>6} {ms:>9.1f} {committed:>9} {ms / steps:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
