@@ -458,8 +458,8 @@ class GatewayCore:
 
     # When `auto` stops speculating (under load, or wherever trees do not pay), feeding
     # every request's features to the draft would cost target output, gateway work and
-    # draft compute for nothing, and would keep plain steps from being granted (a grant
-    # feeds nothing to the draft). After QUIET_STEPS steps without a tree, auto requests
+    # draft compute for nothing (fed grants, _grant_steps, spare the awake steps the round trips, not
+    # the feeding). After QUIET_STEPS steps without a tree, auto requests
     # go dormant (no features, no ingest); WAKE_EVERY steps after they last woke they wake for
     # QUIET_STEPS steps, catch up from their tokens and are offered to the policy again. At any
     # load: on a GPU, with grants, features cost a plain step about half its speed (issue 14).

@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per target step: prefill chunks plus decode nodes (default 2048)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together (default 256)")
     p.add_argument("--grant-steps", type=int, default=DEFAULT_GRANT_STEPS, metavar="K",
-                   help="when a batch decodes plainly and feeds nothing to the draft, let the target run up "
-                        "to K steps on its own, feeding its tokens forward (stops at max_tokens, EOS and stop "
+                   help="when a batch decodes plainly, let the target run up to K steps on its own, feeding its "
+                        "tokens forward (awake `auto` requests too, their features pushed to the drafts each step, "
+                        "up to the policy's next choice; see --no-fed-grants) (stops at max_tokens, EOS and stop "
                         "token ids; a new arrival, an abort or a stop string ends the grant after the step "
                         f"in flight). 1 = one call per step (default {DEFAULT_GRANT_STEPS})")
     p.add_argument("--no-fed-grants", action="store_true",
