@@ -1,6 +1,6 @@
 """Where a serve's steps went, from the gateway's DEBUG log (a line per target step).
 
-    python bench/step_log.py GATEWAY_LOG [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs]
+    python bench/step_log.py GATEWAY_LOG[.gz] [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs]
 
 Groups the `step N done: ...` lines (SERVE_LOG_LEVEL=DEBUG in bench/serve_and_run.sh) by kind: trees or
 plain, granted or one call, fed to the draft or not, and prints per kind the steps, their summed
@@ -12,6 +12,7 @@ timestamps (a level starts where the previous one's last request ended).
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", default="99:99:99,999")
     ap.add_argument("--runs", action="store_true", help="print each run of steps of one kind")
     args = ap.parse_args(argv)
-    rows = [m.groups() for m in map(STEP.search, args.log.read_text().splitlines()) if m]
+    text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
+    rows = [m.groups() for m in map(STEP.search, text.splitlines()) if m]
     rows = [row for row in rows if args.since <= row[0] <= args.until]
     if not rows:
         print("no step lines in that window (was the gateway at DEBUG?)", file=sys.stderr)
