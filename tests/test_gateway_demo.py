@@ -34,9 +34,11 @@ def greedy(st: Stack, prompt: str, mode: str, n: int = 32) -> tuple[str, dict]:
 
 
 def test_greedy_equal_in_every_mode(demo_stack):
-    """20 held-out prompts; the trained head is accepted often, a random head almost never."""
+    """20 held-out prompts; the trained head is accepted often, a random head almost never (10 prompts:
+    its trees, all rejected, make it the suite's slowest test with 20)."""
     accepted = verify = 0
-    for prompt in PROMPTS:
+    prompts = PROMPTS if demo_stack.kind == "trained" else PROMPTS[:10]
+    for prompt in prompts:
         plain, stats = greedy(demo_stack, prompt, "never")
         assert stats["verify_steps"] == 0
         for mode in ("always", "auto"):
@@ -46,7 +48,7 @@ def test_greedy_equal_in_every_mode(demo_stack):
                 assert stats["verify_steps"] > 0
                 accepted += stats["accepted_tokens"]
                 verify += stats["verify_steps"]
-    assert len(PROMPTS) >= 20
+    assert len(prompts) >= (20 if demo_stack.kind == "trained" else 10)
     per_step = accepted / verify
     if demo_stack.kind == "trained":
         assert per_step > 1.5, f"trained head accepted only {per_step:.2f} tokens per verify step"
