@@ -62,8 +62,8 @@
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
 #            BENCH_ARGS="--requests-per-slot 4" makes every level twice as long (serve_and_bench.sh);
 #            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh)
-#   fedgrants after only: `auto` with fed grants (awake auto requests decode plainly in grants that push each
-#            step's features to the drafts; the default) against `--gateway-args=--no-fed-grants`, each on a fresh
+#   fedgrants after only: `auto` with fed grants (`--gateway-args=--fed-grants`: awake auto requests decode plainly
+#            in grants that push each step's features to the drafts) against without (the default), each on a fresh
 #            serve, demo track (bf16) then scale track (0.8), FED_CONCURRENCY (default 1,2,4); `never` (and, without
 #            fed grants, `always`) on the same serves
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
@@ -287,7 +287,7 @@ for stage in "$@"; do
             "$OUT/auto_scale_$acceptance$suffix"
         done
       done ;;
-    fedgrants)  # after only: auto with fed grants (the default) against --no-fed-grants on fresh serves, back to
+    fedgrants)  # after only: auto with fed grants (--fed-grants) against without (the default) on fresh serves, back to
                 # back, demo track (bf16) then scale track (0.8); FED_TRACKS, FED_CONCURRENCY (default 1,2,4)
       for track in ${FED_TRACKS:-demo scale}; do
         if [[ $track == scale ]]; then
@@ -298,8 +298,8 @@ for stage in "$@"; do
           flags=(--device cuda --dtype bfloat16)
         fi
         for how in off on; do
-          extra=(); modes=never,auto
-          [[ $how == off ]] && extra=(--gateway-args=--no-fed-grants) && modes=never,always,auto
+          extra=(--gateway-args=--fed-grants); modes=never,auto
+          [[ $how == off ]] && extra=() && modes=never,always,auto
           port=8900; [[ $track == scale ]] && port=$((port + 50)); [[ $how == on ]] && port=$((port + 20))
           serve_bench "fed_${track}_$how" $port "${FED_CONCURRENCY:-1,2,4}" $modes \
             "${flags[@]}" "${extra[@]}"

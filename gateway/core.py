@@ -67,8 +67,12 @@ class CoreConfig:
     # per step.
     grant_steps: int = 1
     # Grants for awake auto requests too (a fed grant: the target pushes each step's features to the
-    # drafts), up to the next step at which the policy may draft or the requests go dormant.
-    fed_grants: bool = True
+    # drafts), up to the next step at which the policy may draft or the requests go dormant. Off by
+    # default: on the H200 no gain showed beyond the spread between serves (BENCHMARKS.md, "Fed
+    # grants"), and with them on, a CI run of the emulated-cost phase test had a lone request speculate
+    # in 26% of its steps (68-94% in seven other runs here), under the test's 50%. Not established why;
+    # one candidate: fed steps that cost less price plain decoding higher while requests are awake.
+    fed_grants: bool = False
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 

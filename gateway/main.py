@@ -78,15 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per target step: prefill chunks plus decode nodes (default 2048)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together (default 256)")
     p.add_argument("--grant-steps", type=int, default=DEFAULT_GRANT_STEPS, metavar="K",
-                   help="when a batch decodes plainly, let the target run up to K steps on its own, feeding its "
-                        "tokens forward (awake `auto` requests too, their features pushed to the drafts each step, "
-                        "up to the policy's next choice; see --no-fed-grants) (stops at max_tokens, EOS and stop "
-                        "token ids; a new arrival, an abort or a stop string ends the grant after the step "
+                   help="when a batch decodes plainly and feeds nothing to the draft (see --fed-grants), let the "
+                        "target run up to K steps on its own, feeding its tokens forward (stops at max_tokens, EOS "
+                        "and stop token ids; a new arrival, an abort or a stop string ends the grant after the step "
                         f"in flight). 1 = one call per step (default {DEFAULT_GRANT_STEPS})")
-    p.add_argument("--no-fed-grants", action="store_true",
-                   help="grant steps only to batches that feed no draft: `auto` requests that are still awake "
-                        "(feeding their drafts the target's features) then decode one call a step instead of in "
-                        "grants during which the target pushes each step's features to the drafts (benchmarks)")
+    p.add_argument("--fed-grants", action="store_true",
+                   help="grant steps to awake `auto` requests too (those still feeding their drafts the target's "
+                        "features while the policy declines trees): the target pushes each granted step's "
+                        "features to the drafts, up to the policy's next choice. Off by default: not shown to "
+                        "pay on the H200 (BENCHMARKS.md, \"Fed grants\")")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
-        grant_steps=args.grant_steps, fed_grants=not args.no_fed_grants, target_wait_s=args.target_wait)
+        grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

@@ -212,7 +212,7 @@ def tokenizer(tmp_path_factory):
     return make_char_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def new_core(tokenizer, mode: str = "always", drafts: int = 1, grant_steps: int = 1, fed_grants: bool = True,
+def new_core(tokenizer, mode: str = "always", drafts: int = 1, grant_steps: int = 1, fed_grants: bool = False,
              **target_kw):
     target = FakeTarget(**target_kw)
     clients = [FakeDraft(f"draft{i}") for i in range(drafts)]
