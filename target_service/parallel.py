@@ -211,7 +211,7 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: 
                 items.ParseFromString(packed)
                 engine.run(batch_from_proto(items), tuple(cmd["layers"]))
             elif cmd["op"] == "grant":
-                _run_grant(engine, packed, commands, tuple(cmd.get("layers", ())))
+                _run_grant(engine, packed, commands, tuple(cmd["layers"]))
             elif cmd["op"] == "release":
                 engine.release(cmd["ids"])
         except (InvalidArgument, ResourceExhausted):

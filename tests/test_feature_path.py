@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.feature_sinks import CommittedRows, FeatureSinks, split_features
 from target_service.step_batch import StepResults
 from target_service.types import SequenceStep
+from target_service.wire import GrantStops
 from tests.services import Service
 from tests.stack import Stack, scrape
 
@@ -206,7 +209,10 @@ def _wait(condition, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
-def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_rest(tiny_llama, tmp_path):
+@contextmanager
+def _target_and_reader(tiny_llama, tmp_path) -> Iterator[tuple[Service, TargetFeatureReader]]:
+    """A target service on the tiny model and a draft's feature reader subscribed to it. The target's
+    stop ends the subscription (it must not hold the drain); the reader notices."""
     target = Service(["target", "--model", str(tiny_llama("gqa")), "--num-blocks", "64", "--block-size", "4"],
                      tmp_path, "target")
     reader = None
@@ -214,6 +220,15 @@ def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_r
         target.wait_serving()
         reader = TargetFeatureReader(target.address)
         _wait(lambda: reader.live)
+        yield target, reader
+    finally:
+        target.stop()
+    _wait(lambda: not reader.live)
+    reader.close()
+
+
+def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_rest(tiny_llama, tmp_path):
+    with _target_and_reader(tiny_llama, tmp_path) as (target, reader):
         client = TargetClient(target.address)
         prompt = (5, 17, 3, 9, 33, 2)
 
@@ -241,11 +256,6 @@ def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_r
         reader.release(["pushed"])
         assert reader.pushed.read("pushed", 0, len(prompt) + 1) == (0, None)
         client.close()
-    finally:
-        target.stop()
-    # The target's stop ends the subscription (it must not hold the drain); the reader notices.
-    _wait(lambda: not reader.live)
-    reader.close()
 
 
 def test_a_fed_grant_pushes_or_holds_each_steps_features_as_single_steps_return_them(tiny_llama, tmp_path):
@@ -253,17 +263,7 @@ def test_a_fed_grant_pushes_or_holds_each_steps_features_as_single_steps_return_
     each granted step's rows to the sink the call names (or holds them for a pull) after that step's
     reply, and they are the rows the same steps return one call at a time (float32, CPU; within
     float32's tolerance, as the grant's batch holds two sequences)."""
-    import numpy as np
-
-    from target_service.wire import GrantStops
-
-    target = Service(["target", "--model", str(tiny_llama("gqa")), "--num-blocks", "64", "--block-size", "4"],
-                     tmp_path, "target")
-    reader = None
-    try:
-        target.wait_serving()
-        reader = TargetFeatureReader(target.address)
-        _wait(lambda: reader.live)
+    with _target_and_reader(tiny_llama, tmp_path) as (target, reader):
         client = TargetClient(target.address)
         prompt, steps = (5, 17, 3, 9, 33, 2), 5
 
@@ -293,10 +293,6 @@ def test_a_fed_grant_pushes_or_holds_each_steps_features_as_single_steps_return_
         [held] = reader.fill([IngestItem("held", start, (0,) * steps, target_feature_rows=steps)])
         assert torch.equal(held.features, pushed)  # the same prompt in the same steps
         client.close()
-    finally:
-        target.stop()
-    _wait(lambda: not reader.live)
-    reader.close()
 
 
 # --- end to end ----------------------------------------------------------------------------------
