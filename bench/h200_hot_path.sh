@@ -77,6 +77,11 @@
 #            MATMUL/ATTENTION pair of engine_step.py --matmul and --attention specs ("-": the defaults);
 #            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile);
 #            DET_TESTS=0 skips the tests
+#   wide     after only, the batch-invariant linear layer's wide calls (WIDE_FROM_M rows or more): its GPU tests, then
+#            bench/linear_cost.py --wide over WIDE_CONFIGS (BLOCK_M,BLOCK_N,WARPS,STAGES,BLOCK_K,TMA,SPLITS_IN_PROGRAM;
+#            the first, the pointer kernel with partials, is the reference) at WIDE_ROWS rows (default 128,512,2048),
+#            each checked bitwise; then bench/engine_step.py mode off, on, and on with the pointer kernel and
+#            partials (WIDE_TMA=0,WIDE_SPLITS_IN_PROGRAM=0), batch 1/8/64, decode and verify 8, back to back
 #   linear   after only: bench/linear_cost.py, each linear weight of the 8B shapes, cuBLAS against the
 #            batch-invariant kernel at 1, 8 and 64 rows
 #   equality after only (EQUALITY_RUNS picks among demo_off demo_on scale_off scale_on), the mode off against on: bench/greedy_equality.py (64 held-out
@@ -346,6 +351,16 @@ for stage in "$@"; do
             --modes graphs "${flag[@]}" --profile "$OUT/det_profile_$mode.txt"
         done
       fi ;;
+    wide)
+      run widetests after 300 python3 -m pytest -q tests/test_batch_invariant.py -k "linear or wide"
+      run wide after 400 python3 bench/linear_cost.py --shape 8b --rows "${WIDE_ROWS:-128,512,2048}" --iters 10 \
+        --reps 10 --wide "${WIDE_CONFIGS:-128,256,8,3,64,0,0;128,256,8,3,64,1,0;128,256,8,3,64,1,1}" \
+        --out "$OUT/wide.json"
+      for variant in off on ${WIDE_ENGINE_VARIANTS:-WIDE_TMA=0,WIDE_SPLITS_IN_PROGRAM=0}; do
+        flags=(--deterministic); [[ $variant == off ]] && flags=(); [[ $variant == *=* ]] && flags+=(--matmul "$variant")
+        run "engine_wide_${variant//[=,]/_}" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
+          --iters "${DET_ITERS:-20}" --modes graphs "${flags[@]}" --out "$OUT/engine_wide_${variant//[=,]/_}.json"
+      done ;;
     linear)  # the linear layers alone, cuBLAS against the batch-invariant kernel in several configurations
       run linear after 120 python3 bench/linear_cost.py --shape 8b --rows 1,8,64 \
         --configs "${LINEAR_CONFIGS:-256,264;0,1;0,264;0,528}" --out "$OUT/linear.json" ;;

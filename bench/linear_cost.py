@@ -2,6 +2,12 @@
 Triton kernel (kernels/matmul.py), per weight shape and number of rows, on one GPU.
 
     python bench/linear_cost.py --shape 8b --rows 1,8,64 --out linear.json
+    python bench/linear_cost.py --wide "128,256,8,3,64,0,0;128,128,8,4,64,1,1" --rows 512 --out wide.json
+
+--wide times the invariant kernel's wide calls (WIDE_FROM_M rows or more) in several configurations,
+each "BLOCK_M,BLOCK_N,WARPS,STAGES,BLOCK_K,TMA,SPLITS_IN_PROGRAM", and checks each one's output
+bitwise against the first configuration's and three of its rows against the same rows computed alone
+(the small tiles): a configuration may only change speed.
 
 Each figure is the median of --iters timings of --reps back-to-back calls (CUDA events), in
 microseconds per call, with the bandwidth the weight read implies (bytes of the weight / time): at a
@@ -65,10 +71,15 @@ def main() -> None:
     parser.add_argument("--configs", default=f"{matmul.MIN_PROGRAMS},{matmul.SPLIT_K_PROGRAMS}",
                         help="semicolon-separated MIN_PROGRAMS,SPLIT_K_PROGRAMS pairs of kernels.matmul to time the "
                              "invariant kernel with (0,1: 64-wide column tiles, no split-K)")
+    parser.add_argument("--wide", metavar="CONFIGS",
+                        help="semicolon-separated BLOCK_M,BLOCK_N,WARPS,STAGES,BLOCK_K,TMA,SPLITS_IN_PROGRAM "
+                             "configurations of the wide calls to time and check (the first is the reference)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("linear_cost.py needs a CUDA device")
+    if args.wide:
+        return wide_sweep(args)
     rows_list = [int(x) for x in args.rows.split(",")]
     results = []
     configs = [tuple(int(v) for v in pair.split(",")) for pair in args.configs.split(";")]
@@ -97,6 +108,56 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "tp": args.tp, "device": torch.cuda.get_device_name(),
                                         "results": results}, indent=1))
+
+
+WIDE_KNOBS = ("WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES", "WIDE_BLOCK_K", "WIDE_TMA",
+              "WIDE_SPLITS_IN_PROGRAM")
+
+
+def wide_sweep(args: argparse.Namespace) -> None:
+    configs = [tuple(int(v) for v in spec.split(",")) for spec in args.wide.split(";")]
+    if any(len(config) != len(WIDE_KNOBS) for config in configs):
+        raise SystemExit(f"each --wide configuration is {','.join(WIDE_KNOBS)}")
+    rows_list = [int(x) for x in args.rows.split(",")]
+    if min(rows_list) < matmul.WIDE_FROM_M:
+        raise SystemExit(f"wide calls have at least WIDE_FROM_M = {matmul.WIDE_FROM_M} rows")
+    results = []
+    print(f"{'weight':13s} {'N x K':>13s} {'rows':>5s} {'config':>22s} {'cuBLAS us':>10s} {'us':>8s} "
+          f"{'TFLOP/s':>8s} {'/cuBLAS':>8s} {'same':>5s} {'alone':>6s}")
+    for name, (n, k) in weight_shapes(CONFIGS[args.shape], args.tp).items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            cublas = time_us(lambda x=x, weight=weight: F.linear(x, weight), args.iters, args.reps)
+            picked = (0, rows // 2 + 1, rows - 1)
+            alone = [linear_invariant(x[i:i + 1], weight) for i in picked]
+            reference = None
+            for config in configs:
+                for knob, value in zip(WIDE_KNOBS, config):
+                    setattr(matmul, knob, value)
+                try:
+                    out = linear_invariant(x, weight)
+                    spent = time_us(lambda x=x, weight=weight: linear_invariant(x, weight), args.iters, args.reps)
+                except Exception as exc:  # a configuration the device cannot run (shared memory, registers)
+                    print(f"{name:13s} {n:6d}x{k:<6d} {rows:5d} {','.join(map(str, config)):>22s} failed: "
+                          f"{type(exc).__name__}: {str(exc)[:120]}")
+                    results.append({"weight": name, "n": n, "k": k, "rows": rows, "config": config,
+                                    "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                reference = out if reference is None else reference
+                same = bool(torch.equal(out, reference))
+                same_alone = all(torch.equal(out[i], row[0]) for i, row in zip(picked, alone))
+                tflops = 2 * rows * n * k / (spent * 1e-6) / 1e12
+                results.append({"weight": name, "n": n, "k": k, "rows": rows, "config": config,
+                                "splits": k_splits_for(n, k)[0], "cublas_us": cublas, "invariant_us": spent,
+                                "tflops": tflops, "same_as_first": same, "rows_equal_alone": same_alone})
+                print(f"{name:13s} {n:6d}x{k:<6d} {rows:5d} {','.join(map(str, config)):>22s} {cublas:10.1f} "
+                      f"{spent:8.1f} {tflops:8.0f} {spent / cublas:8.2f} {str(same):>5s} {str(same_alone):>6s}",
+                      flush=True)
+        del weight
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.shape, "tp": args.tp, "device": torch.cuda.get_device_name(),
+                                        "knobs": WIDE_KNOBS, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ import torch.nn.functional as F
 
 from kernels._triton import interpreting, tl, triton
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older Triton, or none: wide calls take the pointer kernel
+    TensorDescriptor = None
+
 # The tiles of calls below WIDE_FROM_M rows. BLOCK_M stays 64 down to M = 1: on
 # Hopper a tile under 64 rows would switch the instruction. The column tile may
 # depend on the weight's shape, which is fixed per layer (MIN_PROGRAMS below).
@@ -61,9 +66,19 @@ MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read ag
 # shapes keep BLOCK_K and the splits, which are what set an element's reduction order.
 WIDE_FROM_M = 65
 WIDE_BLOCK_M = 128
-WIDE_BLOCK_N = 256
+WIDE_BLOCK_N = 128
 WIDE_NUM_WARPS = 8
-WIDE_NUM_STAGES = 3
+WIDE_NUM_STAGES = 4
+# Wide calls load their operand tiles through TMA descriptors (Hopper's tensor memory accelerator:
+# one instruction per tile, out-of-bounds rows and columns filled with zeros) where the device has
+# it, and walk a column tile's K splits one after another in the program, adding each split's sum
+# to the running total in split order: the additions the partials kernel makes, in registers, so
+# no float32 partials go through HBM (at 512 rows about 117 MB a layer) and no summing kernel runs.
+WIDE_TMA = 1
+WIDE_SPLITS_IN_PROGRAM = 1
+# The TMA kernel's K step where every split is a whole number of them (else BLOCK_K). An element
+# still sums the same K-16 tensor-core steps in the same order; the GPU tests check it bitwise.
+WIDE_BLOCK_K = 64
 REDUCE_BLOCK = 1024  # output elements per program of the kernel that sums the partials
 
 
@@ -100,6 +115,17 @@ def _aligned_splits(k: int, splits: int) -> tuple[int, int]:
     """`splits` rounded so that every split covers whole BLOCK_K steps and none is empty."""
     k_per_split = triton.cdiv(triton.cdiv(k, BLOCK_K), max(1, splits)) * BLOCK_K
     return max(1, triton.cdiv(k, k_per_split)), k_per_split
+
+
+def _tma_fits(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read these operands: a Triton that has them, a Hopper-class
+    device (or the interpreter), and rows whose start addresses are 16-byte aligned."""
+    if TensorDescriptor is None:
+        return False
+    if not interpreting() and (x2.device.type != "cuda" or torch.cuda.get_device_capability(x2.device)[0] < 9):
+        return False
+    row_bytes_ok = all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x2, weight))
+    return row_bytes_ok and x2.stride(-1) == 1 and weight.stride(-1) == 1
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +169,44 @@ def _linear_kernel(X, W, B, Out, M, N, K, K_PER_SPLIT, sx_m, sw_n, so_m, so_spli
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "so_split"])
+def _wide_linear_kernel(x_desc, w_desc, B, Out, M, N, K_PER_SPLIT, STEPS, so_m, so_split,
+                        SPLITS_IN_PROGRAM: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_linear_kernel's tile with its operands read through TMA descriptors. STEPS is the BLOCK_K
+    steps the program walks: one split's (program axis 2 is the split, Out the float32 partials)
+    or, with SPLITS_IN_PROGRAM, every split's, each split's sum added to the running total as it
+    ends (the first taken as it is, as the summing kernel takes partial 0), then the bias."""
+    m0 = tl.program_id(0) * BLOCK_M
+    n0 = tl.program_id(1) * BLOCK_N
+    k_base = tl.program_id(2) * K_PER_SPLIT
+    steps_per_split = K_PER_SPLIT // BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, STEPS):
+        k0 = k_base + step * BLOCK_K
+        a = x_desc.load([m0, k0])
+        w = w_desc.load([n0, k0])
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        if SPLITS_IN_PROGRAM:
+            if (step + 1) % steps_per_split == 0:
+                total = tl.where(step < steps_per_split, acc, total + acc)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SPLITS_IN_PROGRAM:
+        acc = total
+    offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_split = Out + tl.program_id(2).to(tl.int64) * so_split  # so_split is 0 when no partials are written
+    tl.store(out_split + offs_m[:, None] * so_m + offs_n[None, :], acc.to(Out.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _sum_splits_kernel(Partials, B, Out, M, N,
                        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -178,28 +242,36 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M:
-        # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
-        f32_dot = x.dtype == torch.float32 or interpreting()
-        # Under the interpreter the wide tiles run too (in float32), so that CPU tests walk them.
-        block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=not f32_dot or interpreting())
-        n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), n_splits)
-        bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
-        if n_splits == 1:
-            _linear_kernel[grid](x2, weight, bias_arg, out, M, N, K, K,
-                                 x2.stride(0), weight.stride(0), out.stride(0), 0,
-                                 HAS_BIAS=bias is not None, F32_DOT=f32_dot,
-                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                 num_warps=num_warps, num_stages=num_stages)
-        else:
-            partials = torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
-            _linear_kernel[grid](x2, weight, bias_arg, partials, M, N, K, k_per_split,
-                                 x2.stride(0), weight.stride(0), partials.stride(1), partials.stride(0),
-                                 HAS_BIAS=False, F32_DOT=f32_dot,
-                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                                 num_warps=num_warps, num_stages=num_stages)
-            _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
-                partials, bias_arg, out, M, N,
-                SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
+    if not M:
+        return out.view(*x.shape[:-1], N)
+    # The interpreter multiplies bf16 dot operands as raw bits: there they go through float32.
+    f32_dot = x.dtype == torch.float32 or interpreting()
+    # Under the interpreter the wide tiles run too (in float32), so that CPU tests walk them.
+    tensor_cores = not f32_dot or interpreting()
+    block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=tensor_cores)
+    n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
+    bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
+    wide = tensor_cores and WIDE_FROM_M and M >= WIDE_FROM_M
+    in_program = n_splits == 1 or (wide and WIDE_TMA and WIDE_SPLITS_IN_PROGRAM and _tma_fits(x2, weight))
+    target = out if in_program else torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1 if in_program else n_splits)
+    common = dict(HAS_BIAS=bias is not None and in_program, F32_DOT=f32_dot,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+    so_split = 0 if in_program else target.stride(0)
+    if wide and WIDE_TMA and _tma_fits(x2, weight):
+        block_k = WIDE_BLOCK_K if k_per_split % WIDE_BLOCK_K == 0 else BLOCK_K
+        common["BLOCK_K"] = block_k
+        x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+        steps = k_per_split // block_k * (n_splits if in_program else 1)
+        _wide_linear_kernel[grid](x_desc, w_desc, bias_arg, target, M, N, k_per_split, steps,
+                                  target.stride(-2), so_split, SPLITS_IN_PROGRAM=in_program and n_splits > 1,
+                                  **common)
+    else:
+        _linear_kernel[grid](x2, weight, bias_arg, target, M, N, K, k_per_split if n_splits > 1 else K,
+                             x2.stride(0), weight.stride(0), target.stride(-2), so_split, **common)
+    if not in_program:
+        _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
+            target, bias_arg, out, M, N,
+            SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], N)

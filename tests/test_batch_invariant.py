@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import invariant_attention
+from kernels import invariant_attention, matmul
 from kernels.invariant_attention import (
     MAX_TAIL,
     SPLIT_LEN,
@@ -124,6 +124,33 @@ def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_except_without
     assert small[:2] == (BLOCK_M, block_n_for(4096)) and wide[:2] == (WIDE_BLOCK_M, WIDE_BLOCK_N)
     # float32 at IEEE precision has no tensor cores: small tiles at every M.
     assert tiles_for(4096, 4096, tensor_cores=False)[:2] == small[:2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_wide_call_sums_its_splits_in_the_program_bitwise_as_the_partials_kernel(device, dtype, monkeypatch):
+    if device == "cuda" and not matmul._tma_fits(torch.zeros(1, 8, device=device), torch.zeros(1, 8, device=device)):
+        pytest.skip("this GPU has no TMA: wide calls take the pointer kernel")
+    g = torch.Generator(device).manual_seed(1)
+    # 200 rows: two wide row tiles, the second masked; N = 100 and K = 200 leave edge tiles, and
+    # four splits of one BLOCK_K step each, the last half past K, loaded as zeros.
+    weight = torch.randn(100, 200, generator=g, device=device).to(dtype)
+    bias = torch.randn(100, generator=g, device=device).to(dtype)
+    x = torch.randn(200, 200, generator=g, device=device).to(dtype)
+    wide_launches = spy_launches(monkeypatch, matmul, "_wide_linear_kernel")
+    sum_launches = spy_launches(monkeypatch, matmul, "_sum_splits_kernel")
+    in_program = linear_invariant(x, weight, bias, splits=4)
+    assert len(wide_launches) == 1 and wide_launches[0][2] == 1 and not sum_launches
+    monkeypatch.setattr(matmul, "WIDE_SPLITS_IN_PROGRAM", 0)
+    tma_partials = linear_invariant(x, weight, bias, splits=4)
+    assert wide_launches[1][2] == 4 and len(sum_launches) == 1
+    monkeypatch.setattr(matmul, "WIDE_TMA", 0)
+    pointer_partials = linear_invariant(x, weight, bias, splits=4)
+    assert len(wide_launches) == 2 and len(sum_launches) == 2
+    assert torch.equal(in_program, tma_partials) and torch.equal(in_program, pointer_partials)
+    alone = linear_invariant(x[150:151], weight, bias, splits=4)  # the small tiles, partials summed apart
+    assert torch.equal(in_program[150], alone[0])
+    torch.testing.assert_close(in_program.float(), F.linear(x.float(), weight.float(), bias.float()), **TOL[dtype])
 
 
 # Llama-3.1-8B's weights [N, K], whole and halved by TP=2.
