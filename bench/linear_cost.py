@@ -135,6 +135,8 @@ def wide_sweep(args: argparse.Namespace) -> None:
             for config in configs:
                 for knob, value in zip(WIDE_KNOBS, config):
                     setattr(matmul, knob, value)
+                # The tiles given are those of whichever wide kernel the call takes.
+                matmul.SUMMING_BLOCK_N, matmul.SUMMING_NUM_STAGES = matmul.WIDE_BLOCK_N, matmul.WIDE_NUM_STAGES
                 try:
                     out = linear_invariant(x, weight)
                     spent = time_us(lambda x=x, weight=weight: linear_invariant(x, weight), args.iters, args.reps)

@@ -24,6 +24,8 @@ the row among 511 others, bitwise, across that switch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -66,16 +68,22 @@ MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read ag
 # shapes keep BLOCK_K and the splits, which are what set an element's reduction order.
 WIDE_FROM_M = 65
 WIDE_BLOCK_M = 128
-WIDE_BLOCK_N = 128
+WIDE_BLOCK_N = 256
 WIDE_NUM_WARPS = 8
-WIDE_NUM_STAGES = 4
+WIDE_NUM_STAGES = 3
 # Wide calls load their operand tiles through TMA descriptors (Hopper's tensor memory accelerator:
 # one instruction per tile, out-of-bounds rows and columns filled with zeros) where the device has
 # it, and walk a column tile's K splits one after another in the program, adding each split's sum
 # to the running total in split order: the additions the partials kernel makes, in registers, so
 # no float32 partials go through HBM (at 512 rows about 117 MB a layer) and no summing kernel runs.
+# On an H200 this took a 64 x 8 verify step of the 8B shapes in the mode from 24.08 to 22.14 ms
+# (BENCHMARKS.md, issue 19).
 WIDE_TMA = 1
 WIDE_SPLITS_IN_PROGRAM = 1
+# The column tile and stages of a wide call that sums splits in the program: it holds two float32
+# tiles (the split's and the running total), and two of 128 x 256 would not fit 8 warps' registers.
+SUMMING_BLOCK_N = 128
+SUMMING_NUM_STAGES = 4
 # The TMA kernel's K step where every split is a whole number of them (else BLOCK_K). An element
 # still sums the same K-16 tensor-core steps in the same order; the GPU tests check it bitwise.
 WIDE_BLOCK_K = 64
@@ -86,12 +94,15 @@ def block_n_for(n: int) -> int:
     return BLOCK_N if triton.cdiv(n, BLOCK_N) >= MIN_PROGRAMS else 32
 
 
-def tiles_for(m: int, n: int, *, tensor_cores: bool = True) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a call of m rows on a weight of n outputs.
-    Without tensor cores (float32 at IEEE precision: the dot runs on FMA units, where a wide
-    tile's operands do not fit the registers and its stages not the shared memory) every
-    call takes the small tiles."""
+def tiles_for(m: int, n: int, *, tensor_cores: bool = True,
+              sums_splits: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a call of m rows on a weight of n outputs;
+    `sums_splits`: the call adds its K splits in the program. Without tensor cores (float32 at
+    IEEE precision: the dot runs on FMA units, where a wide tile's operands do not fit the
+    registers and its stages not the shared memory) every call takes the small tiles."""
     if tensor_cores and WIDE_FROM_M and m >= WIDE_FROM_M:
+        if sums_splits:
+            return WIDE_BLOCK_M, SUMMING_BLOCK_N, WIDE_NUM_WARPS, SUMMING_NUM_STAGES
         return WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, WIDE_NUM_STAGES
     return BLOCK_M, block_n_for(n), NUM_WARPS, NUM_STAGES
 
@@ -117,12 +128,17 @@ def _aligned_splits(k: int, splits: int) -> tuple[int, int]:
     return max(1, triton.cdiv(k, k_per_split)), k_per_split
 
 
+@functools.cache
+def _has_tma(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _tma_fits(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether TMA descriptors can read these operands: a Triton that has them, a Hopper-class
     device (or the interpreter), and rows whose start addresses are 16-byte aligned."""
     if TensorDescriptor is None:
         return False
-    if not interpreting() and (x2.device.type != "cuda" or torch.cuda.get_device_capability(x2.device)[0] < 9):
+    if not interpreting() and (x2.device.type != "cuda" or not _has_tma(x2.device.index)):
         return False
     row_bytes_ok = all(t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x2, weight))
     return row_bytes_ok and x2.stride(-1) == 1 and weight.stride(-1) == 1
@@ -248,24 +264,26 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     f32_dot = x.dtype == torch.float32 or interpreting()
     # Under the interpreter the wide tiles run too (in float32), so that CPU tests walk them.
     tensor_cores = not f32_dot or interpreting()
-    block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=tensor_cores)
     n_splits, k_per_split = k_splits_for(N, K) if splits is None else _aligned_splits(K, splits)
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
-    wide = tensor_cores and WIDE_FROM_M and M >= WIDE_FROM_M
-    in_program = n_splits == 1 or (wide and WIDE_TMA and WIDE_SPLITS_IN_PROGRAM and _tma_fits(x2, weight))
+    wide = bool(tensor_cores and WIDE_FROM_M and M >= WIDE_FROM_M)
+    tma = wide and WIDE_TMA and _tma_fits(x2, weight)
+    sums_splits = n_splits > 1 and tma and WIDE_SPLITS_IN_PROGRAM
+    in_program = n_splits == 1 or sums_splits
+    block_m, block_n, num_warps, num_stages = tiles_for(M, N, tensor_cores=tensor_cores, sums_splits=sums_splits)
     target = out if in_program else torch.empty((n_splits, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1 if in_program else n_splits)
     common = dict(HAS_BIAS=bias is not None and in_program, F32_DOT=f32_dot,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
     so_split = 0 if in_program else target.stride(0)
-    if wide and WIDE_TMA and _tma_fits(x2, weight):
+    if tma:
         block_k = WIDE_BLOCK_K if k_per_split % WIDE_BLOCK_K == 0 else BLOCK_K
         common["BLOCK_K"] = block_k
         x_desc = TensorDescriptor.from_tensor(x2, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
         steps = k_per_split // block_k * (n_splits if in_program else 1)
         _wide_linear_kernel[grid](x_desc, w_desc, bias_arg, target, M, N, k_per_split, steps,
-                                  target.stride(-2), so_split, SPLITS_IN_PROGRAM=in_program and n_splits > 1,
+                                  target.stride(-2), so_split, SPLITS_IN_PROGRAM=sums_splits,
                                   **common)
     else:
         _linear_kernel[grid](x2, weight, bias_arg, target, M, N, K, k_per_split if n_splits > 1 else K,

@@ -129,6 +129,8 @@ def test_the_linear_layer_takes_wider_tiles_from_wide_from_m_rows_except_without
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_wide_call_sums_its_splits_in_the_program_bitwise_as_the_partials_kernel(device, dtype, monkeypatch):
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 on the GPU has no tensor cores: its calls all take the small tiles")
     if device == "cuda" and not matmul._tma_fits(torch.zeros(1, 8, device=device), torch.zeros(1, 8, device=device)):
         pytest.skip("this GPU has no TMA: wide calls take the pointer kernel")
     g = torch.Generator(device).manual_seed(1)
