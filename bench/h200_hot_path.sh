@@ -76,7 +76,8 @@
 #            DET_VARIANTS="WIDE_BLOCK_N=128/- -/BLOCK_N=64,ROWS_PER_PROGRAM=8" times the mode with each
 #            MATMUL/ATTENTION pair of engine_step.py --matmul and --attention specs ("-": the defaults);
 #            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile);
-#            DET_TESTS=0 skips the tests; DET_REPEATS=N runs off and on N times, alternated
+#            DET_TESTS=0 skips the tests; DET_REPEATS=N runs off and on N times, alternated;
+#            DET_PIN=CPUS runs them under taskset -c CPUS
 #   wide     after only, the batch-invariant linear layer's wide calls (WIDE_FROM_M rows or more): its GPU tests, then
 #            bench/linear_cost.py --wide over WIDE_CONFIGS (BLOCK_M,BLOCK_N,WARPS,STAGES,BLOCK_K,TMA,SPLITS_IN_PROGRAM;
 #            the first, the pointer kernel with partials, is the reference) at WIDE_ROWS rows (default 128,512,2048),
@@ -326,7 +327,8 @@ for stage in "$@"; do
         for mode in off on; do
           flag=(); [[ $mode == on ]] && flag=(--deterministic)
           name=engine_det_$mode; (( repeat > 1 )) && name+="_$repeat"
-          run "$name" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters "${DET_ITERS:-20}" \
+          run "$name" after 300 ${DET_PIN:+taskset -c "$DET_PIN"} python3 bench/engine_step.py --batches 1,8,64 \
+            --nodes 1,8 --iters "${DET_ITERS:-20}" \
             --modes graphs "${flag[@]}" --out "$OUT/$name.json"
         done
       done

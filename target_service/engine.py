@@ -294,7 +294,8 @@ class TargetEngine:
         flat = (kv.k_all.shape[0], -1, *kv.k_all.shape[3:])
         return StepTail(views=views, seqs=shape.seqs, tree=shape.tree,
                         trash_slot=kv.trash_slot, block_table=self.table.table, k_cache=kv.k_all.view(flat),
-                        v_cache=kv.v_all.view(flat), use_triton=self.triton)
+                        v_cache=kv.v_all.view(flat), use_triton=self.triton,
+                        row_invariant=self.model.batch_invariant and self.triton)
 
     def forward(self, buffer: torch.Tensor, layout: InputLayout, views: dict[str, torch.Tensor], block_m: int,
                 splits: int, layers: tuple[int, ...], k_scratch: torch.Tensor, v_scratch: torch.Tensor,

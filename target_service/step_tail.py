@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kernels.kv_write import kv_commit_reference, kv_commit_triton
+from kernels.logsumexp import logsumexp_rows
 from target_service import acceptance
 from target_service.step_inputs import FIXED_ROW
 
@@ -117,13 +118,24 @@ class StepTail:
     """
 
     def __init__(self, *, views: dict[str, torch.Tensor], seqs: int, tree: int, trash_slot: int,
-                 block_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, use_triton: bool):
+                 block_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, use_triton: bool,
+                 row_invariant: bool = False):
+        """row_invariant: log-probs whose every row is computed alike whatever the step's shape
+        (kernels.logsumexp), as the batch-invariant target needs; torch's own reduction follows
+        the shape."""
         self.v = views
         self.B, self.M = seqs, tree
         self.trash_slot = trash_slot
         self.table = block_table
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, slots, Hkv, D] flat views
         self.use_triton = use_triton
+        self.row_invariant = row_invariant
+
+    def _logsumexp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, V] -> [rows, 1]."""
+        if self.row_invariant:
+            return logsumexp_rows(logits)[:, None]
+        return torch.logsumexp(logits, -1, keepdim=True)
 
     # --- acceptance ---------------------------------------------------------
     def _grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,13 +156,13 @@ class StepTail:
                 argmax = processed.argmax(-1, keepdim=True)
                 best = logits.gather(1, argmax)
             return dict(kept=torch.zeros(B, 1, dtype=torch.bool, device=logits.device), bonus=argmax,
-                        deepest=torch.zeros_like(argmax), plain_logprob=best - torch.logsumexp(logits, -1, True))
+                        deepest=torch.zeros_like(argmax), plain_logprob=best - self._logsumexp(logits))
         parent, tokens, m_idx, drafted = self._grid()
         best, argmax = logits.max(-1)
         if processed is not None:
             argmax = processed.argmax(-1)
             best = logits.gather(1, argmax[:, None])[:, 0]
-        logprob = (best - torch.logsumexp(logits, -1)).view(B, M)
+        logprob = (best - self._logsumexp(logits)[:, 0]).view(B, M)
         argmax = argmax.view(B, M)
         take = drafted & (tokens == argmax.gather(1, parent))
         kept = _kept_path(take, parent)
@@ -254,7 +266,7 @@ class StepTail:
             kept=torch.where(is_greedy, greedy_part["kept"], kept), tokens=tokens,
             deepest=torch.where(is_greedy, greedy_part["deepest"], deepest),
             bonus=torch.where(is_greedy, greedy_part["bonus"], bonus),
-            log_softmax=torch.log_softmax(logits, -1))
+            log_softmax=(logits - self._logsumexp(logits)) if self.row_invariant else torch.log_softmax(logits, -1))
 
     # --- results ------------------------------------------------------------
     def pack(self, decided: dict[str, torch.Tensor], out: torch.Tensor, top_k: int = 0,
@@ -269,8 +281,7 @@ class StepTail:
             if top_k:
                 values, ids = logits.topk(top_k, -1)
                 out[:, 5: 5 + top_k] = ids.int()
-                out[:, 5 + top_k: 5 + 2 * top_k] = (values - torch.logsumexp(logits, -1, True)).float().view(
-                    torch.int32)
+                out[:, 5 + top_k: 5 + 2 * top_k] = (values - self._logsumexp(logits)).float().view(torch.int32)
             return kept
         tokens = decided["tokens"]
         m_idx = torch.arange(M, device=kept.device).expand(B, M)
@@ -292,7 +303,7 @@ class StepTail:
         out[:, 2 + 2 * M: 2 + 3 * M] = accepted.int()
         if top_k:
             values, ids = logits.topk(top_k, -1)
-            values = values - torch.logsumexp(logits, -1, keepdim=True)
+            values = values - self._logsumexp(logits)
             at = 2 + 3 * M
             out[:, at: at + M * top_k] = ids[before_row].int().view(B, M * top_k)
             out[:, at + M * top_k: at + 2 * M * top_k] = (values[before_row].float().contiguous()

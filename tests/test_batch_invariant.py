@@ -29,6 +29,8 @@ from kernels.invariant_attention import (
     row_sequences,
     tree_attention_invariant,
 )
+from kernels.logsumexp import BLOCK as LSE_BLOCK
+from kernels.logsumexp import logsumexp_reference, logsumexp_rows
 from kernels.matmul import (
     BLOCK_K,
     BLOCK_M,
@@ -153,6 +155,22 @@ def test_a_wide_call_sums_its_splits_in_the_program_bitwise_as_the_partials_kern
     alone = linear_invariant(x[150:151], weight, bias, splits=4)  # the small tiles, partials summed apart
     assert torch.equal(in_program[150], alone[0])
     torch.testing.assert_close(in_program.float(), F.linear(x.float(), weight.float(), bias.float()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("others", OTHERS)
+def test_a_log_sum_exp_row_alone_equals_the_same_row_among_others(device, others):
+    g = torch.Generator(device).manual_seed(others)
+    vocab = 2 * LSE_BLOCK + 37  # two whole chunks and a masked one
+    row = 4 * torch.randn(1, vocab, generator=g, device=device)
+    row[0, :5] = float("-inf")  # masked tokens
+    alone = logsumexp_rows(row)
+    for where in (0, others // 2, others):
+        batch, at = _among(row, others, seed=others + where, where=where)
+        assert torch.equal(logsumexp_rows(batch)[at], alone[0]), f"row at {at} of {others + 1}"
+    torch.testing.assert_close(alone, logsumexp_reference(row), rtol=1e-6, atol=1e-6)
+    # A row with every token masked gives -inf, not NaN.
+    assert logsumexp_rows(torch.full((2, vocab), float("-inf"), device=device)).eq(float("-inf")).all()
 
 
 # Llama-3.1-8B's weights [N, K], whole and halved by TP=2.
