@@ -277,7 +277,8 @@ def profile_steps(engine: TargetEngine | ParallelEngine, ids: list[str], nodes: 
 
 MATMUL_KNOBS = ("MIN_PROGRAMS", "SPLIT_K_PROGRAMS", "SPLITS_POWER_OF_TWO", "BLOCK_M", "BLOCK_N", "NUM_WARPS",
                 "NUM_STAGES", "WIDE_FROM_M", "WIDE_BLOCK_M", "WIDE_BLOCK_N", "WIDE_NUM_WARPS", "WIDE_NUM_STAGES",
-                "WIDE_BLOCK_K", "WIDE_TMA", "WIDE_SPLITS_IN_PROGRAM", "SUMMING_BLOCK_N", "SUMMING_NUM_STAGES")
+                "WIDE_BLOCK_K", "WIDE_TMA", "WIDE_SPLITS_IN_PROGRAM", "SUMMING_BLOCK_N", "SUMMING_NUM_STAGES",
+                "SMALL_BLOCK_K")
 ATTENTION_KNOBS = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES", "PROGRAMS_PER_SM", "ROWS_PER_PROGRAM",
                    "TREE_ROWS_PER_PROGRAM")
 # Knobs that may be 0 (off).

@@ -77,7 +77,8 @@
 #            MATMUL/ATTENTION pair of engine_step.py --matmul and --attention specs ("-": the defaults);
 #            DET_PROFILE=1 also profiles 64 x 8 steps by kernel, off and on (bench/engine_step.py --profile);
 #            DET_TESTS=0 skips the tests; DET_REPEATS=N runs off and on N times, alternated;
-#            DET_PIN=CPUS runs them under taskset -c CPUS
+#            DET_PIN=CPUS runs them (and the variants) under taskset -c CPUS; DET_KNOBS="NUM_STAGES=4;..." checks
+#            that those kernels.matmul settings leave the linear layer's output bitwise unchanged (bench/linear_knobs.py)
 #   wide     after only, the batch-invariant linear layer's wide calls (WIDE_FROM_M rows or more): its GPU tests, then
 #            bench/linear_cost.py --wide over WIDE_CONFIGS (BLOCK_M,BLOCK_N,WARPS,STAGES,BLOCK_K,TMA,SPLITS_IN_PROGRAM;
 #            the first, the pointer kernel with partials, is the reference) at WIDE_ROWS rows (default 128,512,2048),
@@ -342,13 +343,16 @@ for stage in "$@"; do
         [[ $matmul_spec != - ]] && flags+=(--matmul "$matmul_spec")
         [[ $attention_spec != - ]] && flags+=(--attention "$attention_spec")
         name="engine_det_on_${variant//\//__}"
-        run "$name" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
-          --iters 20 --modes graphs --deterministic "${flags[@]}" --out "$OUT/$name.json"
+        run "$name" after 300 ${DET_PIN:+taskset -c "$DET_PIN"} python3 bench/engine_step.py --batches 1,8,64 \
+          --nodes 1,8 --iters "${DET_ITERS:-20}" --modes graphs --deterministic "${flags[@]}" --out "$OUT/$name.json"
       done
       for rows in ${DET_ROWS:-}; do  # rows of one sequence per invariant-attention program, mode on
         run "engine_det_on_rows$rows" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 \
           --iters 20 --modes graphs --deterministic --attention-rows "$rows" --out "$OUT/engine_det_on_rows$rows.json"
       done
+      if [[ -n ${DET_KNOBS:-} ]]; then  # whether other kernels.matmul "how" settings change any bit of its output
+        run det_knobs after 200 python3 bench/linear_knobs.py --specs "$DET_KNOBS"
+      fi
       if [[ ${DET_PROFILE:-0} == 1 ]]; then  # where 64 x 8 goes, by kernel, mode off and on
         for mode in off on; do
           flag=(); [[ $mode == on ]] && flag=(--deterministic)

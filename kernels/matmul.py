@@ -60,6 +60,9 @@ SPLIT_K_PROGRAMS = 256  # programs wanted per row tile: about two per SM of an H
 # programs, 2.2 (2.4) waves of 132 SMs, the last one mostly idle; with 4, 384 (256): 2.9 (1.9).
 SPLITS_POWER_OF_TWO = 1
 MIN_K_PER_SPLIT = 8 * BLOCK_K  # shorter K loops would not fill the software pipeline
+# The small tiles' K step where the walked range is a whole number of them (else BLOCK_K), as
+# WIDE_BLOCK_K for the wide calls: an element sums the same K-16 tensor-core steps either way.
+SMALL_BLOCK_K = 64
 MAX_SPLITS = 8  # the partials cost SPLITS * M * N * 4 bytes written and read again: bounded for prefill
 
 # Calls of at least WIDE_FROM_M rows (0: never) take these tiles instead: at 64 requests x 8 tree
@@ -286,7 +289,9 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                   target.stride(-2), so_split, SPLITS_IN_PROGRAM=sums_splits,
                                   **common)
     else:
-        _linear_kernel[grid](x2, weight, bias_arg, target, M, N, K, k_per_split if n_splits > 1 else K,
+        walked = k_per_split if n_splits > 1 else K
+        common["BLOCK_K"] = SMALL_BLOCK_K if walked % SMALL_BLOCK_K == 0 else BLOCK_K
+        _linear_kernel[grid](x2, weight, bias_arg, target, M, N, K, walked,
                              x2.stride(0), weight.stride(0), target.stride(-2), so_split, **common)
     if not in_program:
         _sum_splits_kernel[(triton.cdiv(M * N, REDUCE_BLOCK),)](
