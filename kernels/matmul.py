@@ -43,7 +43,10 @@ BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 64
 NUM_WARPS = 4
-NUM_STAGES = 3
+# Five loads in flight per program: at one row these calls stream their weight, and on an H200 the mode's
+# forward replayed at batch 1 in 5.30 ms with 5 stages against 5.42 with 3, its output bitwise the same
+# for every 8B weight at 1, 8, 64 and 512 rows (bench/linear_knobs.py; BENCHMARKS.md, issue 19).
+NUM_STAGES = 5
 # Column tiles wanted per row tile before BLOCK_N drops to 32 (0: never). Narrower tiles were meant to
 # give narrow weights more programs at small M; on the H200 64-wide tiles with split-K ran the decode
 # step faster (bench/engine_step.py --deterministic --matmul: 5.78 against 6.30 ms at batch 1, 11.03
