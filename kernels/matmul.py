@@ -47,6 +47,9 @@ NUM_WARPS = 4
 # forward replayed at batch 1 in 5.30 ms with 5 stages against 5.42 with 3, its output bitwise the same
 # for every 8B weight at 1, 8, 64 and 512 rows (bench/linear_knobs.py; BENCHMARKS.md, issue 19).
 NUM_STAGES = 5
+# float32 operands (no tensor cores) are twice the bytes: their tiles keep the three stages they had
+# (96 KB of shared memory, where five would take 160 KB); five were not timed for them.
+FP32_NUM_STAGES = 3
 # Column tiles wanted per row tile before BLOCK_N drops to 32 (0: never). Narrower tiles were meant to
 # give narrow weights more programs at small M; on the H200 64-wide tiles with split-K ran the decode
 # step faster (bench/engine_step.py --deterministic --matmul: 5.78 against 6.30 ms at batch 1, 11.03
@@ -110,7 +113,7 @@ def tiles_for(m: int, n: int, *, tensor_cores: bool = True,
         if sums_splits:
             return WIDE_BLOCK_M, SUMMING_BLOCK_N, WIDE_NUM_WARPS, SUMMING_NUM_STAGES
         return WIDE_BLOCK_M, WIDE_BLOCK_N, WIDE_NUM_WARPS, WIDE_NUM_STAGES
-    return BLOCK_M, block_n_for(n), NUM_WARPS, NUM_STAGES
+    return BLOCK_M, block_n_for(n), NUM_WARPS, NUM_STAGES if tensor_cores else FP32_NUM_STAGES
 
 
 def k_splits_for(n: int, k: int) -> tuple[int, int]:
