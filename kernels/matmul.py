@@ -20,6 +20,11 @@ more), whatever the tile's height and width. Calls of up to WIDE_FROM_M - 1 rows
 enough programs; larger calls take wider tiles, which reuse each loaded tile
 for more multiply-adds. The GPU tests check that a row computed alone equals
 the row among 511 others, bitwise, across that switch.
+
+Wide calls on Hopper read their tiles through TMA descriptors and, rather than
+writing float32 partials for a second kernel to sum, walk a tile's splits one
+after another and add each split's sum to a running total in split order: the
+same additions, made in registers.
 """
 
 from __future__ import annotations
