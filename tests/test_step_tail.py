@@ -21,6 +21,27 @@ def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
     return [rng.randrange(VOCAB) for _ in range(size)], parents
 
 
+def tail_for(items: list[SequenceStep], *, row_invariant: bool = False,
+             spare_nodes: int = 1) -> tuple[StepTail, StepBatch, InputShape]:
+    """A step tail over the packed views of these items (a padding sequence, spare rows and
+    `spare_nodes` of tree width beside them)."""
+    batch = StepBatch.from_items(items)
+    M = max_tree(batch)
+    shape = InputShape(rows=int(batch.num_nodes.sum()) + 3, seqs=batch.size + 1, tree=M + spare_nodes, tiles=64,
+                       updates=1, words=1)
+    layout = layout_for(shape)
+    buf = np.zeros(layout.size, dtype=np.int32)
+    host_table = np.arange(64 * 8).reshape(64, 8)
+    pack_step(batch, prefix_lens=np.full(batch.size, 3), table_rows=np.arange(batch.size), updates={},
+              shape=shape, views=layout.host_views(buf), per_tile=16, padding_row=63, padding_update=0,
+              host_table=host_table, block_size=4, trash_slot=999)
+    views = layout.device_views(torch.from_numpy(buf))
+    tail = StepTail(views=views, seqs=shape.seqs, tree=shape.tree, trash_slot=999,
+                    block_table=torch.zeros(65, 8, dtype=torch.int32), k_cache=None, v_cache=None,
+                    use_triton=False, row_invariant=row_invariant)
+    return tail, batch, shape
+
+
 def test_host_and_device_greedy_tails_agree_on_random_trees_with_duplicate_siblings():
     rng = random.Random(5)
     longest = 0
@@ -29,20 +50,8 @@ def test_host_and_device_greedy_tails_agree_on_random_trees_with_duplicate_sibli
         for b in range(rng.randint(1, 5)):
             tokens, parents = random_tree(rng, rng.randint(1, 9))
             items.append(SequenceStep(f"s{b}", tuple(tokens), tuple(parents), 1))
-        batch = StepBatch.from_items(items)
-        M = max_tree(batch)
-        shape = InputShape(rows=int(batch.num_nodes.sum()) + 3, seqs=batch.size + 1, tree=M + 1, tiles=64,
-                           updates=1, words=1)
-        layout = layout_for(shape)
-        buf = np.zeros(layout.size, dtype=np.int32)
-        host_table = np.arange(64 * 8).reshape(64, 8)
-        pack_step(batch, prefix_lens=np.full(batch.size, 3), table_rows=np.arange(batch.size), updates={},
-                  shape=shape, views=layout.host_views(buf), per_tile=16, padding_row=63, padding_update=0,
-                  host_table=host_table, block_size=4, trash_slot=999)
-        views = layout.device_views(torch.from_numpy(buf))
-        tail = StepTail(views=views, seqs=shape.seqs, tree=shape.tree, trash_slot=999,
-                        block_table=torch.zeros(65, 8, dtype=torch.int32), k_cache=None, v_cache=None,
-                        use_triton=False)
+        tail, batch, shape = tail_for(items)
+        views = tail.v
         # Logits whose argmax is often a drafted child, so paths of several nodes are kept.
         logits = torch.randn(shape.seqs * shape.tree, VOCAB, generator=torch.Generator().manual_seed(trial))
         tokens = views["tokens"][views["tree_row"].long()]
@@ -66,3 +75,37 @@ def test_host_and_device_greedy_tails_agree_on_random_trees_with_duplicate_sibli
             assert torch.equal(device_out[b, lo: lo + n - 1], host_out[b, lo: lo + n - 1]), (trial, b)
         assert torch.equal(tail.committed_rows(kept_device), tail.committed_rows(kept_host))
     assert longest >= 3, "no trial kept a path of several drafted nodes"
+
+
+def test_the_row_invariant_tail_decides_as_the_default_and_its_log_probs_agree_on_every_path():
+    """The batch-invariant mode's tail (kernels.logsumexp, interpreted here) against torch's
+    log-sum-exp: the same tokens and kept paths; log-probs within float32 rounding, for greedy,
+    sampled and top log-probs, in a tree step and in a plain one (M = 1)."""
+    rng = random.Random(9)
+    trees = [SequenceStep(f"s{b}", *random_tree(rng, size), 1) for b, size in enumerate((5, 1, 8))]
+    plain = [SequenceStep.chain(f"p{b}", (rng.randrange(VOCAB),)) for b in range(3)]
+    for items, spare in ((trees, 1), (plain, 0)):
+        default, _, shape = tail_for(items, spare_nodes=spare)
+        invariant, _, _ = tail_for(items, row_invariant=True, spare_nodes=spare)
+        logits = 3 * torch.randn(shape.seqs * shape.tree, VOCAB, generator=torch.Generator().manual_seed(len(items)))
+        width = output_width(shape.tree, 2)
+        for decide in ("greedy", "sampled"):
+            outs = []
+            for tail in (default, invariant):
+                decided = tail.greedy(logits)
+                if decide == "sampled":
+                    decided = tail.sampled(logits, decided)
+                out = torch.zeros((shape.seqs, width), dtype=torch.int32)
+                kept = tail.pack(decided, out, top_k=2, logits=logits)
+                outs.append((kept, out))
+            (kept_a, out_a), (kept_b, out_b) = outs
+            assert torch.equal(kept_a, kept_b)
+            as_float = (out_a.view(torch.float32), out_b.view(torch.float32))
+            M = shape.tree
+            if M == 1:  # count, bonus, token, log-prob, 1, then top ids and log-probs
+                ints, floats = [0, 1, 2, 4, 5, 6], [3, 7, 8]
+            else:
+                ints = [0, 1, *range(2, 2 + M), *range(2 + 2 * M, 2 + 3 * M + M * 2)]
+                floats = [*range(2 + M, 2 + 2 * M), *range(2 + 3 * M + M * 2, width)]
+            assert torch.equal(out_a[:, ints], out_b[:, ints]), decide
+            torch.testing.assert_close(as_float[0][:, floats], as_float[1][:, floats], rtol=1e-6, atol=1e-6)
