@@ -90,8 +90,8 @@ WIDE_NUM_STAGES = 3
 # it, and walk a column tile's K splits one after another in the program, adding each split's sum
 # to the running total in split order: the additions the partials kernel makes, in registers, so
 # no float32 partials go through HBM (at 512 rows about 117 MB a layer) and no summing kernel runs.
-# On an H200 this took a 64 x 8 verify step of the 8B shapes in the mode from 24.08 to 22.14 ms
-# (BENCHMARKS.md, issue 19).
+# On an H200 the forward of a 64 x 8 verify step of the 8B shapes in the mode, replayed, went from
+# 22.19 to 20.53-20.62 ms (BENCHMARKS.md, issue 19).
 WIDE_TMA = 1
 WIDE_SPLITS_IN_PROGRAM = 1
 # The column tile and stages of a wide call that sums splits in the program: it holds two float32
