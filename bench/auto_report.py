@@ -4,7 +4,8 @@
 
 bench/serve_and_bench.sh runs `tandem bench` once per mode (to scrape the services' metrics between
 modes), so each run's own table lacks the other modes: auto / max(never, always) and the audit's
-`always` and `never` columns are printed here from OUT/{never,always,auto}/bench.json.
+`always` and `never` columns are printed here from OUT/{never,always,auto}/bench.json, or from
+OUT/all/bench.json where the modes ran in one bench (BENCH_INTERLEAVED=1, with --rounds).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tandem.bench import MODES, LevelResult, print_table
 
 def load_rows(out: Path) -> list[LevelResult]:
     rows = []
-    for mode in MODES:
+    for mode in (*MODES, "all"):
         path = out / mode / "bench.json"
         if path.exists():
             rows += [LevelResult(**row) for row in json.loads(path.read_text())["results"]]
@@ -32,7 +33,7 @@ def main() -> None:
     for out in args.outs:
         rows = load_rows(out)
         if not rows:
-            raise SystemExit(f"error: no {{never,always,auto}}/bench.json under {out}")
+            raise SystemExit(f"error: no {{never,always,auto,all}}/bench.json under {out}")
         print(f"== {out}")
         print_table(rows)
 

@@ -61,6 +61,8 @@
 #            and each mode's metrics are scraped after it; bench/auto_report.py then prints the modes side by
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
 #            BENCH_ARGS="--requests-per-slot 4" makes every level twice as long (serve_and_bench.sh);
+#            BENCH_INTERLEAVED=1 BENCH_ARGS="--rounds 3" runs the modes in turn at each level, three rounds, in
+#            one bench (serve_and_bench.sh), and the report gives each round's auto / max and the medians
 #            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh)
 #   fedgrants after only: `auto` with fed grants (`--gateway-args=--fed-grants`: awake auto requests decode plainly
 #            in grants that push each step's features to the drafts) against without (the default), each on a fresh

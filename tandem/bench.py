@@ -8,7 +8,10 @@ length (tokens committed per verify step, bonus included). Writes a JSON file
 and a PNG plot of the curves. Before the first level each mode runs every
 concurrency once, short and not counted (--warmup): a server's first requests at
 a concurrency pay one-time costs that would otherwise land in whichever mode
-meets that concurrency first.
+meets that concurrency first. With --rounds N each concurrency runs its modes N
+times, interleaved (never, always, auto, never, ...), so that a server that
+drifts during the sweep weighs on every mode alike; the tables then report each
+round and the medians, and auto / max(never, always) per round and on the medians.
 
 Each level also reports the rate at which its requests decode (concurrency x a
 request's tokens after the first over its time after the first token: what a
@@ -67,6 +70,7 @@ class LevelResult:
     # auto's audit over the level (read_policy_sums): per arm ("trees", "plain"), the mean predicted
     # and the measured goodput in tok/s (None where there were none); None when /metrics was unread.
     audit: dict[str, dict[str, float | None]] | None = None
+    round: int = 1  # which of --rounds this level was, from 1
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -115,6 +119,30 @@ def warmup_levels(modes: list[str], levels: list[int], per_slot: int,
     if per_slot < 1:
         return []
     return [(mode, conc, per_slot * conc, min(max_tokens, WARMUP_TOKENS)) for mode in modes for conc in levels]
+
+
+def level_schedule(levels: list[int], modes: list[str], rounds: int) -> list[tuple[int, int, str]]:
+    """(concurrency, round, mode) of the counted levels, in the order they run: at each concurrency the
+    modes take turns, round after round, so that drift in the server lands on every mode alike."""
+    return [(conc, round_number, mode) for conc in levels for round_number in range(1, rounds + 1)
+            for mode in modes]
+
+
+def medians(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
+    """(mode, concurrency) -> the median total tok/s over its rounds."""
+    runs: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        runs.setdefault((row.mode, row.concurrency), []).append(row.total_tok_s)
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
+def auto_over_best(tok_s: dict[tuple[str, int], float], concurrencies: list[int]) -> str | None:
+    """"c=C: R, ..." with R = auto / max(never, always) from (mode, concurrency) -> tok/s; None where a
+    mode is missing."""
+    if not all((mode, conc) in tok_s for mode in MODES for conc in concurrencies):
+        return None
+    return ", ".join(f"c={conc}: {tok_s[('auto', conc)] / max(tok_s[('never', conc)], tok_s[('always', conc)]):.2f}"
+                     for conc in concurrencies)
 
 
 async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, requests: int,
@@ -192,41 +220,54 @@ def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[s
 
 
 def print_table(rows: list[LevelResult]) -> None:
+    rounds = max((row.round for row in rows), default=1)
     for mode in dict.fromkeys(r.mode for r in rows):
         print(f"\n{mode}")
-        print(f"{'conc':>5} {'tok/s':>9} {'tok/s/req':>10} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'accept':>7}")
+        print(f"{'conc':>5} {'round':>5} {'tok/s':>9} {'tok/s/req':>10} {'TTFT p50':>9} {'ITL p50':>8} "
+              f"{'ITL p99':>8} {'accept':>7}")
         for r in rows:
             if r.mode == mode:
                 acc = f"{r.acceptance_length:.2f}" if r.acceptance_length else "-"
-                print(f"{r.concurrency:>5} {r.total_tok_s:9.1f} {r.tok_s_per_request:10.1f} "
+                print(f"{r.concurrency:>5} {r.round:>5} {r.total_tok_s:9.1f} {r.tok_s_per_request:10.1f} "
                       f"{r.ttft_p50_s * 1e3:7.0f}ms {r.itl_p50_s * 1e3:6.1f}ms {r.itl_p99_s * 1e3:6.1f}ms {acc:>7}")
-    by = {(r.mode, r.concurrency): r.total_tok_s for r in rows}
     concs = sorted({r.concurrency for r in rows})
-    if all((m, c) in by for m in MODES for c in concs):
-        print("\nauto / max(never, always): " + ", ".join(
-            f"c={c}: {by[('auto', c)] / max(by[('never', c)], by[('always', c)]):.2f}" for c in concs))
+    if rounds > 1:
+        for round_number in range(1, rounds + 1):
+            line = auto_over_best({(r.mode, r.concurrency): r.total_tok_s for r in rows if r.round == round_number},
+                                  concs)
+            if line:
+                print(f"\nround {round_number}, auto / max(never, always): {line}")
+        median_tok_s = medians(rows)
+        print("\nmedian tok/s over the rounds: " + "; ".join(
+            f"{mode} " + ", ".join(f"c={conc}: {median_tok_s[(mode, conc)]:.1f}" for conc in concs
+                                   if (mode, conc) in median_tok_s)
+            for mode in dict.fromkeys(r.mode for r in rows)))
+    line = auto_over_best(medians(rows), concs)
+    if line:
+        print(f"\nauto / max(never, always){' on the medians' if rounds > 1 else ''}: {line}")
     print_audit(rows)
 
 
 def print_audit(rows: list[LevelResult]) -> None:
-    """auto's audit per level, beside the decode rates the other modes delivered (where run)."""
+    """auto's audit per level, beside the decode rates the other modes delivered in the same round (where run)."""
     audited = [r for r in rows if r.mode == "auto" and r.audit is not None]
     if not audited:
         return
-    decode = {(r.mode, r.concurrency): r.decode_tok_s for r in rows}
+    decode = {(r.mode, r.concurrency, r.round): r.decode_tok_s for r in rows}
 
     def cell(value: float | None) -> str:
         return f"{value:10.1f}" if value else f"{'-':>10}"
 
     print("\nauto's audit, tok/s while decoding: the policy's mean prediction and the gate's measurement per arm,"
           "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token)")
-    print(f"{'conc':>5} {'trees pred':>10} {'trees meas':>10} {'always':>10} {'plain pred':>10} {'plain meas':>10} "
-          f"{'never':>10} {'auto':>10}")
+    print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'always':>10} {'plain pred':>10} "
+          f"{'plain meas':>10} {'never':>10} {'auto':>10}")
     for r in audited:
         trees, plain = r.audit["trees"], r.audit["plain"]
-        print(f"{r.concurrency:>5} {cell(trees['predicted'])} {cell(trees['measured'])} "
-              f"{cell(decode.get(('always', r.concurrency)))} {cell(plain['predicted'])} {cell(plain['measured'])} "
-              f"{cell(decode.get(('never', r.concurrency)))} {cell(r.decode_tok_s)}")
+        print(f"{r.concurrency:>5} {r.round:>5} {cell(trees['predicted'])} {cell(trees['measured'])} "
+              f"{cell(decode.get(('always', r.concurrency, r.round)))} {cell(plain['predicted'])} "
+              f"{cell(plain['measured'])} {cell(decode.get(('never', r.concurrency, r.round)))} "
+              f"{cell(r.decode_tok_s)}")
 
 
 def plot(rows: list[LevelResult], path: Path, title: str) -> None:
@@ -236,8 +277,9 @@ def plot(rows: list[LevelResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    median_tok_s = medians(rows)  # one point per (mode, concurrency), whatever the rounds
     for mode in dict.fromkeys(r.mode for r in rows):
-        pts = sorted((r.concurrency, r.total_tok_s) for r in rows if r.mode == mode)
+        pts = sorted((conc, tok_s) for (each, conc), tok_s in median_tok_s.items() if each == mode)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xscale("log", base=2)
     concs = sorted({r.concurrency for r in rows})
@@ -328,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"at most {WARMUP_TOKENS} tokens, not counted (default 1; 0: none): a server's first requests "
                    "at a concurrency pay one-time costs (kernel compiles, first graph replays) that would "
                    "otherwise land in whichever mode meets that concurrency first")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run each concurrency's modes N times, interleaved (never, always, auto, never, ...), and "
+                   "report each round and the medians (default 1). Between two serves on an H200 `never` alone "
+                   "moved by up to 25%%: rounds in one serve put any drift on every mode alike")
     p.add_argument("--prompts", type=Path, default=HELDOUT, help="JSONL with a 'prompt' field per line")
     p.add_argument("--out", type=Path, default=Path("bench_out"),
                    help="folder for bench.json, bench.png and, for a started stack, its logs")
@@ -345,9 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         raise SystemExit("error: --concurrency takes comma-separated integers") from None
     if (not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1
-            or args.warmup < 0 or args.requests_per_slot < 1 or args.requests_per_level < 0):
+            or args.warmup < 0 or args.requests_per_slot < 1 or args.requests_per_level < 0 or args.rounds < 1):
         raise SystemExit("error: --concurrency needs positive integers, --modes a subset of never,always,auto, "
-                         "--max-tokens a positive integer, --warmup 0 or more, --requests-per-slot at least 1")
+                         "--max-tokens a positive integer, --warmup 0 or more, --requests-per-slot at least 1, "
+                         "--rounds at least 1")
     if args.url and (args.target_args or args.draft_args or args.model or args.draft):
         raise SystemExit("error: --model, --draft, --target-args and --draft-args configure the stack bench "
                          "starts; with --url, configure the running stack instead")
@@ -360,16 +407,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode, conc, requests, tokens in warmup_levels(modes, levels, args.warmup, args.max_tokens):
             asyncio.run(run_level(url, prompts, mode, conc, requests, tokens))
         served = served_model(url)
-        with tqdm(total=len(levels) * len(modes), desc="bench", unit="level") as bar:
-            for conc in levels:
-                for mode in modes:
-                    n = args.requests_per_level or max(4, args.requests_per_slot * conc)
-                    bar.set_postfix(mode=mode, concurrency=conc)
-                    before = read_policy_sums(url) if mode == "auto" else None
-                    rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
-                    if mode == "auto":
-                        rows[-1].audit = level_audit(before, read_policy_sums(url))
-                    bar.update()
+        schedule = level_schedule(levels, modes, args.rounds)
+        with tqdm(total=len(schedule), desc="bench", unit="level") as bar:
+            for conc, round_number, mode in schedule:
+                n = args.requests_per_level or max(4, args.requests_per_slot * conc)
+                bar.set_postfix(mode=mode, concurrency=conc, round=round_number)
+                before = read_policy_sums(url) if mode == "auto" else None
+                rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
+                rows[-1].round = round_number
+                if mode == "auto":
+                    rows[-1].audit = level_audit(before, read_policy_sums(url))
+                bar.update()
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -383,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"url": args.url or "started tandem serve", "served_model": served,
             "model": args.model or ("demo/target" if started else None),
             "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
-            "warmup": args.warmup, "requests_per_slot": args.requests_per_slot,
+            "warmup": args.warmup, "rounds": args.rounds, "requests_per_slot": args.requests_per_slot,
             "requests_per_level": args.requests_per_level or None, "date": time.strftime("%Y-%m-%d"),
             "track": ("demo" if not args.model else "custom") if started else None,
             "target_args": args.target_args, "draft_args": args.draft_args}

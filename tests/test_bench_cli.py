@@ -90,3 +90,40 @@ def test_bench_refuses_a_bad_level_size_with_a_clear_error_before_starting_anyth
     with pytest.raises(SystemExit) as exc:
         main(flags)
     assert str(exc.value).startswith("error: ") and "--requests-per-slot at least 1" in str(exc.value)
+
+
+def test_rounds_interleave_the_modes_at_each_concurrency_so_drift_lands_on_every_mode():
+    from tandem.bench import level_schedule
+
+    assert level_schedule([1, 4], ["never", "auto"], 2) == [
+        (1, 1, "never"), (1, 1, "auto"), (1, 2, "never"), (1, 2, "auto"),
+        (4, 1, "never"), (4, 1, "auto"), (4, 2, "never"), (4, 2, "auto")]
+    assert level_schedule([8], ["always"], 1) == [(8, 1, "always")]
+
+
+def test_auto_over_the_better_mode_is_reported_per_round_and_on_the_medians(capsys):
+    from tandem.bench import LevelResult, print_table
+
+    def level(mode: str, round_number: int, tok_s: float) -> LevelResult:
+        return LevelResult(mode=mode, concurrency=2, requests=4, total_tok_s=tok_s, tok_s_per_request=tok_s / 2,
+                           ttft_p50_s=0.01, itl_p50_s=0.005, itl_p99_s=0.01, acceptance_length=None,
+                           round=round_number)
+
+    # Round 2's `never` ran slow: its auto / max reads high, the medians (never 100, always 90, auto 90) do not.
+    figures = {"never": (100.0, 60.0, 110.0), "always": (90.0, 80.0, 95.0), "auto": (95.0, 88.0, 90.0)}
+    print_table([level(mode, index + 1, tok_s) for mode, runs in figures.items()
+                 for index, tok_s in enumerate(runs)])
+    out = capsys.readouterr().out
+    assert "round 1, auto / max(never, always): c=2: 0.95" in out
+    assert "round 2, auto / max(never, always): c=2: 1.10" in out
+    assert "round 3, auto / max(never, always): c=2: 0.82" in out
+    assert "median tok/s over the rounds: never c=2: 100.0; always c=2: 90.0; auto c=2: 90.0" in out
+    assert "auto / max(never, always) on the medians: c=2: 0.90" in out
+
+
+def test_bench_refuses_zero_rounds_before_starting_anything():
+    from tandem.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--rounds", "0"])
+    assert str(exc.value).startswith("error: ") and "--rounds at least 1" in str(exc.value)
