@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from gateway.policy import (
     CostModel,
     LoadGate,
     PolicyConfig,
+    batch_bucket,
     choose_budgets,
     search_budgets,
 )
@@ -55,6 +56,22 @@ TARGET_PROBE_S = 1.0
 # Between health checks of a lost target: from the first to the longest.
 TARGET_RETRY_S = (0.1, 1.0)
 
+
+
+@dataclass
+class WakeSchedule:
+    """When auto's requests sleep and wake at one load (see GatewayCore._track_quiet)."""
+
+    wake_every: int  # quiet steps from the last wake-up to the next
+    quiet: int = 0  # consecutive steps in which auto chose no tree
+    spell_start: int = 0  # the quiet count at which auto requests last woke (0: the first spell)
+    # A wake-up's decode steps so far: [their seconds, the seconds as many granted plain steps would take]
+    wake_cost: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def speculating(self, wake_every: int) -> None:
+        """Trees were chosen: awake from now, and the next wake-up as soon as any."""
+        self.quiet, self.spell_start, self.wake_every = 0, 0, wake_every
+        self.wake_cost = [0.0, 0.0]
 
 @dataclass(frozen=True, kw_only=True)
 class CoreConfig:
@@ -160,12 +177,10 @@ class GatewayCore:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.step_count = 0
-        self._quiet = 0  # consecutive steps in which auto chose no tree
-        self._spell_start = 0  # the quiet count at which auto requests last woke (0: the first spell)
-        self._wake_every = self.WAKE_EVERY  # quiet steps from that wake-up to the next
+        # When auto's requests sleep and wake, per batch bucket (see _track_quiet), and this step's.
+        self._wake_schedules: dict[int, WakeSchedule] = {}
+        self._dormancy = self._wake_schedule_for(1)
         self._dormant_plans = 0  # plans made while auto's requests slept (see _predict_while_dormant)
-        # A wake-up's decode steps so far: [their seconds, the seconds as many granted plain steps would take]
-        self._wake_cost = [0.0, 0.0]
         self._explored = False  # this step's auto trees are exploration (see _explore_now)
         # The load gate measured that plain decoding pays at this step's load: auto requests then
         # run as plain decoding really runs (dormant: no features, no ingest, grantable), so the
@@ -375,6 +390,7 @@ class GatewayCore:
                 return None
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
                                f"{self._free_blocks} KV blocks free")
+        self._dormancy = self._wake_schedule_for(len(plan.items))
         plan.budgets = self._budgets(plan)
         self._track_quiet(plan)
         if log.isEnabledFor(logging.DEBUG):
@@ -473,37 +489,44 @@ class GatewayCore:
     # choose brings it back to WAKE_EVERY. On the H200 at one or two requests where plain decoding
     # won, a wake-up every 128 steps (16 fed, ungranted steps of about twice a granted one's time, and
     # a tree) cost auto about 5% against `never`, and levels of 512 steps woke twice (0.91x at 0.6).
+    # The schedule is kept per batch bucket, as the load gate's verdicts are: one for all loads was
+    # reset by every tree at any load (a probe of trees at 4-7 requests), so on the H200 at 0.6 each
+    # return to one request woke again and again from the start (auto 0.93x `never` there, 2026-12-03),
+    # and where trees win at one request the schedule that slept through heavier loads would not wake.
     QUIET_STEPS = 16
     WAKE_EVERY = 128
     MAX_WAKE_EVERY = 4096
     WAKE_BUDGET = 0.02
 
+    def _wake_schedule_for(self, seqs: int) -> WakeSchedule:
+        """The wake schedule of this load's batch bucket, new (awake) at a load not met before."""
+        return self._wake_schedules.setdefault(batch_bucket(seqs), WakeSchedule(wake_every=self.WAKE_EVERY))
+
     def _track_quiet(self, plan: StepPlan) -> None:
         # An exploration tree is no choice to speculate: it counts as a quiet step, so a draft that
         # is never right still leaves its requests dormant (one tree per wake, not one per
         # QUIET_STEPS steps, and features flowing all the while). Trees the figures then choose reset it.
+        sched = self._wake_schedule_for(len(plan.items))
         if any(not plan.budgets.get(it.request.request_id, NO_SPEC).empty
                and not (self._explored and self._mode(it.request) == SpecMode.AUTO) for it in plan.items):
-            self._quiet = 0  # speculating
-            self._spell_start, self._wake_every = 0, self.WAKE_EVERY
-            self._wake_cost = [0.0, 0.0]
-        elif self._quiet >= self.QUIET_STEPS or any(
+            sched.speculating(self.WAKE_EVERY)
+        elif sched.quiet >= self.QUIET_STEPS or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
                 for it in plan.items):
             # A step counts once auto could have drafted and chose not to: drafts still taking in
             # the prompts of a filling batch are no verdict, and going dormant then (seen on the
             # CI machine) kept 48 requests from ever being offered a tree.
-            self._quiet += 1
-            if self._quiet == self._spell_start + self._wake_every:  # wake up; the next waits longer
-                self._spell_start = self._quiet
-                self._wake_every = min(2 * self._wake_every, self.MAX_WAKE_EVERY)
-                self._wake_cost = [0.0, 0.0]
-            elif self._spell_start and self._quiet == self._spell_start + self.QUIET_STEPS:  # asleep again
-                spent, as_plain = self._wake_cost
+            sched.quiet += 1
+            if sched.quiet == sched.spell_start + sched.wake_every:  # wake up; the next waits longer
+                sched.spell_start = sched.quiet
+                sched.wake_every = min(2 * sched.wake_every, self.MAX_WAKE_EVERY)
+                sched.wake_cost = [0.0, 0.0]
+            elif sched.spell_start and sched.quiet == sched.spell_start + self.QUIET_STEPS:  # asleep again
+                spent, as_plain = sched.wake_cost
                 plain_step = self.costs.step_time(len(plan.items), len(plan.items), [])
                 if spent > as_plain and plain_step > 0:
                     affordable = (spent - as_plain) / (self.WAKE_BUDGET * plain_step)
-                    self._wake_every = min(max(self._wake_every, math.ceil(affordable)), self.MAX_WAKE_EVERY)
+                    sched.wake_every = min(max(sched.wake_every, math.ceil(affordable)), self.MAX_WAKE_EVERY)
 
     def _candidate(self, req: Request) -> Candidate:
         return Candidate(req.request_id, {o: req.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
@@ -551,7 +574,7 @@ class GatewayCore:
         if fed is None:  # not measured yet at this load: priced as granted, as before any was
             return 0.0
         granted = self.costs.step_time(plan.num_tokens, len(plan.items), [])
-        awake_left = max(0, self.QUIET_STEPS - (self._quiet - self._spell_start))
+        awake_left = max(0, self.QUIET_STEPS - (self._dormancy.quiet - self._dormancy.spell_start))
         left = [it.request.params.max_tokens - len(it.request.output) for it in plan.items
                 if it.request.request_id in auto]
         spell = max(1.0, min(sum(left) / len(left), float(self.WAKE_EVERY)))
@@ -578,13 +601,13 @@ class GatewayCore:
         tokens (1 in 3 runs here), where luckier runs speculated in 83% of the steps at 2.1
         accepted per tree.
         """
-        return self._explore_at(self._quiet)
+        return self._explore_at(self._dormancy.quiet)
 
     def _explore_at(self, quiet: int) -> bool:
         """_explore_now for a plan made at `quiet` quiet steps (this spell's start unchanged)."""
         if self.QUIET_STEPS < 2:
             return False
-        phase = quiet - self._spell_start + 2  # steps into the spell, + 2
+        phase = quiet - self._dormancy.spell_start + 2  # steps into the spell, + 2
         if phase == self.QUIET_STEPS:
             return True
         backoff = 4 <= phase < self.QUIET_STEPS and phase & (phase - 1) == 0  # 4, 8, ...
@@ -592,11 +615,11 @@ class GatewayCore:
 
     def _asleep_at(self, quiet: int) -> bool:
         """Whether auto requests are dormant at `quiet` quiet steps by the count alone (the gate aside)."""
-        return quiet >= self.QUIET_STEPS and quiet - self._spell_start >= self.QUIET_STEPS
+        return quiet >= self.QUIET_STEPS and quiet - self._dormancy.spell_start >= self.QUIET_STEPS
 
     def _dormant(self, req: Request) -> bool:
         return self._mode(req) == SpecMode.AUTO and not self._gate_probing_trees and (
-            self._gate_plain or self._asleep_at(self._quiet))
+            self._gate_plain or self._asleep_at(self._dormancy.quiet))
 
     # --- draft -----------------------------------------------------------------------
     def _draft(self, plan: StepPlan) -> dict[str, DraftTree]:
@@ -733,7 +756,7 @@ class GatewayCore:
         request's draft. Each granted step after the first counts one quiet step (_record), and
         this plan's own is counted already."""
         for steps in range(1, most + 1):
-            quiet = self._quiet + steps - 1  # the quiet count of the plan that follows a grant of `steps`
+            quiet = self._dormancy.quiet + steps - 1  # the quiet count of the plan that follows a grant of `steps`
             if self._explore_at(quiet) or self._asleep_at(quiet):
                 return steps
         return most
@@ -868,7 +891,7 @@ class GatewayCore:
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
                       "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),
                       outcome.granted, outcome.fed_draft, decode, sum(len(res.tokens) for res in outcome.results),
-                      1000 * seconds, self._quiet, sum(len(q) for q in self._ingest_queue.values()))
+                      1000 * seconds, self._dormancy.quiet, sum(len(q) for q in self._ingest_queue.values()))
         if decode and outcome.fed_draft and not outcome.trees and not plan.draft_captured:
             self.costs.observe_fed(sum(len(it.tokens) for it in outcome.items), seqs, seconds)
         if arm_step:
@@ -881,9 +904,10 @@ class GatewayCore:
         if decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
             committed = sum(len(res.tokens) for res in outcome.results)
             self.gate.spend(seqs, committed, seconds)  # a probe's whole cost, its unrecorded steps too
-            if self._spell_start and self._quiet - self._spell_start < self.QUIET_STEPS:  # awake after a wake-up
-                self._wake_cost[0] += seconds
-                self._wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
+            sched = self._wake_schedule_for(len(plan.items))
+            if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up
+                sched.wake_cost[0] += seconds
+                sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
             verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds) if arm_step else None
             if verdict is not None:
                 log.info("load gate, %s: %s", self.gate.describe(seqs),

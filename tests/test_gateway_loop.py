@@ -731,9 +731,9 @@ def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_bef
     fed = core.costs.fed_step_time(plan.num_tokens, len(plan.items))
     assert fed == pytest.approx(2.0 * granted)
     assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * core.QUIET_STEPS / 100)
-    core._quiet = core.QUIET_STEPS - 6  # 6 awake steps left
+    core._dormancy.quiet = core.QUIET_STEPS - 6  # 6 awake steps left
     assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / 100)
-    core._quiet = core.QUIET_STEPS
+    core._dormancy.quiet = core.QUIET_STEPS
     assert core._plain_extra_seconds(plan, cands) == 0.0
     assert core._plain_extra_seconds(plan, [Candidate("solo", {}, SpecMode.ALWAYS)]) == 0.0
 
@@ -842,14 +842,42 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     # dormant spells grow with the waits, each about twice the one before.
     assert len(dormancies) >= 3, fed
     assert all(later > 1.5 * earlier for earlier, later in zip(dormancies, dormancies[1:3])), dormancies
-    assert core._wake_every >= 8 * core.WAKE_EVERY
+    assert core._dormancy.wake_every >= 8 * core.WAKE_EVERY
     # A step with a tree the figures chose (not an exploration) resets the schedule.
-    core._spell_start, core._quiet = 600, 700
+    core._dormancy.spell_start, core._dormancy.quiet = 600, 700
     plan = SimpleNamespace(items=[SimpleNamespace(request=SimpleNamespace(request_id="r"), is_decode=True)],
                            budgets={"r": DraftBudget(3, 1, 3)})
     core._explored = False
     core._track_quiet(plan)
-    assert (core._quiet, core._spell_start, core._wake_every) == (0, 0, core.WAKE_EVERY)
+    assert (core._dormancy.quiet, core._dormancy.spell_start, core._dormancy.wake_every) == (0, 0, core.WAKE_EVERY)
+
+
+def test_trees_at_one_load_leave_the_wake_schedule_of_another_load_as_it_was(tokenizer):
+    """Issue 14: each load (batch bucket) sleeps and wakes on its own schedule, as the load gate judges
+    each on its own. Trees at four requests (a probe of the gate, say) wake the requests of that load
+    only: where a lone request had gone dormant, with its wait backed off, it stays so; and a load
+    whose figures chose trees is still awake when the batch comes back to it."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    core._explored = False
+
+    def plan_of(seqs: int, trees: bool) -> SimpleNamespace:
+        keys = [f"r{i}" for i in range(seqs)]
+        budget = DraftBudget(3, 1, 3) if trees else DraftBudget(0, 0, 0)
+        return SimpleNamespace(items=[SimpleNamespace(request=SimpleNamespace(request_id=key), is_decode=True)
+                                      for key in keys], budgets=dict.fromkeys(keys, budget))
+
+    alone = core._wake_schedule_for(1)
+    alone.quiet, alone.spell_start, alone.wake_every = 700, 600, 8 * core.WAKE_EVERY
+    core._track_quiet(plan_of(4, trees=True))
+    assert (alone.quiet, alone.spell_start, alone.wake_every) == (700, 600, 8 * core.WAKE_EVERY)
+    four = core._wake_schedule_for(5)  # 4-7 sequences share one
+    assert four is core._wake_schedule_for(4) and four.quiet == 0
+    core._track_quiet(plan_of(1, trees=False))
+    assert alone.quiet == 701 and four.quiet == 0
+    core._dormancy = alone
+    assert core._asleep_at(alone.quiet), "the lone request woke with the trees of another load"
+    core._dormancy = four
+    assert not core._asleep_at(four.quiet)
 
 
 @pytest.mark.parametrize("fed_grants", [False, True], ids=["one_call_a_step", "fed_grants"])
@@ -871,13 +899,13 @@ def test_a_wake_up_that_cost_more_than_its_budget_makes_the_next_wait_long_enoug
     assert tokens_of(out) == expected([4, 5, 6], core.WAKE_EVERY + 3 * core.QUIET_STEPS)
     # One wake-up, after WAKE_EVERY quiet steps: one call a step, its fed steps lost about 16 x 4 ms,
     # so the next wait is at least 64 ms / (WAKE_BUDGET x 2 ms) = 1600 steps, well past the doubling's 256.
-    assert core._spell_start == core.WAKE_EVERY
+    assert core._dormancy.spell_start == core.WAKE_EVERY
     if fed_grants:  # a spell's first steps catch the draft up (on the prompt, on what it slept through)
         assert target.fed_round_trips <= 6, "the awake spells' fed steps were not granted"
         assert target.round_trips < core.WAKE_EVERY
-        assert core._wake_every >= 2 * core.WAKE_EVERY
+        assert core._dormancy.wake_every >= 2 * core.WAKE_EVERY
     else:
-        assert core._wake_every >= 1000
+        assert core._dormancy.wake_every >= 1000
 
 
 def test_a_woken_request_drafts_only_once_its_replica_has_caught_up_on_the_tokens_it_slept_through(tokenizer):
