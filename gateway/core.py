@@ -436,9 +436,13 @@ class GatewayCore:
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
                                 other_committed=ending - len(cands),
                                 plain_extra_seconds=self._plain_extra_seconds(plan, cands))
-        if search.auto:  # the audit: what the figures predict for each arm
+        # The audit: what the figures predict for each arm, at steps that only decode, as the gate measures
+        # its arms (a step carrying a prompt's chunk priced the chunk into both arms: at 64 requests on the
+        # H200 the mean predictions read 0.3x what `never` and `always` delivered, 2026-12-03).
+        decodes_only = all(it.is_decode for it in plan.items)
+        if decodes_only and search.auto:
             self.gate.predict(len(plan.items), search.rates)
-        else:
+        elif decodes_only:
             self._predict_while_dormant(plan, cands, ending)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
         # them dormant, and a dormant request's draft is not ready until the gate asks for trees again.

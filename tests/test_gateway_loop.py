@@ -785,6 +785,36 @@ def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(toke
         assert tokens_of(out) == expected([1 + i, 2, 3], 150)
 
 
+def test_the_audit_predicts_at_steps_that_only_decode_as_the_gate_measures(tokenizer):
+    """Issue 14: the gate measures its arms on steps that only decode; the audit's predictions come from
+    the same steps, so a prompt's chunk riding in a step is priced into neither arm."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    plans, predicted_at = [], []
+    real_budgets, real_predict = core._budgets, core.gate.predict
+
+    def budgets(plan):
+        plans.append(plan)
+        return real_budgets(plan)
+
+    def predict(seqs, rates):
+        predicted_at.append(plans[-1])
+        return real_predict(seqs, rates)
+
+    core._budgets, core.gate.predict = budgets, predict
+    outs = [submit(core, f"early{i}", [5 + i, 11, 13], max_tokens=30) for i in range(3)]
+    core._take_inbox()
+    for _ in range(4):  # the first three decode
+        core._step()
+        core._take_inbox()
+    outs += [submit(core, f"late{i}", [20 + i, 11, 13, 17, 19], max_tokens=30) for i in range(3)]
+    run_until_idle(core)
+    mixed = [plan for plan in plans if any(it.is_decode for it in plan.items)
+             and not all(it.is_decode for it in plan.items)]
+    assert mixed, "no step carried a prompt beside decodes: the test shows nothing"
+    assert predicted_at and all(all(it.is_decode for it in plan.items) for plan in predicted_at)
+    assert all(len(tokens_of(out)) == 30 for out in outs)
+
+
 class PacedTarget(FakeTarget):
     """A fake target whose single steps take 6 ms and whose granted steps take 2 ms each, as on a GPU
     where a granted step overlaps the host work a single step waits for."""
