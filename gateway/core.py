@@ -57,7 +57,6 @@ TARGET_PROBE_S = 1.0
 TARGET_RETRY_S = (0.1, 1.0)
 
 
-
 @dataclass
 class WakeSchedule:
     """When auto's requests sleep and wake at one load (see GatewayCore._track_quiet)."""
@@ -72,6 +71,7 @@ class WakeSchedule:
         """Trees were chosen: awake from now, and the next wake-up as soon as any."""
         self.quiet, self.spell_start, self.wake_every = 0, 0, wake_every
         self.wake_cost = [0.0, 0.0]
+
 
 @dataclass(frozen=True, kw_only=True)
 class CoreConfig:
@@ -177,7 +177,7 @@ class GatewayCore:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.step_count = 0
-        # When auto's requests sleep and wake, per batch bucket (see _track_quiet), and this step's.
+        # When auto's requests sleep and wake, per batch bucket (see _track_quiet), and this step's load's.
         self._wake_schedules: dict[int, WakeSchedule] = {}
         self._dormancy = self._wake_schedule_for(1)
         self._dormant_plans = 0  # plans made while auto's requests slept (see _predict_while_dormant)
