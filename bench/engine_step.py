@@ -365,19 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--features", action="store_true",
                     help="also time each step with every item asking for features (the model's default layers), "
                          "the committed rows copied to the host as the served target does: a step that feeds a draft")
-    ap.add_argument("--attention-merge", choices=["last-split", "second-kernel"], default="last-split",
-                    help="who merges a split prefix's partial results in the tree attention: the last split to "
-                         "finish (the default) or a second kernel (kernels.tree_attention.MERGE_IN_KERNEL)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error("--tp must be at least 1")
-    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None
-                        or args.attention_merge != "last-split"):
-        ap.error("--matmul, --attention, --attention-rows and --attention-merge set module globals in this process "
-                 "only, not on the other ranks")
-    import kernels.tree_attention as tree_attention
-    tree_attention.MERGE_IN_KERNEL = args.attention_merge == "last-split"  # before the graphs are captured
+    if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None):
+        ap.error("--matmul, --attention and --attention-rows set module globals in this process only, not on the "
+                 "other ranks")
     try:
         if args.matmul:
             set_matmul_config(args.matmul)
@@ -433,8 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"track": "8B-shaped random weights" if not args.tiny else "tiny",
                                         "prefix": args.prefix, "tp": args.tp, "deterministic": args.deterministic,
                                         "attention_rows": args.attention_rows, "matmul": args.matmul,
-                                        "attention": args.attention, "attention_merge": args.attention_merge,
-                                        "rows": rows},
+                                        "attention": args.attention, "rows": rows},
                                        indent=2))
     return 0
 

@@ -7,10 +7,6 @@
 # "after" the working tree. Stages:
 #   tests    the kernel, graph and engine tests on the GPU (compiled Triton, real CUDA graphs)
 #   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
-#   attention  after only: the tree attention's prefix splits merged by the last split to finish against a second
-#            kernel (bench/step_cost.py and bench/engine_step.py --attention-merge): the kernel tests on the GPU,
-#            bench/attention_cost.py (32 layers' launches in a graph, per split count), the forward at batch 1/8/64
-#            alternated (ATTN_REPEATS="1 2"), the forward's kernels profiled, and whole engine steps
 #   kernels  after only: bench/step_cost.py --profile, the forward's kernels at batch 1 and 64 (decode and
 #            verify 8), device time per kernel beside the replayed graph's wall time; then the same
 #            forward with cuBLASLt preferred for the linear layers (TORCH_BLAS_PREFER_CUBLASLT=1)
@@ -177,21 +173,6 @@ for stage in "$@"; do
         --out "$OUT/kernels.json"
       run kernels_cublaslt after 200 env TORCH_BLAS_PREFER_CUBLASLT=1 python3 bench/step_cost.py --batches 1,64 \
         --nodes 8 --iters 20 --profile 20 --out "$OUT/kernels_cublaslt.json" ;;
-    attention)  # after only: the tree attention's split merge, by the last split against a second kernel
-      run attention_tests after 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_target_graphs.py
-      run attention_cost after 200 python3 bench/attention_cost.py --out "$OUT/attention_cost.json"
-      for rep in ${ATTN_REPEATS:-1 2}; do
-        for merge in second-kernel last-split; do
-          run "forward_${merge}_$rep" after 200 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 30 \
-            --attention-merge $merge --out "$OUT/forward_${merge}_$rep.json"
-        done
-      done
-      for merge in second-kernel last-split; do
-        run "kernels_$merge" after 200 python3 bench/step_cost.py --batches 1,64 --nodes 8 --iters 20 --profile 20 \
-          --attention-merge $merge --out "$OUT/kernels_$merge.json"
-        run "engine_$merge" after 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
-          --modes graphs --grant 16 --attention-merge $merge --out "$OUT/engine_$merge.json"
-      done ;;
     forward)
       for tree in before after; do
         run "forward_$tree" $tree 200 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 20 \

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-import kernels.tree_attention as tree_attention
 from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.model_config import LlamaConfig
@@ -67,9 +66,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of each step (the graph where there is one) and print its "
                          "kernels: count and device time per step, grouped, beside the step's wall time")
-    ap.add_argument("--attention-merge", choices=["last-split", "second-kernel"], default="last-split",
-                    help="who merges a split prefix's partial results: the last split to finish (the default) or "
-                         "a second kernel (kernels.tree_attention.MERGE_IN_KERNEL)")
     args = ap.parse_args()
     small = args.tiny
     args.batches = [int(b) for b in (args.batches or ("1,4" if small else "1,8,32,64,128")).split(",")]
@@ -272,7 +268,6 @@ def time_graph(forward: Callable[[], object], args: argparse.Namespace,
 
 def main() -> None:
     args = parse_args()
-    tree_attention.MERGE_IN_KERNEL = args.attention_merge == "last-split"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TINY if args.tiny else LLAMA_31_8B
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -326,8 +321,7 @@ def main() -> None:
         "track": track, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "attention_backend": model.attention.name,
         "config": dataclasses.asdict(cfg), "prefix": args.prefix, "block_size": args.block_size,
-        "tree_topk": args.topk, "attention_merge": args.attention_merge,
-        "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
+        "tree_topk": args.topk, "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
         "weight_bytes": wbytes, "kv_bytes_per_token": kv_token,
         "notes": "plan_ms: host time to pack a StepLayout into kernel metadata (once per step); "
                  "eager_ms/graph_ms: model.forward with that metadata; floors exclude the plan.",

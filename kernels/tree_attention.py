@@ -68,16 +68,10 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # are loaded once per group. Keys are visited in two phases with one online
 # softmax: the paged prefix (a split's share of it), then the sequence's own
 # nodes up to the tile's last node, filtered by the packed ancestor mask. With
-# several splits each writes a partial result and its log-sum-exp, and they are
-# merged (flash-decoding): by the last split of a (tile, kv head) to finish, which
-# an arrival counter tells, or by a second kernel. The counter saves a launch per
-# layer, which is most of what the merge costs at batch 1 (32 merges of 2.1 us on
-# the H200 scale track, for a few KB each).
+# several splits each writes a partial result and its log-sum-exp, and a
+# second kernel merges them (flash-decoding).
 
 LOG2E = 1.4426950408889634
-# Whether the last split to finish merges (True) or a second kernel does. Module-level so
-# benchmarks can time both in one process; the graphs capture whichever is set.
-MERGE_IN_KERNEL = True
 
 
 @triton.jit
@@ -121,15 +115,14 @@ STEP_SHAPED = ["info_off", "tile_off", "num_splits", "sp_s", "sl_s"]
 
 @triton.jit(do_not_specialize=[*STEP_SHAPED, "bt_stride", "mw_stride"])
 def _tree_attention_kernel(
-    Q, K, V, KC, VC, Out, PartOut, PartLse, Arrivals, Ints, BlockTable, MaskWords,
+    Q, K, V, KC, VC, Out, PartOut, PartLse, Ints, BlockTable, MaskWords,
     info_off, tile_off, bt_stride, mw_stride,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
     skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
     so_t, so_h, sp_s, sp_t, sp_h, sl_s, sl_t,
     qk_scale, num_splits,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -202,45 +195,9 @@ def _tree_attention_kernel(
         tl.store(PartOut + split * sp_s + row[:, None] * sp_t + head[:, None] * sp_h + offs_d[None, :],
                  out, mask=out_mask)
         tl.store(PartLse + split * sl_s + row * sl_t + head, lse, mask=row_ok)
-        if MERGE:
-            _merge_if_last(PartOut, PartLse, Arrivals, Out, tile * tl.num_programs(1) + kvh, row, head,
-                           row_ok, offs_d, d_ok, sp_s, sp_t, sp_h, sl_s, sl_t, so_t, so_h, num_splits)
     else:
         tl.store(Out + row[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _merge_if_last(PartOut, PartLse, Arrivals, Out, slot, row, head, row_ok, offs_d, d_ok,
-                   sp_s, sp_t, sp_h, sl_s, sl_t, so_t, so_h, num_splits):
-    # Every thread's partial stores are issued before the arrival is counted (the barrier), and
-    # the counter's release/acquire orders them before the last program's loads, which read L2
-    # (.cg: a line another SM wrote may be stale in this SM's L1).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(Arrivals + slot, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        tl.debug_barrier()
-        m = tl.full(row.shape, float("-inf"), tl.float32)
-        l_sum = tl.zeros(row.shape, tl.float32)
-        acc = tl.zeros([row.shape[0], offs_d.shape[0]], tl.float32)
-        for s in range(0, num_splits):
-            lse = tl.load(PartLse + s * sl_s + row * sl_t + head, mask=row_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            part = tl.load(PartOut + s * sp_s + row[:, None] * sp_t + head[:, None] * sp_h + offs_d[None, :],
-                           mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            # Rows that have seen only empty splits so far (and padding rows) keep m = -inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + w[:, None] * part
-            l_sum = l_sum * alpha + w
-            m = m_new
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(Out + row[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        # Ready for the next launch (the next layer, the next replay of a graph).
-        tl.store(Arrivals + slot, 0)
 
 
 @triton.jit(do_not_specialize=STEP_SHAPED)
@@ -270,27 +227,6 @@ def _merge_splits_kernel(
         tl.store(Out + row * so_t + head * so_h + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-# Per device, one arrival counter per (tile, kv head) program group of a split launch: zero
-# between launches (the merging program puts it back), so one buffer serves every layer, graph
-# and step of the process. Launches on one device are serialised by its stream; a process
-# that ran split attention on two streams at once would need one buffer per stream.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-MIN_ARRIVALS = 4096
-
-
-def _arrivals(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's counters, at least `needed` of them; None while a CUDA graph is being
-    captured and the buffer is too small (allocating then would tie it to that graph's pool:
-    the caller merges with the second kernel instead; warm_up allocates it before any capture)."""
-    have = _ARRIVALS.get(device)
-    if have is not None and have.numel() >= needed:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    _ARRIVALS[device] = torch.zeros(max(needed, MIN_ARRIVALS), dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
-
-
 def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cache_k: torch.Tensor, cache_v: torch.Tensor,
                           meta: TreeAttnMetadata | StepLayout, scale: float,
@@ -318,12 +254,9 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if T == 0:
         return out
     splits = meta.num_splits
-    arrivals = None
     if splits > 1:
         part = torch.empty(splits, T, Hq, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, T, Hq, dtype=torch.float32, device=q.device)
-        if MERGE_IN_KERNEL:
-            arrivals = _arrivals(q.device, meta.num_tiles * Hkv)
     else:  # unused by the kernel
         part, lse = out, out
     block_d = max(16, triton.next_power_of_2(D))
@@ -339,8 +272,7 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.block_table.stride(-1) != 1:
         raise ValueError("the block table's last dim must be contiguous")
     _tree_attention_kernel[(meta.num_tiles, Hkv, splits)](
-        q, k, v, cache_k, cache_v, out, part, lse, out if arrivals is None else arrivals,
-        meta.ints, meta.block_table, meta.mask_words,
+        q, k, v, cache_k, cache_v, out, part, lse, meta.ints, meta.block_table, meta.mask_words,
         info_off, tile_off, meta.block_table.stride(0), meta.mask_words.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
@@ -350,10 +282,10 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse.stride(0) if splits > 1 else 0, lse.stride(1),
         scale * LOG2E, splits,
         GROUP=meta.group, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D,
-        PAGE=meta.block_size, SPLIT=splits > 1, MERGE=arrivals is not None, F32_DOT=f32_dot,
+        PAGE=meta.block_size, SPLIT=splits > 1, F32_DOT=f32_dot,
         num_warps=4,
     )
-    if splits > 1 and arrivals is None:
+    if splits > 1:
         _merge_splits_kernel[(meta.num_tiles, Hq)](
             part, lse, meta.ints, out, info_off, tile_off,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

@@ -172,27 +172,6 @@ def test_tree_attention_split_prefix(device, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("merge_in_kernel", [True, False], ids=["last-split-merges", "merge-kernel"])
-def test_split_prefixes_merge_the_same_whoever_merges_and_leave_the_counters_at_zero(device, merge_in_kernel,
-                                                                                    monkeypatch):
-    import kernels.tree_attention as tree_attention
-
-    monkeypatch.setattr(tree_attention, "MERGE_IN_KERNEL", merge_in_kernel)
-    step = make_step(scenarios(device)["mixed"], SHAPES[device].gqa[2], device, torch.float32, seed=5)
-    expected = reference(step, 0.17)
-    # Twice over one metadata, as every layer of a step launches: the second launch must find
-    # the counters as the first found them.
-    for _ in range(2):
-        out = run_triton(step, device, num_splits=4)
-        torch.testing.assert_close(out, expected, **TOL[torch.float32])
-    counters = tree_attention._ARRIVALS.get(torch.device(device))
-    if merge_in_kernel:
-        assert counters is not None and int(counters.count_nonzero()) == 0
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,name,splits", [(torch.bfloat16, "mixed", 1),
                                                (torch.bfloat16, "decode_ragged", 2), (torch.float16, "trees", 1)],
                          ids=["bf16-mixed", "bf16-decode-split", "fp16-trees"])
