@@ -7,6 +7,10 @@
 # "after" the working tree. Stages:
 #   tests    the kernel, graph and engine tests on the GPU (compiled Triton, real CUDA graphs)
 #   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
+#   attention  the tree attention before (.before/, where it exists) and after: the kernel and graph tests on the GPU,
+#            then, alternated ATTN_REPEATS="1 2" times, bench/attention_cost.py (32 layers' launches in a graph, per
+#            split count, run on each tree's kernels) and the forward at batch 1/8/64 (bench/step_cost.py); then the
+#            forward's kernels profiled at batch 1 and 8 and whole engine steps (bench/engine_step.py), each tree
 #   kernels  after only: bench/step_cost.py --profile, the forward's kernels at batch 1 and 64 (decode and
 #            verify 8), device time per kernel beside the replayed graph's wall time; then the same
 #            forward with cuBLASLt preferred for the linear layers (TORCH_BLAS_PREFER_CUBLASLT=1)
@@ -173,6 +177,23 @@ for stage in "$@"; do
         --out "$OUT/kernels.json"
       run kernels_cublaslt after 200 env TORCH_BLAS_PREFER_CUBLASLT=1 python3 bench/step_cost.py --batches 1,64 \
         --nodes 8 --iters 20 --profile 20 --out "$OUT/kernels_cublaslt.json" ;;
+    attention)  # the tree attention, before (.before/, where it exists) and after, back to back
+      run attention_tests after 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_target_graphs.py
+      trees=after; [[ -d $root/.before ]] && trees="before after"
+      for rep in ${ATTN_REPEATS:-1 2}; do
+        for tree in $trees; do
+          run "attention_cost_${tree}_$rep" $tree 200 python3 "$root/bench/attention_cost.py" \
+            --out "$OUT/attention_cost_${tree}_$rep.json"
+          run "forward_${tree}_$rep" $tree 200 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 30 \
+            --out "$OUT/forward_${tree}_$rep.json"
+        done
+      done
+      for tree in $trees; do
+        run "kernels_$tree" $tree 200 python3 bench/step_cost.py --batches 1,8 --nodes 8 --iters 20 --profile 20 \
+          --out "$OUT/kernels_$tree.json"
+        run "engine_$tree" $tree 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+          --modes graphs --grant 16 --out "$OUT/engine_$tree.json"
+      done ;;
     forward)
       for tree in before after; do
         run "forward_$tree" $tree 200 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 20 \
