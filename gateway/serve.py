@@ -424,6 +424,10 @@ class Child:
         self.metrics_port = metrics_port  # its Prometheus /metrics on 127.0.0.1 (0: none)
         self.restarts: list[float] = []  # monotonic times it was started again
         self.restart_at: float | None = None  # it died: when to start it again
+        # A port file left in a reused --log-dir by an earlier serve would be read as this child's
+        # address before the child writes its own: serve then waited on a dead port for the whole
+        # --startup-timeout (seen with a benchmark's output directory used twice, 2026-12-03).
+        self.port_file.unlink(missing_ok=True)
         self.proc = self._launch("wb")
 
     def _launch(self, log_mode: str) -> subprocess.Popen:

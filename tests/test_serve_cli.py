@@ -255,6 +255,16 @@ def test_serve_restarts_a_killed_child_at_the_same_address_and_stops_all_past_th
     assert all(_gone(pid) for pid in others)
 
 
+def test_a_port_file_an_earlier_serve_left_in_the_log_dir_is_not_taken_for_the_new_childs(tmp_path):
+    stale = tmp_path / "target.port"
+    stale.write_text("1")  # the port of a serve long gone
+    child = serve.Child("target", ["--help"], tmp_path)  # a child that never writes a port file
+    try:
+        assert not stale.exists()
+    finally:
+        child.kill()
+
+
 def test_restart_policy_backs_off_then_gives_up_within_its_window():
     policy = RestartPolicy(max_restarts=3, window_s=600)
     assert [policy.delay([0.0] * n, 10.0) for n in range(4)] == [1.0, 2.0, 4.0, None]
