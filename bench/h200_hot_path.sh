@@ -24,7 +24,8 @@
 #            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
 #   drafttests  the draft's tree-growth and top-k kernel tests on the GPU (captured graphs, compiled Triton)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
-#            (DRAFT_GROW=0 skips the growth alone)
+#            (DRAFT_GROW=0 skips the growth alone); DRAFT_REPEATS="1 2" alternates the pair twice, DRAFT_BATCHES,
+#            DRAFT_BUDGETS and DRAFT_ITERS override the shapes and iterations
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -218,9 +219,12 @@ for stage in "$@"; do
       run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py \
         tests/test_topk.py ;;
     draft)
-      for tree in before after; do
-        run "draft_$tree" $tree 200 python3 bench/draft_step.py --batches 1,8,64 --budgets "3,1,4;5,4,8;6,8,16" \
-          --iters 10 --out "$OUT/draft_$tree.json"
+      for rep in ${DRAFT_REPEATS:-1}; do
+        for tree in before after; do
+          suffix=""; [[ $rep != 1 ]] && suffix=_$rep
+          run "draft_$tree$suffix" $tree 200 python3 bench/draft_step.py --batches "${DRAFT_BATCHES:-1,8,64}" \
+            --budgets "${DRAFT_BUDGETS:-3,1,4;5,4,8;6,8,16}" --iters "${DRAFT_ITERS:-10}" --out "$OUT/draft_$tree$suffix.json"
+        done
       done
       [[ ${DRAFT_GROW:-1} == 1 ]] && run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 \
         --budgets "3,1,4;5,4,8;6,8,16" --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
