@@ -34,7 +34,8 @@ class _VerifySeries:
 
 class _PolicyAudit:
     """auto's decisions against what followed, read from the load gate at each scrape, per batch
-    bucket (`sequences`) and arm (trees or plain):
+    bucket (`sequences`) and arm (trees, plain, or configured_tree: the configured tree for every
+    auto request, as `always` drafts it, predicted only):
 
     - `tandem_policy_goodput_tokens_per_second{figure}`: the cost model's prediction and the
       gate's measurement (committed tokens per second of step time), decayed means: now;
@@ -62,7 +63,7 @@ class _PolicyAudit:
         seconds = CounterMetricFamily("tandem_policy_arm_step_seconds", "Wall time of the steps the load gate "
                                       "measured for this arm", labels=labels)
         for row in self.audit():
-            key = ["trees" if row.trees else "plain", row.sequences]
+            key = [str(row.arm), row.sequences]
             for figure, value in (("predicted", row.predicted), ("measured", row.measured)):
                 if value is not None:
                     now.add_metric([*key, figure], value)

@@ -13,6 +13,7 @@ draft call adds its own time, and budget 0 wins.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -231,11 +232,15 @@ class Candidate:
 
 class Rates(NamedTuple):
     """A step's predicted goodput (committed tokens per second of step time) for its auto
-    requests decoding plainly, and with the best trees the figures give them (None: no
-    auto request could speculate)."""
+    requests decoding plainly, with the best trees the figures give them, and with the configured
+    tree for every one of them, as `always` drafts (None: no auto request could speculate).
+    The last is the audit's like-for-like figure beside what `always` measures: the best trees
+    are often another budget, for some requests only (a chain for one request of 16 predicted
+    2.9x what `always` delivered with 5/4/8 for all 16 on the emulated-cost CPU track)."""
 
     plain: float
     trees: float | None
+    configured: float | None = None
 
 
 class BudgetSearch(NamedTuple):
@@ -306,6 +311,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     plain_rate = base_committed / plain_seconds if candidates else 0.0
     plain_now = best_rate = base_committed / (plain_seconds + plain_extra_seconds) if candidates else 0.0
     top_tree_rate: float | None = None
+    configured_rate: float | None = None
     ceiling: float | None = None
     live_fixed = [b for b in fixed if not b.empty]
     fixed_levels = max((b.steps for b in live_fixed), default=0)
@@ -336,9 +342,12 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
                     single = (upside, o, c)
             if k == len(ranked) and (every is None or rate > every[0]):
                 every = (rate, o)
+            if k == len(ranked) and o == cfg.fixed_budget:
+                configured_rate = rate
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
-    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate), ceiling, plain_now)
+    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate, configured_rate), ceiling,
+                        plain_now)
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -409,11 +418,20 @@ class Arm:
     seconds_total: float = 0.0
 
 
+class AuditArm(enum.StrEnum):
+    """What an audit row is about: the gate's two arms, and the configured tree for every auto
+    request (predicted only: what `always` would deliver, to set beside what it measures)."""
+
+    TREES = "trees"
+    PLAIN = "plain"
+    CONFIGURED_TREE = "configured_tree"
+
+
 class AuditRow(NamedTuple):
     """One bucket's arm in LoadGate.audit."""
 
     sequences: str  # the bucket, as "lo-hi"
-    trees: bool  # the arm: steps with trees, or plain
+    arm: AuditArm
     predicted: float | None  # decayed mean of the cost model's predictions, tok/s
     measured: float | None  # the gate's decayed mean goodput, tok/s
     predicted_sum: float  # running sums: see Arm
@@ -482,6 +500,9 @@ class LoadGate:
     # (see spend), and what the last probe lost against the arm that won, in seconds.
     _probe_spent: dict[int, list[float]] = field(default_factory=dict)
     _probe_lost: dict[int, float] = field(default_factory=dict)
+    # bucket -> the predictions of the configured tree for every auto request (Rates.configured); an
+    # Arm of which only the prediction fields are used: nothing runs it under auto.
+    _configured: dict[int, Arm] = field(default_factory=dict)
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
         """Whether auto may speculate at this load. model_prefers_spec: whether the cost model gives
@@ -597,10 +618,11 @@ class LoadGate:
         """Keeps what the cost model predicts for each arm at this load, next to what the arms
         measure (describe, audit): the policy's decisions can be checked against what followed."""
         b = batch_bucket(seqs)
-        for spec, rate in ((False, rates.plain), (True, rates.trees)):
+        for rate, arms, key in ((rates.plain, self.arms, (b, False)), (rates.trees, self.arms, (b, True)),
+                                (rates.configured, self._configured, b)):
             if rate is None or rate <= 0:
                 continue
-            arm = self.arms.setdefault((b, spec), Arm())
+            arm = arms.setdefault(key, Arm())
             arm.predicted = rate if arm.predicted is None else 0.7 * arm.predicted + 0.3 * rate
             arm.predicted_sum += rate
             arm.predictions += 1
@@ -609,9 +631,13 @@ class LoadGate:
         """Per bucket and arm seen so far, what was predicted and measured: decayed means (None where
         nothing was) and running sums (see Arm)."""
         arms = list(self.arms.items())  # one snapshot: the loop thread adds arms while a scrape reads
-        return [AuditRow(bucket_range(b), spec, arm.predicted, arm.goodput if arm.samples else None,
-                         arm.predicted_sum, arm.predictions, arm.committed_total, arm.seconds_total)
+        rows = [AuditRow(bucket_range(b), AuditArm.TREES if spec else AuditArm.PLAIN, arm.predicted,
+                         arm.goodput if arm.samples else None, arm.predicted_sum, arm.predictions,
+                         arm.committed_total, arm.seconds_total)
                 for (b, spec), arm in sorted(arms)]
+        configured = list(self._configured.items())
+        return rows + [AuditRow(bucket_range(b), AuditArm.CONFIGURED_TREE, arm.predicted, None, arm.predicted_sum,
+                                arm.predictions, 0, 0.0) for b, arm in sorted(configured)]
 
     def spend(self, seqs: int, committed: int, seconds: float) -> None:
         """Any decode step of auto requests, whether record is given it or not (a plain step that fed

@@ -212,7 +212,7 @@ def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[s
         return after.get((name, arm), 0.0) - before.get((name, arm), 0.0)
 
     out = {}
-    for arm in ("trees", "plain"):
+    for arm in ("trees", "plain", "configured_tree"):  # the last: predicted only (what `always` would do)
         predictions, seconds = grew(PREDICTIONS, arm), grew(SECONDS, arm)
         out[arm] = {"predicted": grew(PREDICTED, arm) / predictions if predictions > 0 else None,
                     "measured": grew(COMMITTED, arm) / seconds if seconds > 0 else None}
@@ -259,15 +259,17 @@ def print_audit(rows: list[LevelResult]) -> None:
         return f"{value:10.1f}" if value else f"{'-':>10}"
 
     print("\nauto's audit, tok/s while decoding: the policy's mean prediction and the gate's measurement per arm,"
-          "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token)")
-    print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'always':>10} {'plain pred':>10} "
-          f"{'plain meas':>10} {'never':>10} {'auto':>10}")
+          "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token);"
+          "\n'cfg pred': the configured tree for every auto request, as `always` drafts it (set it beside `always`)")
+    print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'cfg pred':>10} {'always':>10} "
+          f"{'plain pred':>10} {'plain meas':>10} {'never':>10} {'auto':>10}")
     for r in audited:
         trees, plain = r.audit["trees"], r.audit["plain"]
+        configured = r.audit.get("configured_tree", {}).get("predicted")  # absent in runs before it existed
         print(f"{r.concurrency:>5} {r.round:>5} {cell(trees['predicted'])} {cell(trees['measured'])} "
-              f"{cell(decode.get(('always', r.concurrency, r.round)))} {cell(plain['predicted'])} "
-              f"{cell(plain['measured'])} {cell(decode.get(('never', r.concurrency, r.round)))} "
-              f"{cell(r.decode_tok_s)}")
+              f"{cell(configured)} {cell(decode.get(('always', r.concurrency, r.round)))} "
+              f"{cell(plain['predicted'])} {cell(plain['measured'])} "
+              f"{cell(decode.get(('never', r.concurrency, r.round)))} {cell(r.decode_tok_s)}")
 
 
 def plot(rows: list[LevelResult], path: Path, title: str) -> None:

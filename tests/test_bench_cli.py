@@ -64,13 +64,14 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
     gate.record(9, False, 9, 0.01)
     before = scrape()
     # The level: predictions at two loads (trees only at one), a plain and a tree step measured.
-    gate.predict(9, Rates(plain=1000.0, trees=1200.0))
+    gate.predict(9, Rates(plain=1000.0, trees=1200.0, configured=800.0))
     gate.predict(2, Rates(plain=200.0, trees=None))
     gate.record(9, False, 9, 0.02)
     gate.record(2, True, 6, 0.03)
     audit = level_audit(before, scrape())
     assert audit == {"trees": {"predicted": pytest.approx(1200.0), "measured": pytest.approx(200.0)},
-                     "plain": {"predicted": pytest.approx(600.0), "measured": pytest.approx(450.0)}}
+                     "plain": {"predicted": pytest.approx(600.0), "measured": pytest.approx(450.0)},
+                     "configured_tree": {"predicted": pytest.approx(800.0), "measured": None}}
     assert level_audit(None, scrape()) is None  # /metrics unread: no audit
 
 

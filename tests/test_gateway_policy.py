@@ -11,6 +11,7 @@ from gateway.policy import (
     ENTER_TREES_ABOVE,
     NO_SPEC,
     AcceptanceBook,
+    AuditArm,
     Candidate,
     CostModel,
     LoadGate,
@@ -542,8 +543,8 @@ def test_the_gate_keeps_predictions_next_to_measurements_for_the_audit():
     gate.predict(9, Rates(plain=900.0, trees=1500.0))
     gate.predict(9, Rates(plain=1000.0, trees=None))
     plain, trees = gate.audit()
-    assert plain[:4] == ("8-15", False, pytest.approx(930.0), None)
-    assert trees[:4] == ("8-15", True, 1500.0, None)
+    assert plain[:4] == ("8-15", AuditArm.PLAIN, pytest.approx(930.0), None)
+    assert trees[:4] == ("8-15", AuditArm.TREES, 1500.0, None)
     gate.record(9, False, 9, 0.01)  # a measured plain step: 900 tok/s
     assert gate.audit()[0].measured == pytest.approx(900.0)
     assert "plain 900.0 tok/s (1 steps, predicted 930.0)" in gate.describe(9)
@@ -554,18 +555,38 @@ def test_the_audit_sums_let_an_interval_be_audited_from_two_readings():
     gate = LoadGate()
     gate.predict(9, Rates(plain=900.0, trees=1500.0))
     gate.record(9, False, 9, 0.01)
-    before = {(row.sequences, row.trees): row for row in gate.audit()}
+    before = {(row.sequences, row.arm): row for row in gate.audit()}
     gate.predict(9, Rates(plain=1000.0, trees=1200.0))
     gate.predict(10, Rates(plain=1100.0, trees=1300.0))
     gate.record(9, False, 9, 0.02)  # slower steps: 450, then 600 tok/s
     gate.record(10, False, 12, 0.02)
-    after = {(row.sequences, row.trees): row for row in gate.audit()}
-    plain0, plain1 = before[("8-15", False)], after[("8-15", False)]
+    after = {(row.sequences, row.arm): row for row in gate.audit()}
+    plain0, plain1 = before[("8-15", AuditArm.PLAIN)], after[("8-15", AuditArm.PLAIN)]
     # The interval's mean prediction and its time-weighted measured goodput, not the decayed means.
     assert (plain1.predicted_sum - plain0.predicted_sum) / (plain1.predictions - plain0.predictions) == 1050.0
     measured = (plain1.committed_total - plain0.committed_total) / (plain1.seconds_total - plain0.seconds_total)
     assert measured == pytest.approx(525.0)
-    assert after[("8-15", True)].committed_total == 0 and after[("8-15", True)].predictions == 3
+    trees = after[("8-15", AuditArm.TREES)]
+    assert trees.committed_total == 0 and trees.predictions == 3
+
+
+def test_the_audit_predicts_the_configured_tree_for_every_auto_request_beside_the_best_trees():
+    """What `always` runs (the configured tree for every request) is predicted beside the best trees,
+    which at 16 requests are a few requests' trees: the like-for-like figure for `always`'s measurement."""
+    costs = gpu_like_costs()
+    busy = search_budgets(CFG, costs, AcceptanceBook(), candidates(16), 0, 0)
+    fixed = [CFG.fixed_budget] * 16
+    committed = 16 + 16 * AcceptanceBook().expected(CFG.fixed_budget, GOOD[CFG.fixed_budget])
+    expected = committed / costs.step_time(16 + sum(b.max_nodes for b in fixed), 16, fixed)
+    assert busy.rates.configured == pytest.approx(expected)
+    assert busy.rates.trees >= busy.rates.configured
+    assert search_budgets(CFG, costs, AcceptanceBook(), candidates(3, "always"), 0, 0).rates.configured is None
+    gate = LoadGate()
+    gate.predict(16, busy.rates)
+    gate.predict(16, busy.rates._replace(configured=None))  # no auto candidate: nothing to predict
+    row = next(row for row in gate.audit() if row.arm == AuditArm.CONFIGURED_TREE)
+    assert (row.sequences, row.predictions, row.measured) == ("16-31", 1, None)
+    assert row.predicted == pytest.approx(expected)
 
 
 def test_an_acceptance_book_refuses_a_prior_lighter_than_one_tree():
