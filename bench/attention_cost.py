@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from functools import partial
 from pathlib import Path
 
@@ -111,14 +112,13 @@ def launch_layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def time_layers(forward, iters: int, layers: int, device: torch.device) -> float:
     """Microseconds per launch: a graph of every layer's launch, replayed (eagerly on CPU)."""
     if device.type != "cuda":
-        import time
         t0 = time.perf_counter()
         forward()
         return (time.perf_counter() - t0) / layers * 1e6
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        forward()  # compiles, and allocates the split counters outside the capture
+        forward()  # compiles every variant before the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

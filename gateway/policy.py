@@ -235,8 +235,8 @@ class Rates(NamedTuple):
     requests decoding plainly, with the best trees the figures give them, and with the configured
     tree for every one of them, as `always` drafts (None: no auto request could speculate).
     The last is the audit's like-for-like figure beside what `always` measures: the best trees
-    are often another budget, for some requests only (a chain for one request of 16 predicted
-    2.9x what `always` delivered with 5/4/8 for all 16 on the emulated-cost CPU track)."""
+    may be another budget, or trees for some requests only (at 16 requests on the emulated-cost
+    CPU track they were predicted at 2.9-3.2x what `always` delivered with 5/4/8 for all 16)."""
 
     plain: float
     trees: float | None
