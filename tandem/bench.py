@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -305,15 +304,11 @@ def served_model(url: str) -> str | None:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--grpc-port", str(free_port())]
+    from gateway.serve import free_ports  # only where bench starts its own serve
+
+    port, grpc_port = free_ports(2)  # taken together, so the two are never the same port
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port)]
     for flag in ("model", "draft", "device", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", str(getattr(args, flag))]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,13 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from gateway.serve import free_ports
 from tests.services import REPO, Service
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -34,7 +28,9 @@ class Gateway:
     """A `tandem gateway` process over services that are already running."""
 
     def __init__(self, tmp: Path, target: str, drafts: list[str], *gateway_args: str, name: str = "gateway"):
-        self.port, self.grpc_port = free_port(), free_port()
+        # Taken together: two ports asked for one after the other were once the same one (the gateway's
+        # gRPC server took it, then its REST server failed to bind).
+        self.port, self.grpc_port = free_ports(2)
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -910,6 +910,9 @@ def test_trees_at_one_load_leave_the_wake_schedule_of_another_load_as_it_was(tok
     assert not core._asleep_at(four.quiet)
 
 
+# Its verdict rests on measured step times (paced sleeps of 6 and 2 ms): once, in two workers beside
+# end-to-end stacks, it failed (2026-12-03; passed alone and beside two busy loops after), so it runs alone.
+@pytest.mark.serial
 @pytest.mark.parametrize("fed_grants", [False, True], ids=["one_call_a_step", "fed_grants"])
 def test_a_wake_up_that_cost_more_than_its_budget_makes_the_next_wait_long_enough_to_pay_for_it(tokenizer,
                                                                                              fed_grants):

@@ -16,11 +16,12 @@ import grpc
 import httpx
 import pytest
 
+from gateway.serve import free_ports
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
 from tests.services import REPO
-from tests.stack import Stack, free_port, scrape
+from tests.stack import Stack, scrape
 
 DEMO_TARGET, DEMO_DRAFT = REPO / "demo" / "target", REPO / "demo" / "draft"
 SERVICES = {"tandem-gateway", "tandem-target", "tandem-draft"}
@@ -31,7 +32,7 @@ PROMPT = "def fibonacci(n):\n"
 def start_stack(tmp: Path, endpoint: str, env: dict[str, str]) -> tuple[Stack, int, int]:
     """The demo stack exporting to `endpoint`, target and draft serving metrics; (stack, target and draft
     metrics ports). The environment is the children's only: the test process keeps its own."""
-    target_metrics, draft_metrics = free_port(), free_port()
+    target_metrics, draft_metrics = free_ports(2)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
         mp.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)

@@ -24,12 +24,6 @@ DESIGN_FLAGS = ["--model", "--draft", "--speculation", "--tp", "--device", "--dt
                 "--max-queue", "--spec-steps", "--spec-topk", "--spec-draft-tokens"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_help_lists_every_design_flag():
     out = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--help"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)
@@ -181,7 +175,7 @@ def _gone(pid: int) -> bool:
 
 def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_path):
     model, draft = dirs
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = serve.free_ports(2)
     s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
                                 "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", "k",
                                 "--speculation", "always"])
@@ -220,8 +214,9 @@ def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_pat
                                             ({"FAKE_DIE": "gateway"}, "gateway", 3)])
 def test_with_restarts_off_serve_reports_a_dead_child_and_stops_the_rest(dirs, tmp_path, env, who, code):
     model, draft = dirs
+    port, grpc_port = serve.free_ports(2)
     s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
-                                "--port", str(free_port()), "--grpc-port", str(free_port()), "--max-restarts", "0"],
+                                "--port", str(port), "--grpc-port", str(grpc_port), "--max-restarts", "0"],
                      **env)
     rc, err = s.finish()
     assert rc == 1, err
@@ -233,8 +228,9 @@ def test_with_restarts_off_serve_reports_a_dead_child_and_stops_the_rest(dirs, t
 
 def test_serve_restarts_a_killed_child_at_the_same_address_and_stops_all_past_the_limit(dirs, tmp_path):
     model, draft = dirs
-    s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--port", str(free_port()),
-                                "--grpc-port", str(free_port()), "--max-restarts", "1"])
+    port, grpc_port = serve.free_ports(2)
+    s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--port", str(port),
+                                "--grpc-port", str(grpc_port), "--max-restarts", "1"])
     s.wait_ready()
     first_pid, port_file = s.read("draft0", "pid"), tmp_path / "logs" / "draft0.port"
     port, argv = port_file.read_text(), s.read("draft0", "argv")

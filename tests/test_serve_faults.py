@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.serve import free_ports
 from tests.faults import NOT_SERVING, StreamResult, grpc_health, rest_stream, start, wait_for
 from tests.listening import process_tree
 from tests.services import REPO
-from tests.stack import free_port
 
 PROMPT = "def parse_header(line):\n"
 
@@ -47,7 +47,7 @@ def child_pid(serve_pid: int, command: str) -> int:
 
 @pytest.fixture()
 def served(tmp_path):
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_ports(2)
     log = open(tmp_path / "serve.err", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--device", "cpu", "--port", str(port),
