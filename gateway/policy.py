@@ -374,7 +374,8 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     search = search or search_budgets(cfg, costs, book, candidates, other_tokens, other_seqs,
                                       other_committed=other_committed)
     out, auto, best, single, every = search.out, search.auto, search.best, search.single, search.every
-    if (best is not None and not book.speculating and not probe and search.rates.trees is not None
+    # (A best choice means some tree rate was computed: rates.trees is set.)
+    if (best is not None and not book.speculating and not probe
             and search.rates.trees < (1 + enter_margin) * search.plain_now):
         best = None  # a near tie does not start trees (see ENTER_TREES_ABOVE)
     speculating, book.speculating = book.speculating, best is not None

@@ -22,7 +22,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import serve
-from gateway.serve import free_ports
 from tandem.channels import open_channel
 from tandem.grpc_host import ServiceHost
 from tandem.tls import ClientTLS, ServerTLS, client_tls_from_args, server_tls_from_args
@@ -156,7 +155,7 @@ class TlsServe:
     def __init__(self, tmp: Path, certs: Certs):
         model = make_tiny_llama(tmp / "target", "gqa")
         draft = make_tiny_eagle3(tmp / "draft", model)
-        (self.port, self.grpc_port), self.logs = free_ports(2), tmp / "logs"
+        (self.port, self.grpc_port), self.logs = serve.free_ports(2), tmp / "logs"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--draft", str(draft),
              "--device", "cpu", "--kv-cache-gb", "0.01", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
