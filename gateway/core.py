@@ -32,7 +32,6 @@ from gateway.clients import DraftClient, TargetClient, TargetUnavailable
 from gateway.draft_pool import DraftPool, DraftReplica
 from gateway.metrics import GatewayMetrics
 from gateway.policy import (
-    ENTER_TREES_ABOVE,
     NO_SPEC,
     AcceptanceBook,
     Candidate,
@@ -460,11 +459,8 @@ class GatewayCore:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
             search = None
         probe = bool(cands) and probing_trees
-        # Where the gate does not measure the arms, the figures alone decide: trees need a margin to start.
-        enter_margin = ENTER_TREES_ABOVE if len(plan.items) < self.gate.min_batch else 0.0
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands), probe,
-                                 search, self._explore_now(), other_committed=ending - len(cands),
-                                 enter_margin=enter_margin)
+                                 search, self._explore_now(), other_committed=ending - len(cands))
         self._explored = self.book.explored
         self._plain_holds = frozenset()
         if self.cfg.fed_grants and search is not None and search.auto and not any(

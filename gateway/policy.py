@@ -266,14 +266,6 @@ class BudgetSearch(NamedTuple):
 # 0.64-0.83x the better arm at one request. (Plain decoding is now priced with those steps, as
 # BudgetSearch.plain_now; this margin stays against the figures' step-to-step noise.)
 KEEP_TREES_WITHIN = 0.05
-# Below the load gate's min_batch, where the figures alone decide, trees that were not chosen at the
-# last step must predict this share above plain decoding to start. Every start and stop costs what
-# neither arm's figure holds: the draft catches up on the tokens it slept through, then fed ungranted
-# steps follow the last tree until the request goes dormant. On the H200 scale track at acceptance
-# 0.6 and one request (`always` 0.96x `never`), auto started trees on near ties, its tree steps
-# delivered 131-198 tok/s where `always` delivered 192-203, and auto read 0.88-0.95x the better arm
-# (2026-12-03). With KEEP_TREES_WITHIN it makes a band: trees start above +10%, stop below -5%.
-ENTER_TREES_ABOVE = 0.10
 
 
 def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -353,7 +345,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
                    other_tokens: int, other_seqs: int, probe: bool = False,
                    search: BudgetSearch | None = None, explore: bool = False, *,
-                   other_committed: float = 0.0, enter_margin: float = 0.0) -> dict[str, DraftBudget]:
+                   other_committed: float = 0.0) -> dict[str, DraftBudget]:
     """Budget per candidate. other_tokens/other_seqs: prefill work already in the step.
 
     For `auto`, each option o is tried on the k requests expected to accept most
@@ -367,17 +359,11 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     caller's last chance to refresh the figures before nothing would) where some
     tree could pay were all its drafted tokens accepted. `search`: search_budgets'
     result for these very arguments, when the caller already has it. other_committed: as for
-    search_budgets. enter_margin: where the figures alone decide (see ENTER_TREES_ABOVE), the share by
-    which trees not chosen at the last step must predict above plain decoding to be chosen now.
-    `book.explored` says afterwards whether the auto trees were exploration.
+    search_budgets. `book.explored` says afterwards whether the auto trees were exploration.
     """
     search = search or search_budgets(cfg, costs, book, candidates, other_tokens, other_seqs,
                                       other_committed=other_committed)
     out, auto, best, single, every = search.out, search.auto, search.best, search.single, search.every
-    # (A best choice means some tree rate was computed: rates.trees is set.)
-    if (best is not None and not book.speculating and not probe
-            and search.rates.trees < (1 + enter_margin) * search.plain_now):
-        best = None  # a near tie does not start trees (see ENTER_TREES_ABOVE)
     speculating, book.speculating = book.speculating, best is not None
     book.explored = False
     if not auto:

@@ -8,7 +8,6 @@ import pytest
 
 from draft_service.types import DraftBudget
 from gateway.policy import (
-    ENTER_TREES_ABOVE,
     NO_SPEC,
     AcceptanceBook,
     AuditArm,
@@ -149,29 +148,6 @@ def test_near_a_tie_auto_keeps_its_trees_rather_than_mix_in_plain_steps():
     assert choose(AcceptanceBook(speculating=True), 0.90).empty
     book = AcceptanceBook(speculating=True)
     assert all(not choose(book, 0.97).empty for _ in range(3))  # kept while the tie lasts
-
-
-def test_where_the_figures_alone_decide_trees_start_only_clear_of_a_tie_and_then_keep_within_it():
-    """Below the load gate's min_batch the caller passes ENTER_TREES_ABOVE: trees predicted 5% above
-    plain decoding do not start after plain steps, 15% above they do; once started, 5% above keeps
-    them. A probe (the gate measuring trees) and a margin of 0 (the gate's loads) start them at 5%."""
-    tree_rate = search_budgets(CFG, gpu_like_costs(), AcceptanceBook(), candidates(1), 0, 0).every[0]
-
-    def choose(book: AcceptanceBook, ratio: float, **kwargs) -> DraftBudget:
-        costs = gpu_like_costs()  # plain steps scaled so that the best tree predicts `ratio` of plain's rate
-        costs.ratios[(1, False)] = ratio / (tree_rate * costs.step_time(1, 1, []))
-        return choose_budgets(CFG, costs, book, candidates(1), 0, 0, **kwargs)["r0"]
-
-    margin = {"enter_margin": ENTER_TREES_ABOVE}
-    assert ENTER_TREES_ABOVE > 0.05
-    assert choose(AcceptanceBook(), 1.05, **margin).empty
-    assert not choose(AcceptanceBook(), 1.15, **margin).empty
-    assert not choose(AcceptanceBook(speculating=True), 1.05, **margin).empty
-    assert not choose(AcceptanceBook(), 1.05, probe=True, **margin).empty
-    assert not choose(AcceptanceBook(), 1.05).empty
-    book = AcceptanceBook()
-    assert choose(book, 1.05, **margin).empty and not book.speculating  # still not started a step later
-    assert choose(book, 1.05, **margin).empty
 
 
 def test_trees_compete_with_plain_decoding_at_what_it_costs_until_its_requests_go_dormant():
