@@ -87,6 +87,9 @@ class CostModel:
     # Plain steps that fed the drafts (awake auto requests: features out, no grant), measured over
     # profiled wall time per batch bucket: what a plain step costs before its requests go dormant.
     fed_ratios: dict[int, float] = field(default_factory=dict)
+    # Measurements behind each learned ratio (keys of `ratios`, and ("fed", bucket) for `fed_ratios`):
+    # _moved_ratio weighs the first three more than later ones where they read below the ratio.
+    observed: dict[tuple, int] = field(default_factory=dict)
 
     def target_time(self, tokens: int, seqs: int) -> float:
         return self.target_base + self.target_per_token * tokens + self.target_per_seq * seqs
@@ -124,7 +127,7 @@ class CostModel:
         if predicted <= 0 or seconds <= 0:
             return
         b = batch_bucket(seqs)
-        self.fed_ratios[b] = _moved_ratio(self.fed_ratios.get(b), seconds / predicted)
+        self.fed_ratios[b] = _moved_ratio(self.fed_ratios.get(b), seconds / predicted, self._count(("fed", b)))
 
     def observe(self, tokens: int, seqs: int, budgets: list[DraftBudget], seconds: float) -> None:
         """A decode step of `seqs` sequences and `tokens` fixed tokens, with these trees, took `seconds`."""
@@ -133,15 +136,33 @@ class CostModel:
             return
         key = (batch_bucket(seqs), any(not b.empty for b in budgets))
         # Starts from the profile (ratio 1).
-        self.ratios[key] = _moved_ratio(self.ratios.get(key, 1.0), seconds / predicted)
+        self.ratios[key] = _moved_ratio(self.ratios.get(key, 1.0), seconds / predicted, self._count(key))
+
+    def _count(self, key: tuple) -> int:
+        """Measurements of `key`'s ratio before this one; counts this one."""
+        seen = self.observed.get(key, 0)
+        self.observed[key] = seen + 1
+        return seen
 
 
-def _moved_ratio(old: float | None, measured: float) -> float:
-    """A learned cost ratio after one more measurement (None: the first, taken whole). It moves a
-    fifth of the way, from a measurement clamped to [0.25, 4], so one step stalled by the host, or
-    the slow first tree of a request, cannot swing it."""
+def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
+    """A learned cost ratio after one more measurement, the `seen + 1`th since the starting value `old`
+    (None: no starting value, the measurement is taken whole). A measurement moves it a fifth of the
+    way, from a value clamped to [0.25, 4], so one step stalled by the host, or the slow first tree of
+    a request, cannot swing it. But a host's noise only adds time: of the first three measurements,
+    those that read below the ratio move it as a mean would (the start counting as one measurement:
+    1/2, 1/3, 1/4 of the way). A profile that a busy host had made too dear for trees otherwise stayed so, since trees
+    it prices out run only as explorations, one or a few per quiet spell, each moving it a fifth. In
+    a CI run of tests/test_gateway_auto_phases.py (2026-12-03) a lone request decoded plainly in 65%
+    of its steps although its trees accepted 2.0 tokens each; on the dev machine a draft call priced
+    at 38 ms (as one CI start-up had profiled it; the emulated call costs 5 ms) left 69-99% of the
+    steps plain in three runs, and 5-9% in three runs with this rule. Too cheap a start corrects
+    itself: the trees it chooses are measured."""
     measured = min(max(measured, 0.25), 4.0)
-    return measured if old is None else 0.8 * old + 0.2 * measured
+    if old is None:
+        return measured
+    weight = max(1.0 / (seen + 2), 0.2) if measured < old else 0.2
+    return (1 - weight) * old + weight * measured
 
 
 @dataclass

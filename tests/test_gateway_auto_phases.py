@@ -125,7 +125,10 @@ def test_auto_speculates_alone_and_stops_under_load(tmp_path):
         print(f"\nalone: {trees:.0f} trees, {share:.0%} of decode steps speculative, {size:.1f} tokens per tree, "
               f"{accepted / max(trees, 1):.2f} accepted per tree")
         assert trees >= 10 and accepted > trees, "alone, auto did not speculate (or nothing was accepted)"
-        assert share >= 0.5, f"alone, auto speculated in only {share:.0%} of decode steps"
+        # The start-up profile is where CI runs have differed: the message carries what it fitted.
+        log_lines = st.gateway_log.read_text().splitlines()
+        profiled = [line.split(" INFO ")[1] for line in log_lines if "cost model:" in line]
+        assert share >= 0.5, f"alone, auto speculated in only {share:.0%} of decode steps; {profiled}"
 
         # Phase 2: LOAD streams; read the counters over a window in which all of them run.
         load = Streams(st.url, [PROMPTS[i % len(PROMPTS)] for i in range(LOAD)], 400)

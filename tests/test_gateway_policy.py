@@ -285,6 +285,31 @@ def test_measured_step_times_correct_a_noisy_profile():
     assert costs.step_time(40, 40, []) == costs.profiled_time(40, 40, [])
 
 
+def test_trees_that_measure_below_a_dear_profile_correct_it_as_a_mean_would_while_a_stall_moves_it_a_fifth():
+    """Noise only adds time: a profile on a busy host prices trees too dear, and trees it prices out run
+    only as explorations. The first three measurements below the start move the ratio as a mean of the
+    start and them would (a fifth each would leave it at 0.76 of the way); a stall moves it a fifth."""
+    chain = CFG.auto_options()[0]
+
+    def dear_profile() -> CostModel:  # the draft call profiled at 38 ms
+        return CostModel(target_base=2e-2, target_per_token=3.4e-4, target_per_seq=6.3e-3, draft_base=3.8e-2,
+                         draft_per_level=0.0, draft_per_expansion=6.7e-4)
+
+    costs = dear_profile()
+    profiled = costs.profiled_time(1 + chain.max_nodes, 1, [chain])
+    for _ in range(3):
+        costs.observe(1, 1, [chain], 0.5 * profiled)
+    assert costs.step_time(1 + chain.max_nodes, 1, [chain]) == pytest.approx((1 + 3 * 0.5) / 4 * profiled)
+    costs.observe(1, 1, [chain], 0.5 * profiled)  # from the fourth on, a fifth of the way
+    assert costs.ratios[(1, True)] == pytest.approx(0.8 * 0.625 + 0.2 * 0.5)
+
+    stalled = dear_profile()
+    stalled.observe(1, 1, [chain], 10 * profiled)  # clamped to 4x, then a fifth of the way
+    assert stalled.ratios[(1, True)] == pytest.approx(0.8 + 0.2 * 4.0)
+    stalled.observe(1, 1, [chain], 0.5 * profiled)  # the first below the start: a mean of three
+    assert stalled.ratios[(1, True)] == pytest.approx(1.6 + (0.5 - 1.6) / 3)
+
+
 def test_a_probe_of_speculation_counts_only_steps_that_had_trees():
     gate = LoadGate(probe_steps=3)
     assert gate.allow_spec(32)  # speculation is probed first
