@@ -16,9 +16,9 @@ round and the medians, and auto / max(never, always) per round and on the median
 Each level also reports the rate at which its requests decode (concurrency x a
 request's tokens after the first over its time after the first token: what a
 step's goodput compares with, prefill left out) and, for `auto`, the policy's
-audit over the level: what its cost model predicted for trees and for plain
-decoding, and what the load gate measured each arm's steps deliver, read from
-the gateway's /metrics before and after the level.
+audit over the level at the level's batch bucket: what its cost model predicted
+for trees and for plain decoding, and what the load gate measured each arm's
+steps deliver, read from the gateway's /metrics before and after the level.
 """
 
 from __future__ import annotations
@@ -178,8 +178,16 @@ COMMITTED = "tandem_policy_arm_committed_tokens_total"
 SECONDS = "tandem_policy_arm_step_seconds_total"
 
 
-def read_policy_sums(url: str) -> dict[tuple[str, str], float] | None:
-    """auto's audit sums from the gateway's /metrics, per (sample name, arm), over all batch buckets;
+def level_bucket(concurrency: int) -> str:
+    """The gateway's batch bucket (its `sequences` label, gateway.policy.bucket_range) that a level of
+    this concurrency decodes in: 1, 2-3, 4-7, ... (Not imported from there: gateway.policy loads torch,
+    4 s before `tandem bench` could say anything.)"""
+    low = 1 << (max(concurrency, 1).bit_length() - 1)
+    return f"{low}-{2 * low - 1}"
+
+
+def read_policy_sums(url: str, sequences: str) -> dict[tuple[str, str], float] | None:
+    """auto's audit sums from the gateway's /metrics, per (sample name, arm), in one batch bucket;
     None where /metrics cannot be read (a gateway that guards it with its API key, say)."""
     try:
         response = httpx.get(f"{url}/metrics", timeout=10)
@@ -187,15 +195,20 @@ def read_policy_sums(url: str) -> dict[tuple[str, str], float] | None:
         return None
     if response.status_code != 200:
         return None
-    return policy_sums(response.text)
+    return policy_sums(response.text, sequences)
 
 
-def policy_sums(exposition: str) -> dict[tuple[str, str], float]:
-    """auto's audit sums in a Prometheus text exposition, per (sample name, arm), over all buckets."""
+def policy_sums(exposition: str, sequences: str) -> dict[tuple[str, str], float]:
+    """auto's audit sums in a Prometheus text exposition, per (sample name, arm), in the batch bucket
+    `sequences` ("64-127"). A level's other buckets are its ramp-up and drain: summed with its own
+    (2026-12-03, H200, 64 requests), they made the mean prediction a mix of a few plans at 64 requests
+    (the gate had chosen plain decoding: one dormant plan in 16 predicts, and a grant is one plan) and
+    every plan of the last few requests, and plain decoding read 0.33x `never`, where the 64-127 bucket
+    alone read 1.08x what the gate measured over the whole serve."""
     sums: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            if sample.name in (PREDICTIONS, PREDICTED, COMMITTED, SECONDS):
+            if sample.name in (PREDICTIONS, PREDICTED, COMMITTED, SECONDS) and sample.labels["sequences"] == sequences:
                 key = (sample.name, sample.labels["arm"])
                 sums[key] = sums.get(key, 0.0) + sample.value
     return sums
@@ -257,7 +270,8 @@ def print_audit(rows: list[LevelResult]) -> None:
     def cell(value: float | None) -> str:
         return f"{value:10.1f}" if value else f"{'-':>10}"
 
-    print("\nauto's audit, tok/s while decoding: the policy's mean prediction and the gate's measurement per arm,"
+    print("\nauto's audit, tok/s while decoding, at the level's batch bucket: the policy's mean prediction and the"
+          "\ngate's measurement per arm,"
           "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token);"
           "\n'cfg pred': the configured tree for every auto request, as `always` drafts it (set it beside `always`)")
     print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'cfg pred':>10} {'always':>10} "
@@ -409,11 +423,11 @@ def main(argv: list[str] | None = None) -> int:
             for conc, round_number, mode in schedule:
                 n = args.requests_per_level or max(4, args.requests_per_slot * conc)
                 bar.set_postfix(mode=mode, concurrency=conc, round=round_number)
-                before = read_policy_sums(url) if mode == "auto" else None
+                before = read_policy_sums(url, level_bucket(conc)) if mode == "auto" else None
                 rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
                 rows[-1].round = round_number
                 if mode == "auto":
-                    rows[-1].audit = level_audit(before, read_policy_sums(url))
+                    rows[-1].audit = level_audit(before, read_policy_sums(url, level_bucket(conc)))
                 bar.update()
     finally:
         if proc is not None:

@@ -51,28 +51,35 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
     from prometheus_client import generate_latest
 
     from gateway.metrics import GatewayMetrics
-    from gateway.policy import LoadGate, Rates
-    from tandem.bench import level_audit, policy_sums
+    from gateway.policy import LoadGate, Rates, batch_bucket, bucket_range
+    from tandem.bench import level_audit, level_bucket, policy_sums
 
     gate, metrics = LoadGate(), GatewayMetrics()
     metrics.watch_policy(gate.audit)
 
-    def scrape() -> dict[tuple[str, str], float]:
-        return policy_sums(generate_latest(metrics.registry).decode())
+    def scrape(concurrency: int) -> dict[tuple[str, str], float]:
+        return policy_sums(generate_latest(metrics.registry).decode(), level_bucket(concurrency))
 
     gate.predict(9, Rates(plain=900.0, trees=1500.0))
     gate.record(9, False, 9, 0.01)
-    before = scrape()
-    # The level: predictions at two loads (trees only at one), a plain and a tree step measured.
+    before, before_drain = scrape(9), scrape(2)
+    # The level at 9 requests: predictions at 9 and 10, and at 2 as it drains (trees only at 9), a plain
+    # step measured at 9 and a tree step at 2. The drain is another bucket: not the level's figure.
     gate.predict(9, Rates(plain=1000.0, trees=1200.0, configured=800.0))
+    gate.predict(10, Rates(plain=1100.0, trees=None))
     gate.predict(2, Rates(plain=200.0, trees=None))
     gate.record(9, False, 9, 0.02)
     gate.record(2, True, 6, 0.03)
-    audit = level_audit(before, scrape())
-    assert audit == {"trees": {"predicted": pytest.approx(1200.0), "measured": pytest.approx(200.0)},
-                     "plain": {"predicted": pytest.approx(600.0), "measured": pytest.approx(450.0)},
+    audit = level_audit(before, scrape(9))
+    assert audit == {"trees": {"predicted": pytest.approx(1200.0), "measured": None},
+                     "plain": {"predicted": pytest.approx(1050.0), "measured": pytest.approx(450.0)},
                      "configured_tree": {"predicted": pytest.approx(800.0), "measured": None}}
-    assert level_audit(None, scrape()) is None  # /metrics unread: no audit
+    assert level_audit(before_drain, scrape(2)) == {  # the bucket of 2-3 requests, as a level of 2 reads it
+        "trees": {"predicted": None, "measured": pytest.approx(200.0)},
+        "plain": {"predicted": pytest.approx(200.0), "measured": None},
+        "configured_tree": {"predicted": None, "measured": None}}
+    assert level_audit(None, scrape(9)) is None  # /metrics unread: no audit
+    assert all(level_bucket(n) == bucket_range(batch_bucket(n)) for n in range(1, 300))
 
 
 def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_first_level():
