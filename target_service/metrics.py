@@ -1,7 +1,10 @@
 """The target service's Prometheus metrics, served on `tandem target --metrics-port`.
 
 The servicer records each step with one call (`record_batch`) after the engine
-has returned, outside its lock; the engine knows nothing of metrics. A step's
+has returned, outside its lock; the engine knows nothing of metrics. So a
+step's load can be recorded after a later Release's: each load comes with the
+stamp the servicer gave it under its lock, and an older one never overwrites
+a newer one. A step's
 sequences are counted by kind: `verify` (drafted nodes below the fixed chain),
 `prefill` (a new sequence, or more than one fixed token), `decode` (one fixed
 token of a known sequence: plain decoding). Acceptance by draft position: a
@@ -58,13 +61,25 @@ class TargetMetrics:
         self._committed = {k: self.committed_tokens.labels(kind=k) for k in KINDS}
         self._positions: list = []  # position k -> its child counter, at index k - 1
         self._grow = threading.Lock()  # two Steps may finish together
+        self._load_lock = threading.Lock()
+        self._load_stamp = -1  # the stamp of the load the gauges show
 
-    def record_load(self, load: KvLoad) -> None:
-        self.kv_usage.set(1 - load.free_blocks / max(load.total_blocks, 1))
-        self.sequences.set(load.num_sequences)
+    def record_load(self, load: KvLoad, stamp: int) -> None:
+        """The KV gauges from `load`, unless they show a load taken later (a larger `stamp`). A step's
+        metrics are recorded once its reply has left: on a busy 2-core machine the gateway's Release
+        of a finished request came first, and its step's load then showed the released sequence
+        until the next call (a CI run waited 60 s for `tandem_target_sequences` to read 0)."""
+        with self._load_lock:
+            if stamp < self._load_stamp:
+                return
+            self._load_stamp = stamp
+            self.kv_usage.set(1 - load.free_blocks / max(load.total_blocks, 1))
+            self.sequences.set(load.num_sequences)
 
-    def record_batch(self, batch: StepBatch, results: StepResults, load: KvLoad, seconds: float) -> None:
-        """One step (unary or streamed), from its columns, with array operations."""
+    def record_batch(self, batch: StepBatch, results: StepResults, load: KvLoad, seconds: float,
+                     load_stamp: int) -> None:
+        """One step (unary or streamed), from its columns, with array operations; load_stamp: see
+        record_load."""
         n = batch.num_nodes.astype(np.int64)
         nf = batch.num_fixed.astype(np.int64)
         accepted = results.num_accepted.astype(np.int64)
@@ -90,7 +105,7 @@ class TargetMetrics:
                     self._position(position).inc(trees)
         if results.features is not None:
             self.feature_bytes.inc(results.features.numel() * results.features.element_size())
-        self.record_load(load)
+        self.record_load(load, load_stamp)
 
     def _position(self, position: int):
         if len(self._positions) < position:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import queue
 import threading
@@ -81,6 +82,7 @@ class _StepRun:
     batch: StepBatch
     results: StepResults
     load: KvLoad
+    load_stamp: int  # when `load` was taken, in the servicer's order (TargetMetrics.record_load)
     seconds: float
     pushes: list[tuple[str, CommittedRows]]
 
@@ -150,6 +152,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.engine: ParallelEngine | None = None
         # One step at a time: the KV cache and the TP ranks see one command stream.
         self._lock = threading.Lock()
+        self._load_stamps = itertools.count()  # drawn under _lock with each load the metrics get
+
+    def _load(self, engine: ParallelEngine) -> tuple[KvLoad, int]:
+        """The engine's load and its stamp; call under _lock."""
+        return engine.load(), next(self._load_stamps)
+
+    def publish_load(self) -> KvLoad:
+        """The engine's load now, recorded in the metrics (at start-up: the gauges before any call)."""
+        with self._lock:
+            load, stamp = self._load(self._ready())
+        if self.metrics is not None:
+            self.metrics.record_load(load, stamp)
+        return load
 
     def _ready(self) -> ParallelEngine:
         if self.engine is None:
@@ -187,9 +202,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 results, pushes = self._keep_features(results, sinks)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
-            load = engine.load()
+            load, stamp = self._load(engine)
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
-        return _StepRun(batch, results, load, seconds, pushes)
+        return _StepRun(batch, results, load, stamp, seconds, pushes)
 
     def _keep_features(self, results: StepResults, sinks: list[str | None] | None
                        ) -> tuple[StepResults, list[tuple[str, CommittedRows]]]:
@@ -220,7 +235,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._push(run.pushes)
         try:
             if self.metrics is not None:
-                self.metrics.record_batch(run.batch, run.results, run.load, run.seconds)
+                self.metrics.record_batch(run.batch, run.results, run.load, run.seconds, run.load_stamp)
         except Exception:
             log.exception("after a step's reply: recording its metrics failed")
 
@@ -267,9 +282,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             t0 = time.perf_counter()
             for granted in granted_steps:
                 now = time.perf_counter()
-                load = engine.load()
+                load, stamp = self._load(engine)
                 if self.metrics is not None and granted.results is not None:
-                    self.metrics.record_batch(granted.batch, granted.results, load, now - t0)
+                    self.metrics.record_batch(granted.batch, granted.results, load, now - t0, stamp)
                 yield granted, load, now - t0
                 t0 = time.perf_counter()
 
@@ -326,10 +341,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         engine = self._ready()
         with self._lock:
             n = engine.release(list(request.request_ids))
-            load = engine.load()
+            load, stamp = self._load(engine)
         self.held_features.release(list(request.request_ids))
         if self.metrics is not None:
-            self.metrics.record_load(load)
+            self.metrics.record_load(load, stamp)
         return target_pb2.ReleaseResponse(released=n, load=load_to_proto(load))
 
     @map_errors
@@ -462,9 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         host.stop(0)
         raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
-    load = servicer.engine.load()
-    if metrics is not None:
-        metrics.record_load(load)
+    load = servicer.publish_load()
     log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
     compiles.mark_serving()
     if pacing is not None:

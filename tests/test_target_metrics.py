@@ -1,0 +1,55 @@
+"""The target's KV gauges under calls that finish out of order (no model, no gRPC server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from target_service.metrics import TargetMetrics
+from target_service.server import TargetServicer, _StepRun
+from target_service.step_batch import StepBatch, StepResults
+from target_service.types import KvLoad, SequenceStep
+from tandem.v1 import target_pb2
+
+
+class HeldSequences:
+    """What the servicer asks of an engine here: its load and Release."""
+
+    def __init__(self, request_ids: set[str]):
+        self.request_ids = set(request_ids)
+
+    def load(self) -> KvLoad:
+        return KvLoad(num_sequences=len(self.request_ids), block_size=16, total_blocks=8,
+                      free_blocks=8 - len(self.request_ids))
+
+    def release(self, request_ids: list[str]) -> int:
+        released = self.request_ids & set(request_ids)
+        self.request_ids -= released
+        return len(released)
+
+
+def test_a_steps_metrics_recorded_after_a_later_release_do_not_bring_back_the_released_sequence():
+    """A step's metrics are recorded once its reply has left; the gateway may have released the
+    request by then. The gauges keep the later load (a CI run waited 60 s for a stale 1)."""
+    metrics = TargetMetrics()
+    servicer = TargetServicer(Path("."), metrics=metrics)
+    servicer.engine = HeldSequences({"a"})
+    with servicer._lock:  # the step's load, taken under the lock as _run takes it
+        load, stamp = servicer._load(servicer.engine)
+    step = _StepRun(batch=StepBatch.from_items([SequenceStep.chain("a", (1,))]),
+                    results=StepResults(request_ids=("a",), num_accepted=np.zeros(1, np.int32),
+                                        accepted_nodes=np.zeros((1, 1), np.int32),
+                                        new_tokens=np.zeros((1, 1), np.int32), logprobs=np.zeros((1, 1), np.float32),
+                                        num_committed=np.array([5])),
+                    load=load, load_stamp=stamp, seconds=0.001, pushes=[])
+    reply = servicer.Release(target_pb2.ReleaseRequest(request_ids=["a"]), None)
+    assert reply.released == 1 and metrics.sequences._value.get() == 0
+    servicer._after_reply(step)  # the step's metrics, late
+    assert metrics.sequences._value.get() == 0 and metrics.kv_usage._value.get() == 0
+    assert metrics.step_seconds._sum.get() > 0  # the step itself was recorded
+    servicer.engine.request_ids.add("b")  # a later step's load is shown
+    with servicer._lock:
+        load, stamp = servicer._load(servicer.engine)
+    metrics.record_load(load, stamp)
+    assert metrics.sequences._value.get() == 1
