@@ -1,12 +1,15 @@
 """Where a serve's steps went, from the gateway's DEBUG log (a line per target step).
 
-    python bench/step_log.py GATEWAY_LOG[.gz] [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs]
+    python bench/step_log.py GATEWAY_LOG[.gz] [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs] [--budgets]
 
 Groups the `step N done: ...` lines (SERVE_LOG_LEVEL=DEBUG in bench/serve_and_run.sh) by kind: trees or
 plain, granted or one call, fed to the draft or not, and prints per kind the steps, their summed
 milliseconds at the gateway and the tokens they committed. --runs also prints each run of consecutive
 steps of one kind (and batch size) with its quiet count, in order. A level's window comes from the
-timestamps (a level starts where the previous one's last request ended).
+timestamps (a level starts where the previous one's last request ended). --budgets also prints, per
+set of draft budgets a plan chose (its `step N: ... trees [...]` line, whose step is `step N+1 done`),
+the tree steps, their milliseconds and committed tokens, tokens per step and tok/s: which trees auto
+chose and what each delivered.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 STEP = re.compile(r"(\d\d:\d\d:\d\d,\d+) gateway DEBUG step (\d+) done: (\d+) seqs, (\d+) trees, granted (\d+), "
                   r"fed draft (\w+), decode (\w+), (\d+) committed, ([\d.]+) ms, quiet (\d+)")
+PLAN = re.compile(r"gateway DEBUG step (\d+): \d+ items, \d+ tokens, trees \[([^\]]*)\]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--since", default="00:00:00,000")
     ap.add_argument("--until", default="99:99:99,999")
     ap.add_argument("--runs", action="store_true", help="print each run of steps of one kind")
+    ap.add_argument("--budgets", action="store_true", help="print what each set of draft budgets delivered")
     args = ap.parse_args(argv)
     text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
     rows = [m.groups() for m in map(STEP.search, text.splitlines()) if m]
@@ -57,7 +62,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kind':<32} {'steps':>6} {'ms':>9} {'committed':>9} {'ms/step':>8}")
     for what, (steps, ms, committed) in sorted(totals.items()):
         print(f"{', '.join(what):<32} {steps:>6} {ms:>9.1f} {committed:>9} {ms / steps:>8.2f}")
+    if args.budgets:
+        print_budgets(text, rows)
     return 0
+
+
+def print_budgets(text: str, rows: list[tuple[str, ...]]) -> None:
+    """Tree steps by the budgets their plan chose ("3/1/4 x2, 5/4/8": three requests' trees)."""
+    chosen = {}  # step number of the `done` line -> the plan's budgets
+    for m in map(PLAN.search, text.splitlines()):
+        if m and m.group(2):
+            budgets = sorted(b.strip().strip("'") for b in m.group(2).split(","))
+            chosen[int(m.group(1)) + 1] = ", ".join(f"{b} x{budgets.count(b)}" if budgets.count(b) > 1 else b
+                                                   for b in dict.fromkeys(budgets))
+    by_budgets: dict[str, list[float]] = {}
+    for row in rows:
+        if row[3] != "0" and int(row[1]) in chosen:
+            total = by_budgets.setdefault(chosen[int(row[1])], [0, 0.0, 0])
+            total[0] += 1
+            total[1] += float(row[8])
+            total[2] += int(row[7])
+    print(f"\n{'budgets':<32} {'steps':>6} {'ms':>9} {'committed':>9} {'per step':>8} {'tok/s':>8}")
+    for budgets, (steps, ms, committed) in sorted(by_budgets.items(), key=lambda item: -item[1][0]):
+        print(f"{budgets:<32} {steps:>6} {ms:>9.1f} {committed:>9} {committed / steps:>8.2f} "
+              f"{1000 * committed / ms:>8.1f}")
 
 
 if __name__ == "__main__":
