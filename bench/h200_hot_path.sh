@@ -68,7 +68,8 @@
 #            BENCH_ARGS="--requests-per-slot 4" makes every level twice as long (serve_and_bench.sh);
 #            BENCH_INTERLEAVED=1 BENCH_ARGS="--rounds 3" runs the modes in turn at each level, three rounds, in
 #            one bench (serve_and_bench.sh), and the report gives each round's auto / max and the medians
-#            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh)
+#            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh),
+#            and bench/step_log.py --budgets then tabulates the trees chosen (auto_scale_RATE_budgets.log)
 #   fedgrants after only: `auto` with fed grants (`--gateway-args=--fed-grants`: awake auto requests decode plainly
 #            in grants that push each step's features to the drafts) against without (the default), each on a fresh
 #            serve, demo track (bf16) then scale track (0.8), FED_CONCURRENCY (default 1,2,4); `never` (and, without
@@ -322,6 +323,9 @@ for stage in "$@"; do
             "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "${AUTO_MODES:-never,always,auto}" "${serve[@]}"
           run "auto_scale_${acceptance}${suffix}_report" after 60 python3 bench/auto_report.py \
             "$OUT/auto_scale_$acceptance$suffix"
+          # The trees each plan chose and what they delivered (every mode's trees: AUTO_MODES=auto for auto's alone).
+          [[ ${SERVE_LOG_LEVEL:-} == DEBUG ]] && run "auto_scale_${acceptance}${suffix}_budgets" after 60 \
+            python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets
         done
       done ;;
     fedgrants)  # after only: auto with fed grants (--fed-grants) against without (the default) on fresh serves, back to
