@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.v1 import target_pb2
 from target_service.metrics import TargetMetrics
 from target_service.server import TargetServicer, _StepRun
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import KvLoad, SequenceStep
-from tandem.v1 import target_pb2
 
 
 class HeldSequences:
