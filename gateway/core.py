@@ -39,6 +39,7 @@ from gateway.policy import (
     LoadGate,
     PolicyConfig,
     batch_bucket,
+    chains_would_accept,
     choose_budgets,
     search_budgets,
 )
@@ -828,6 +829,12 @@ class GatewayCore:
             self.metrics.record_verify(self.model_name, len(tree.tokens), accepted)
             req.acceptance.record(budget, accepted)
             self.book.record(budget, accepted)
+            # The step's node 0 is the root token (DraftTree.verify_tree): the tree's node i is its i + 1.
+            drafted_nodes = [node - 1 for node in res.accepted_nodes]
+            for chain, chain_accepted in chains_would_accept(tree.parents, tree.scores, drafted_nodes,
+                                                             self.cfg.policy.auto_options(), budget):
+                req.acceptance.record(chain, chain_accepted)
+                self.book.record(chain, chain_accepted)
         elif it.is_decode:
             stats = stats.after_plain()
             self.metrics.plain_decode_steps.inc()

@@ -165,6 +165,45 @@ def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
     return (1 - weight) * old + weight * measured
 
 
+def chains_would_accept(parents: list[int], scores: list[float], accepted_nodes: list[int],
+                        options: list[DraftBudget], drafted: DraftBudget) -> list[tuple[DraftBudget, int]]:
+    """What each chain among `options` (topk 1, other than the budget `drafted`) would have accepted at
+    this position, read off a verified tree: (option, accepted) where the tree says it exactly.
+
+    A chain drafts the draft's best child at every level, so its tokens are the tree's main path (the
+    best-scored child of each node on it, from the root). A chain of depth d accepts the main path's
+    accepted prefix, up to d. Where the whole main path was accepted, a chain deeper than it is left
+    out: what it would accept below is not known. Wider trees are not inferred: their nodes off the
+    main path are not the verified tree's.
+
+    Why: each option's acceptance was learned only from its own trees, so figures that a few trees at
+    a request's hardest positions had set stayed until the option ran again; which tree auto settled
+    on turned on them (BENCHMARKS.md, sixth session: at 4 requests on the CPU, chains in one run and
+    5/4/8 trees in the next). Every verified tree now also measures the chains, at the same positions
+    as the tree it chose. (The scale track's forced acceptance sets only the main path right: there
+    this is exact for every tree.) A tree without scores says nothing."""
+    if len(scores) != len(parents):
+        return []
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    main_path = []
+    node = -1
+    while children.get(node):
+        node = max(children[node], key=lambda child: scores[child])
+        main_path.append(node)
+    run = 0
+    while run < len(main_path) and run < len(accepted_nodes) and accepted_nodes[run] == main_path[run]:
+        run += 1
+    out = []
+    for option in options:
+        if option.topk != 1 or option == drafted:
+            continue
+        if run < len(main_path) or option.steps <= run:
+            out.append((option, min(run, option.steps)))
+    return out
+
+
 @dataclass
 class AcceptanceBook:
     """Global acceptance per budget (all requests), the prior for requests with little history."""

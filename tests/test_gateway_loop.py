@@ -271,6 +271,26 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def test_each_verified_tree_also_teaches_the_book_what_the_short_chain_would_have_accepted(tokenizer):
+    """`always` drafts only the configured tree (the fake draft: a chain of its depth, scores alike), yet
+    the acceptance book and the request learn the 3-token chain at the same positions: its tokens are
+    the tree's main path. The first two trees are wrong: the chain would have accepted nothing."""
+    core, _, drafts = new_core(tokenizer, "always")
+    drafts[0].wrong_trees = 2
+    fixed, chain = core.cfg.policy.fixed_budget, core.cfg.policy.auto_options()[0]
+    assert chain.topk == 1 and fixed.steps > chain.steps and fixed.topk > 1
+    seen = []
+    core.book.record = lambda budget, accepted: seen.append((budget, accepted))  # what the loop records
+    submit(core, "a", [1, 2, 3], max_tokens=40)
+    run_until_idle(core)
+    trees = [accepted for budget, accepted in seen if budget == fixed]
+    chains = [accepted for budget, accepted in seen if budget == chain]
+    assert len(trees) >= 4 and len(chains) == len(trees)
+    assert trees[:2] == chains[:2] == [0, 0]
+    assert all(c == min(t, chain.steps) for t, c in zip(trees, chains, strict=True))
+    assert max(chains) == chain.steps
+
+
 def test_each_step_sends_at_most_one_ingest_call_per_replica(tokenizer):
     core, _, drafts = new_core(tokenizer, mode="always", drafts=2)
     outs = [submit(core, f"r{i}", [5 + i, 11, 13]) for i in range(6)]

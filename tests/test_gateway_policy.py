@@ -16,6 +16,7 @@ from gateway.policy import (
     LoadGate,
     PolicyConfig,
     Rates,
+    chains_would_accept,
     choose_budgets,
     search_budgets,
 )
@@ -308,6 +309,26 @@ def test_trees_that_measure_below_a_dear_profile_correct_it_as_a_mean_would_whil
     assert stalled.ratios[(1, True)] == pytest.approx(0.8 + 0.2 * 4.0)
     stalled.observe(1, 1, [chain], 0.5 * profiled)  # the first below the start: a mean of three
     assert stalled.ratios[(1, True)] == pytest.approx(1.6 + (0.5 - 1.6) / 3)
+
+
+def test_a_verified_tree_says_what_each_chain_would_have_accepted_where_it_can_know():
+    """A chain drafts the tree's main path (the best-scored child at each level): it accepts the main
+    path's accepted prefix, up to its depth; past a main path accepted whole it is unknown."""
+    chain2, chain3, chain6 = DraftBudget(2, 1, 2), DraftBudget(3, 1, 4), DraftBudget(6, 1, 6)
+    tree, wide = DraftBudget(5, 4, 8), DraftBudget(6, 8, 16)
+    options = [chain2, chain3, chain6, tree, wide]
+    # Node: 0 and 1 under the root (0 scores best), 2 and 3 under 0 (3 best), 4 under 3, 5 under 1.
+    parents, scores = [-1, -1, 0, 0, 3, 1], [-0.1, -2.0, -1.5, -0.3, -0.5, -2.5]  # main path: 0, 3, 4
+
+    def chains(accepted: list[int], drafted: DraftBudget = tree) -> dict[DraftBudget, int]:
+        return dict(chains_would_accept(parents, scores, accepted, options, drafted))
+
+    assert chains([0, 3]) == {chain2: 2, chain3: 2, chain6: 2}  # node 4 rejected: every chain stops at 2
+    assert chains([0, 2]) == {chain2: 1, chain3: 1, chain6: 1}  # a side branch: the main path's 3 was rejected
+    assert chains([1, 5]) == {chain2: 0, chain3: 0, chain6: 0}
+    assert chains([0, 3, 4]) == {chain2: 2, chain3: 3}  # the main path accepted whole: deeper is unknown
+    assert chains([0, 3, 4], drafted=chain3) == {chain2: 2}  # the drafted budget is recorded as it ran
+    assert chains_would_accept(parents, [], [0], options, tree) == []  # no scores: nothing inferred
 
 
 def test_a_probe_of_speculation_counts_only_steps_that_had_trees():
