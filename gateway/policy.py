@@ -146,18 +146,18 @@ class CostModel:
 
 
 def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
-    """A learned cost ratio after one more measurement, the `seen + 1`th since the starting value `old`
-    (None: no starting value, the measurement is taken whole). A measurement moves it a fifth of the
-    way, from a value clamped to [0.25, 4], so one step stalled by the host, or the slow first tree of
-    a request, cannot swing it. But a host's noise only adds time: of the first three measurements,
-    those that read below the ratio move it as a mean would (the start counting as one measurement:
-    1/2, 1/3, 1/4 of the way). A profile that a busy host had made too dear for trees otherwise stayed so, since trees
-    it prices out run only as explorations, one or a few per quiet spell, each moving it a fifth. In
-    a CI run of tests/test_gateway_auto_phases.py (2026-12-03) a lone request decoded plainly in 65%
-    of its steps although its trees accepted 2.0 tokens each; on the dev machine a draft call priced
-    at 38 ms (as one CI start-up had profiled it; the emulated call costs 5 ms) left 69-99% of the
-    steps plain in three runs, and 5-9% in three runs with this rule. Too cheap a start corrects
-    itself: the trees it chooses are measured."""
+    """A learned cost ratio after one more measurement, the `seen + 1`th since the starting value `old` (None:
+    no starting value, the measurement is taken whole). A measurement moves it a fifth of the way, from
+    a value clamped to [0.25, 4], so one step stalled by the host, or the slow first tree of a request,
+    cannot swing it. But a host's noise only adds time: of the first three measurements, those that read
+    below the ratio move it as a mean would (the start counting as one measurement: 1/2, 1/3, 1/4 of the
+    way). A profile that a busy host had made too dear for trees otherwise stayed so, since trees it
+    prices out run only as explorations, one or a few per quiet spell, each moving it a fifth. In a CI
+    run of tests/test_gateway_auto_phases.py (2026-12-03) a lone request decoded plainly in 65% of its
+    steps although its trees accepted 2.0 tokens each; on the dev machine a draft call priced at 38 ms
+    (as one CI start-up had profiled it; the emulated call costs 5 ms) left 69-99% of the steps plain in
+    three runs, and 5-9% in three runs with this rule. Too cheap a start corrects itself: the trees it
+    chooses are measured."""
     measured = min(max(measured, 0.25), 4.0)
     if old is None:
         return measured

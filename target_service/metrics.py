@@ -1,14 +1,13 @@
 """The target service's Prometheus metrics, served on `tandem target --metrics-port`.
 
 The servicer records each step with one call (`record_batch`) after the engine
-has returned, outside its lock; the engine knows nothing of metrics. So a
-step's load can be recorded after a later Release's: each load comes with the
-stamp the servicer gave it under its lock, and an older one never overwrites
-a newer one. A step's
-sequences are counted by kind: `verify` (drafted nodes below the fixed chain),
-`prefill` (a new sequence, or more than one fixed token), `decode` (one fixed
-token of a known sequence: plain decoding). Acceptance by draft position: a
-verified tree whose first k drafted tokens were accepted counts once at each
+has returned, outside its lock; the engine knows nothing of metrics. So a step's
+load can be recorded after a later Release's: each load comes with the stamp the
+servicer gave it under its lock, and an older one never overwrites a newer one.
+A step's sequences are counted by kind: `verify` (drafted nodes below the fixed
+chain), `prefill` (a new sequence, or more than one fixed token), `decode` (one
+fixed token of a known sequence: plain decoding). Acceptance by draft position:
+a verified tree whose first k drafted tokens were accepted counts once at each
 position 1..k, so position k's rate per verified tree is
 `accepted_tokens_by_position{position="k"} / sequence_steps{kind="verify"}`.
 """
