@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from draft_service.metrics_http import DraftLoadCollector
+from draft_service.metrics_http import draft_load_collector
 from draft_service.types import DraftItem, DraftLoad, DraftTree, IngestItem
 from tandem.service_metrics import COUNT_BUCKETS, STEP_SECONDS_BUCKETS, new_registry
 
@@ -52,7 +52,7 @@ class DraftMetrics:
                                            "from it, or absent (dropped, or the target unreachable: those "
                                            "positions are caught up without them)", ["source"], registry=r)
         if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
-            r.register(DraftLoadCollector(load))
+            r.register(draft_load_collector(load))
 
     def _record_ingest(self, items: Sequence[IngestItem]) -> None:
         if items:

@@ -12,28 +12,16 @@ While the model loads, neither is reported (a scrape still succeeds).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-from prometheus_client.core import GaugeMetricFamily, Metric
+from collections.abc import Callable
 
 from draft_service.types import DraftLoad
+from tandem.service_metrics import LoadCollector
 
 SEQUENCES = "tandem_draft_sequences"
 KV_USAGE = "tandem_draft_kv_cache_usage_ratio"
 
 
-class DraftLoadCollector:
-    """A Prometheus collector that asks `load` at every scrape; None means still loading."""
-
-    def __init__(self, load: Callable[[], DraftLoad | None]):
-        self.load = load
-
-    def collect(self) -> Iterator[Metric]:
-        load = self.load()
-        if load is None:
-            return
-        yield GaugeMetricFamily(SEQUENCES, "Requests whose draft state this replica holds",
-                                value=load.num_sequences)
-        yield GaugeMetricFamily(KV_USAGE, "Share of this draft replica's KV blocks in use",
-                                value=load.used_blocks / max(load.total_blocks, 1))
-
+def draft_load_collector(load: Callable[[], DraftLoad | None]) -> LoadCollector:
+    """The replica's load gauges, asked of `load` at every scrape; None means still loading."""
+    return LoadCollector(load, (SEQUENCES, "Requests whose draft state this replica holds"),
+                         (KV_USAGE, "Share of this draft replica's KV blocks in use"))

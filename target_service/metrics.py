@@ -1,13 +1,13 @@
 """The target service's Prometheus metrics, served on `tandem target --metrics-port`.
 
 The servicer records each step with one call (`record_batch`) after the engine
-has returned, outside its lock; the engine knows nothing of metrics. So a step's
-load can be recorded after a later Release's: each load comes with the stamp the
-servicer gave it under its lock, and an older one never overwrites a newer one.
-A step's sequences are counted by kind: `verify` (drafted nodes below the fixed
-chain), `prefill` (a new sequence, or more than one fixed token), `decode` (one
-fixed token of a known sequence: plain decoding). Acceptance by draft position:
-a verified tree whose first k drafted tokens were accepted counts once at each
+has returned, outside its lock; the engine knows nothing of metrics. The KV
+gauges (`tandem_target_sequences`, `tandem_target_kv_cache_usage_ratio`) are
+read from the engine at each scrape (tandem.service_metrics.LoadCollector). A
+step's sequences are counted by kind: `verify` (drafted nodes below the fixed chain),
+`prefill` (a new sequence, or more than one fixed token), `decode` (one fixed
+token of a known sequence: plain decoding). Acceptance by draft position: a
+verified tree whose first k drafted tokens were accepted counts once at each
 position 1..k, so position k's rate per verified tree is
 `accepted_tokens_by_position{position="k"} / sequence_steps{kind="verify"}`.
 """
@@ -15,11 +15,12 @@ position 1..k, so position k's rate per verified tree is
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tandem.service_metrics import COUNT_BUCKETS, STEP_SECONDS_BUCKETS, new_registry
+from tandem.service_metrics import COUNT_BUCKETS, STEP_SECONDS_BUCKETS, LoadCollector, new_registry
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import KvLoad
 
@@ -27,7 +28,8 @@ KINDS = ("prefill", "decode", "verify")
 
 
 class TargetMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, load: Callable[[], KvLoad | None] | None = None):
+        """load: the engine's load now, None while the model loads (no load: no KV gauges)."""
         self.registry = registry or new_registry()
         r = self.registry
         self.step_seconds = Histogram("tandem_target_step_seconds", "Engine time of one Step (all its sequences)",
@@ -53,32 +55,16 @@ class TargetMetrics:
         self.pushed_feature_bytes = Counter("tandem_target_pushed_feature_bytes", "Bytes of EAGLE-3 features "
                                             "pushed to the subscriber a step named (SubscribeFeatures), not "
                                             "returned", registry=r)
-        self.kv_usage = Gauge("tandem_target_kv_cache_usage_ratio", "Share of the target's KV blocks in use",
-                              registry=r)
-        self.sequences = Gauge("tandem_target_sequences", "Sequences holding KV on the target", registry=r)
+        if load is not None:
+            r.register(LoadCollector(load, ("tandem_target_sequences", "Sequences holding KV on the target"),
+                                     ("tandem_target_kv_cache_usage_ratio", "Share of the target's KV blocks in use")))
         self._kind = {k: self.sequence_steps.labels(kind=k) for k in KINDS}
         self._committed = {k: self.committed_tokens.labels(kind=k) for k in KINDS}
         self._positions: list = []  # position k -> its child counter, at index k - 1
         self._grow = threading.Lock()  # two Steps may finish together
-        self._load_lock = threading.Lock()
-        self._load_stamp = -1  # the stamp of the load the gauges show
 
-    def record_load(self, load: KvLoad, stamp: int) -> None:
-        """The KV gauges from `load`, unless they show a load taken later (a larger `stamp`). A step's
-        metrics are recorded once its reply has left: on a busy 2-core machine the gateway's Release
-        of a finished request came first, and its step's load then showed the released sequence
-        until the next call (a CI run waited 60 s for `tandem_target_sequences` to read 0)."""
-        with self._load_lock:
-            if stamp < self._load_stamp:
-                return
-            self._load_stamp = stamp
-            self.kv_usage.set(1 - load.free_blocks / max(load.total_blocks, 1))
-            self.sequences.set(load.num_sequences)
-
-    def record_batch(self, batch: StepBatch, results: StepResults, load: KvLoad, seconds: float,
-                     load_stamp: int) -> None:
-        """One step (unary or streamed), from its columns, with array operations; load_stamp: see
-        record_load."""
+    def record_batch(self, batch: StepBatch, results: StepResults, seconds: float) -> None:
+        """One step (unary or streamed), from its columns, with array operations."""
         n = batch.num_nodes.astype(np.int64)
         nf = batch.num_fixed.astype(np.int64)
         accepted = results.num_accepted.astype(np.int64)
@@ -104,7 +90,6 @@ class TargetMetrics:
                     self._position(position).inc(trees)
         if results.features is not None:
             self.feature_bytes.inc(results.features.numel() * results.features.element_size())
-        self.record_load(load, load_stamp)
 
     def _position(self, position: int):
         if len(self._positions) < position:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import queue
 import threading
@@ -82,7 +81,6 @@ class _StepRun:
     batch: StepBatch
     results: StepResults
     load: KvLoad
-    load_stamp: int  # when `load` was taken, in the servicer's order (TargetMetrics.record_load)
     seconds: float
     pushes: list[tuple[str, CommittedRows]]
 
@@ -152,19 +150,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.engine: ParallelEngine | None = None
         # One step at a time: the KV cache and the TP ranks see one command stream.
         self._lock = threading.Lock()
-        self._load_stamps = itertools.count()  # drawn under _lock with each load the metrics get
-
-    def _load(self, engine: ParallelEngine) -> tuple[KvLoad, int]:
-        """The engine's load and its stamp; call under _lock."""
-        return engine.load(), next(self._load_stamps)
-
-    def publish_load(self) -> KvLoad:
-        """The engine's load now, recorded in the metrics (at start-up: the gauges before any call)."""
-        with self._lock:
-            load, stamp = self._load(self._ready())
-        if self.metrics is not None:
-            self.metrics.record_load(load, stamp)
-        return load
 
     def _ready(self) -> ParallelEngine:
         if self.engine is None:
@@ -202,9 +187,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 results, pushes = self._keep_features(results, sinks)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
-            load, stamp = self._load(engine)
+            load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
-        return _StepRun(batch, results, load, stamp, seconds, pushes)
+        return _StepRun(batch, results, load, seconds, pushes)
 
     def _keep_features(self, results: StepResults, sinks: list[str | None] | None
                        ) -> tuple[StepResults, list[tuple[str, CommittedRows]]]:
@@ -235,7 +220,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._push(run.pushes)
         try:
             if self.metrics is not None:
-                self.metrics.record_batch(run.batch, run.results, run.load, run.seconds, run.load_stamp)
+                self.metrics.record_batch(run.batch, run.results, run.seconds)
         except Exception:
             log.exception("after a step's reply: recording its metrics failed")
 
@@ -282,9 +267,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             t0 = time.perf_counter()
             for granted in granted_steps:
                 now = time.perf_counter()
-                load, stamp = self._load(engine)
+                load = engine.load()
                 if self.metrics is not None and granted.results is not None:
-                    self.metrics.record_batch(granted.batch, granted.results, load, now - t0, stamp)
+                    self.metrics.record_batch(granted.batch, granted.results, now - t0)
                 yield granted, load, now - t0
                 t0 = time.perf_counter()
 
@@ -341,10 +326,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         engine = self._ready()
         with self._lock:
             n = engine.release(list(request.request_ids))
-            load, stamp = self._load(engine)
+            load = engine.load()
         self.held_features.release(list(request.request_ids))
-        if self.metrics is not None:
-            self.metrics.record_load(load, stamp)
         return target_pb2.ReleaseResponse(released=n, load=load_to_proto(load))
 
     @map_errors
@@ -450,7 +433,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --tp must be >= 1")
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("target", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
-    metrics = TargetMetrics() if args.metrics_port is not None else None
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
                                                                  else "float32"),
                       device=args.device, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -459,8 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                       graph_max_batch=args.graph_max_batch, batch_invariant=args.deterministic)
     if args.max_held_features < 1:
         raise SystemExit("error: --max-held-features must be >= 1")
-    servicer = TargetServicer(Path(args.model).resolve(), pacing, metrics, args.max_held_features)
-    if metrics is not None:
+    servicer = TargetServicer(Path(args.model).resolve(), pacing, None, args.max_held_features)
+    if args.metrics_port is not None:
+        metrics = servicer.metrics = TargetMetrics(
+            load=lambda: None if servicer.engine is None else servicer.engine.load())
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
                                                                             args.metrics_port))
     host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
@@ -477,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         host.stop(0)
         raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
-    load = servicer.publish_load()
+    load = servicer.engine.load()
     log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
     compiles.mark_serving()
     if pacing is not None:

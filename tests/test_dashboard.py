@@ -9,6 +9,7 @@ from draft_service.metrics import DraftMetrics
 from draft_service.types import DraftLoad
 from gateway.metrics import GatewayMetrics
 from target_service.metrics import TargetMetrics
+from target_service.types import KvLoad
 from tests.services import REPO
 
 DASHBOARD = REPO / "deploy" / "grafana" / "tandem-dashboard.json"
@@ -17,9 +18,10 @@ SERIES_SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 
 def exported_families() -> dict[str, str]:
     """Every metric family the three services register: name -> counter, gauge or histogram."""
-    # The draft's load gauges are read at scrape time: give them a load to read.
+    # The services' load gauges are read at scrape time: give them a load to read.
     draft = DraftMetrics(load=lambda: DraftLoad(num_sequences=1, block_size=16, total_blocks=8, free_blocks=4))
-    return {family.name: family.type for metrics in (GatewayMetrics(), TargetMetrics(), draft)
+    target = TargetMetrics(load=lambda: KvLoad(num_sequences=1, block_size=16, total_blocks=8, free_blocks=4))
+    return {family.name: family.type for metrics in (GatewayMetrics(), target, draft)
             for family in metrics.registry.collect()}
 
 

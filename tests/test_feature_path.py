@@ -156,7 +156,7 @@ def test_a_steps_features_are_pushed_once_its_reply_has_left_and_what_follows_it
     resubscribed = servicer.feature_sinks.subscribe("live")
     batch = StepBatch.from_items([SequenceStep.chain(rid, (1,)) for rid in ("a", "b", "c")])
     load = KvLoad(num_sequences=3, block_size=16, total_blocks=8, free_blocks=8)
-    servicer._after_reply(_StepRun(batch=batch, results=light, load=load, load_stamp=0, seconds=0.001, pushes=pushes))
+    servicer._after_reply(_StepRun(batch, light, load, 0.001, pushes))
     resubscribed.close()
     assert [[r.request_id for r in batch] for batch in resubscribed] == [["a"]]  # one batch for the step
     assert "broken metrics" in caplog.text

@@ -31,25 +31,25 @@ class HeldSequences:
 
 def test_a_steps_metrics_recorded_after_a_later_release_do_not_bring_back_the_released_sequence():
     """A step's metrics are recorded once its reply has left; the gateway may have released the
-    request by then. The gauges keep the later load (a CI run waited 60 s for a stale 1)."""
-    metrics = TargetMetrics()
+    request by then. The gauges show the load at the scrape (a CI run waited 60 s for a stale 1)."""
+    engine = HeldSequences({"a"})
+    metrics = TargetMetrics(load=engine.load)
     servicer = TargetServicer(Path("."), metrics=metrics)
-    servicer.engine = HeldSequences({"a"})
-    with servicer._lock:  # the step's load, taken under the lock as _run takes it
-        load, stamp = servicer._load(servicer.engine)
+    servicer.engine = engine
+
+    def gauge(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
     step = _StepRun(batch=StepBatch.from_items([SequenceStep.chain("a", (1,))]),
                     results=StepResults(request_ids=("a",), num_accepted=np.zeros(1, np.int32),
                                         accepted_nodes=np.zeros((1, 1), np.int32),
                                         new_tokens=np.zeros((1, 1), np.int32), logprobs=np.zeros((1, 1), np.float32),
                                         num_committed=np.array([5])),
-                    load=load, load_stamp=stamp, seconds=0.001, pushes=[])
+                    load=engine.load(), seconds=0.001, pushes=[])
     reply = servicer.Release(target_pb2.ReleaseRequest(request_ids=["a"]), None)
-    assert reply.released == 1 and metrics.sequences._value.get() == 0
+    assert reply.released == 1 and gauge("tandem_target_sequences") == 0
     servicer._after_reply(step)  # the step's metrics, late
-    assert metrics.sequences._value.get() == 0 and metrics.kv_usage._value.get() == 0
-    assert metrics.step_seconds._sum.get() > 0  # the step itself was recorded
-    servicer.engine.request_ids.add("b")  # a later step's load is shown
-    with servicer._lock:
-        load, stamp = servicer._load(servicer.engine)
-    metrics.record_load(load, stamp)
-    assert metrics.sequences._value.get() == 1
+    assert gauge("tandem_target_sequences") == 0 and gauge("tandem_target_kv_cache_usage_ratio") == 0
+    assert gauge("tandem_target_step_seconds_sum") > 0  # the step itself was recorded
+    engine.request_ids.add("b")  # a later step's load is shown
+    assert gauge("tandem_target_sequences") == 1
