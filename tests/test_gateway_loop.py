@@ -299,10 +299,8 @@ def test_each_step_sends_at_most_one_ingest_call_per_replica(tokenizer):
     while core.running or core.waiting:
         before = [len(d.ingest_calls) for d in drafts]
         core._step()
-        for d in drafts:  # the replica workers drain their queues
-            d.lock.acquire()
-            d.lock.release()
-        time.sleep(0.005)
+        for replica in core.pool.replicas:  # the replica workers finish what the step queued (FIFO)
+            replica.submit(lambda: None).result()
         ingest_calls_per_step.append([len(d.ingest_calls) - b for d, b in zip(drafts, before)])
         core._take_inbox()
     assert max(max(calls) for calls in ingest_calls_per_step) == 1
