@@ -33,6 +33,7 @@ from kernels.topk import warm_up as warm_up_top_k
 from kernels.tree_attention import warm_up
 from tandem import telemetry
 from tandem.errors import Unavailable
+from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.layers import DTYPES
 from tandem.load_proto import load_to_proto
@@ -321,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
-    compiles = CompileWatch(log)
+    compiles, collections = CompileWatch(log), GcWatch(log)
     compiles.install()
+    collections.install()
     try:
         servicer.engine = build_engine(args)
     except Exception as exc:
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         servicer.forcing = ForcedProposals(forcing, records, info.target_vocab_size)
         log.info("forcing proposals to %d recorded outputs at acceptance %.2f (benchmark scale track)",
                  len(records), forcing.acceptance)
+    collections.ready()
     log.info("ready: target feature layers %s (%s), %d KV blocks of %d tokens", list(info.feature_layers),
              f"read from the target at {args.target}" if args.target else "sent by the gateway",
              load.total_blocks, load.block_size)

@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.grpc_api import SERVICE_NAME, add_generation_service
     from gateway.openai_api import create_app
     from gateway.tracing import instrument_app, setup_tracing
+    from tandem.gc_pauses import GcWatch
     from tandem.grpc_auth import ApiKeyInterceptor
     from tandem.grpc_host import ServiceHost
 
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --target-wait must be >= 0 seconds")
 
     setup_tracing(args.otlp_endpoint)
+    collections = GcWatch(log)
+    collections.install()
     try:
         source = parse_draft_source(args.draft, args.draft_resolve_interval)
     except ValueError as exc:
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     def start_core() -> None:
         try:
             core.start()
+            collections.ready()  # after the profile: its objects are frozen too
             if source.dynamic:
                 core.pool.follow(source.resolve, source.interval_s)
             # gRPC health follows the core from now on: NOT_SERVING while the target is lost or draining.

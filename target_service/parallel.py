@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from kernels.tree_attention import warm_up
 from tandem.errors import InvalidArgument, ResourceExhausted
+from tandem.gc_pauses import GcWatch
 from tandem.layers import DTYPES
 from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
@@ -195,8 +196,11 @@ def _destroy_group(timeout: float, who: str) -> None:
 def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
     setup_logging(f"target-rank{rank}")  # a spawned process starts with no logging setup
+    collections = GcWatch(log)  # a pause on any rank stalls every rank at the next collective
+    collections.install()
     group = _init_group(rank, world, rendezvous, spec.device)
     engine = build_engine(spec, ParallelSpec(rank, world))
+    collections.ready()
     dist.barrier(group=group)
     while True:
         try:

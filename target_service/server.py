@@ -20,6 +20,7 @@ from tandem import telemetry
 from tandem.errors import InvalidArgument, Unavailable
 from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
+from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
@@ -454,14 +455,16 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
-    compiles = CompileWatch(log)
+    compiles, collections = CompileWatch(log), GcWatch(log)
     compiles.install()
+    collections.install()
     try:
         servicer.engine = ParallelEngine(spec, args.tp)
     except Exception as exc:
         host.stop(0)
         raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
     load = servicer.engine.load()
+    collections.ready()
     log.info("ready: %d KV blocks of %d tokens", load.total_blocks, load.block_size)
     compiles.mark_serving()
     if pacing is not None:
