@@ -99,10 +99,10 @@
 #            then the scale track
 # DEADLINE_S (seconds from the start) caps every run's timeout so that the results are packed before the
 # device call's own limit; a run with under 30 s left is skipped.
-# Carried wheels (.whl: grpcio 1.85, FastAPI, ...) are installed into /tmp/site first. The device tool refused
-# the working tree with the wheels as over its 64 MiB (2026-12-02; without them it passed): stages that need no
-# wheels (wide, linear, engine timings) run without them; for the others, move the tracked bench/results/ (36 MB,
-# read by no stage) out of the tree for the call and back after it.
+# Carried wheels (.whl: grpcio 1.85, FastAPI, ...; `bash bench/h200_wheels.sh` fetches them) are installed into
+# /tmp/site first. The device tool refused the working tree with the wheels as over its 64 MiB (2026-12-02; without
+# them it passed): stages that need no wheels (wide, linear, engine timings) run without them; for the others, move
+# the tracked bench/results/ (41 MB, read by no stage) out of the tree for the call and back after it.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_out}
