@@ -511,9 +511,16 @@ class GatewayCore:
         # An exploration tree is no choice to speculate: it counts as a quiet step, so a draft that
         # is never right still leaves its requests dormant (one tree per wake, not one per
         # QUIET_STEPS steps, and features flowing all the while). Trees the figures then choose reset it.
+        # Only auto's own trees do: an `always` request's tree says nothing of whether trees pay, and
+        # counting it woke every auto request of that load. On the H200 each `always` level of an
+        # interleaved bench reset the lone request's schedule, so the next auto level began with 14-16
+        # fed, ungranted steps and a wake-up 128 steps later (at 0.6: 8.4-11.6 ms a fed step against
+        # 4.8-5.2 granted, 6% of the level; 2026-12-03), and a client asking for `always` would keep
+        # every auto request beside it awake.
         sched = self._wake_schedule_for(len(plan.items))
-        if any(not plan.budgets.get(it.request.request_id, NO_SPEC).empty
-               and not (self._explored and self._mode(it.request) == SpecMode.AUTO) for it in plan.items):
+        if not self._explored and any(
+                self._mode(it.request) == SpecMode.AUTO and not plan.budgets.get(it.request.request_id, NO_SPEC).empty
+                for it in plan.items):
             sched.speculating(self.WAKE_EVERY)
         elif sched.quiet >= self.QUIET_STEPS or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)

@@ -893,11 +893,16 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     assert core._dormancy.wake_every >= 8 * core.WAKE_EVERY
     # A step with a tree the figures chose (not an exploration) resets the schedule.
     core._dormancy.spell_start, core._dormancy.quiet = 600, 700
-    plan = SimpleNamespace(items=[SimpleNamespace(request=SimpleNamespace(request_id="r"), is_decode=True)],
+    plan = SimpleNamespace(items=[SimpleNamespace(request=_stub_request("r"), is_decode=True)],
                            budgets={"r": DraftBudget(3, 1, 3)})
     core._explored = False
     core._track_quiet(plan)
     assert (core._dormancy.quiet, core._dormancy.spell_start, core._dormancy.wake_every) == (0, 0, core.WAKE_EVERY)
+
+
+def _stub_request(key: str, mode: SpecMode | None = None) -> SimpleNamespace:
+    """What GatewayCore._track_quiet reads of a request: its id and its mode (None: the gateway's)."""
+    return SimpleNamespace(request_id=key, params=SimpleNamespace(speculation=mode))
 
 
 def test_trees_at_one_load_leave_the_wake_schedule_of_another_load_as_it_was(tokenizer):
@@ -911,7 +916,7 @@ def test_trees_at_one_load_leave_the_wake_schedule_of_another_load_as_it_was(tok
     def plan_of(seqs: int, trees: bool) -> SimpleNamespace:
         keys = [f"r{i}" for i in range(seqs)]
         budget = DraftBudget(3, 1, 3) if trees else DraftBudget(0, 0, 0)
-        return SimpleNamespace(items=[SimpleNamespace(request=SimpleNamespace(request_id=key), is_decode=True)
+        return SimpleNamespace(items=[SimpleNamespace(request=_stub_request(key), is_decode=True)
                                       for key in keys], budgets=dict.fromkeys(keys, budget))
 
     alone = core._wake_schedule_for(1)
@@ -926,6 +931,43 @@ def test_trees_at_one_load_leave_the_wake_schedule_of_another_load_as_it_was(tok
     assert core._asleep_at(alone.quiet), "the lone request woke with the trees of another load"
     core._dormancy = four
     assert not core._asleep_at(four.quiet)
+
+
+def test_an_always_requests_trees_leave_the_auto_wake_schedule_as_it_was(tokenizer):
+    """Only auto's own chosen trees wake auto's requests: an `always` request drafts every step
+    whatever the figures say, so its trees are no verdict on whether trees pay at that load."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    core._explored = False
+    alone = core._wake_schedule_for(1)
+    alone.quiet, alone.spell_start, alone.wake_every = 700, 600, 8 * core.WAKE_EVERY
+    always_tree = SimpleNamespace(items=[SimpleNamespace(request=_stub_request("a", SpecMode.ALWAYS), is_decode=True)],
+                                  budgets={"a": DraftBudget(3, 1, 3)})
+    core._track_quiet(always_tree)
+    assert (alone.spell_start, alone.wake_every) == (600, 8 * core.WAKE_EVERY) and alone.quiet >= 700
+    auto_tree = SimpleNamespace(items=[SimpleNamespace(request=_stub_request("b"), is_decode=True)],
+                                budgets={"b": DraftBudget(3, 1, 3)})
+    core._track_quiet(auto_tree)
+    assert (alone.quiet, alone.spell_start, alone.wake_every) == (0, 0, core.WAKE_EVERY)
+
+
+def test_an_auto_request_beside_an_always_one_still_goes_dormant_where_its_trees_do_not_pay(tokenizer):
+    """Mixed modes in one batch (`speculation` is a request field): the `always` request drafts every
+    step; the auto one, whose trees never pay, stops feeding its draft after its quiet spell. Until
+    2026-12-03 the `always` trees kept it awake: features every step for nothing."""
+    core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+    drafts[0].wrong_trees = 10**6  # no tree is ever right: auto's figures decline trees
+    price_as_the_emulated_ci_track(core)
+    plain = submit(core, "auto", [4, 5, 6], max_tokens=100)
+    drafted = submit(core, "always", [7, 8, 9], max_tokens=100, speculation="always")
+    run_until_idle(core)
+    assert tokens_of(plain) == expected([4, 5, 6], 100) and tokens_of(drafted) == expected([7, 8, 9], 100)
+    assert drafted[-1].spec.verify_steps > 0
+    # Its steps in order, whether each asked the target for features: a quiet spell (fed) once its
+    # draft has the prompt, then dormant to the end (the next wake-up is WAKE_EVERY quiet steps away).
+    auto_fed = "".join("F" if item.return_features else "." for step in target.steps for item in step
+                       if item.request_id == "auto")
+    assert "F" in auto_fed and len(auto_fed) >= 100, auto_fed
+    assert "F" not in auto_fed[-40:], f"the auto request kept feeding its draft beside the always one: {auto_fed}"
 
 
 # Its verdict rests on measured step times (paced sleeps of 6 and 2 ms): once, in two workers beside
