@@ -39,6 +39,7 @@ from gateway.policy import (
     LoadGate,
     PolicyConfig,
     batch_bucket,
+    bucket_range,
     chains_would_accept,
     choose_budgets,
     search_budgets,
@@ -893,7 +894,7 @@ class GatewayCore:
         # Only decode steps measure what the policy chooses between: prefill work in a step
         # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
         decode = all(it.is_decode for it in outcome.items)
-        seqs = len(outcome.items)
+        seqs, committed = len(outcome.items), sum(len(res.tokens) for res in outcome.results)
         # A plain step that fed the draft belongs to neither arm: plain decoding, as `never` runs it,
         # feeds nothing and is granted. (Such steps had the gate read plain decoding at 0.7x `never`;
         # and while the cost model learned from them too, it priced plain decoding at 0.38-0.56x of
@@ -908,8 +909,10 @@ class GatewayCore:
         if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
                       "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),
-                      outcome.granted, outcome.fed_draft, decode, sum(len(res.tokens) for res in outcome.results),
-                      1000 * seconds, self._dormancy.quiet, sum(len(q) for q in self._ingest_queue.values()))
+                      outcome.granted, outcome.fed_draft, decode, committed, 1000 * seconds, self._dormancy.quiet,
+                      sum(len(q) for q in self._ingest_queue.values()))
+        if decode:
+            self.metrics.record_decode_step(bucket_range(batch_bucket(seqs)), bool(outcome.trees), committed, seconds)
         if decode and outcome.fed_draft and not outcome.trees and not plan.draft_captured:
             self.costs.observe_fed(sum(len(it.tokens) for it in outcome.items), seqs, seconds)
         if arm_step:
@@ -920,7 +923,6 @@ class GatewayCore:
             budgets = [plan.budgets[rid] for rid in outcome.trees]
             self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
         if decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
-            committed = sum(len(res.tokens) for res in outcome.results)
             self.gate.spend(seqs, committed, seconds)  # a probe's whole cost, its unrecorded steps too
             sched = self._wake_schedule_for(len(plan.items))
             if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up

@@ -113,6 +113,17 @@ class GatewayMetrics:
         self.step_kind = {k: kinds.labels(kind=k) for k in ("granted", "plain", "fed", "trees", "prefill")}
         self.granted_steps = Counter("tandem_granted_steps", "Target steps run inside plain-decode grants "
                                      "(the target fed its own tokens forward)", registry=r)
+        # What each mode's decoding delivered at the gateway, per batch bucket: the audit's predictions are
+        # for decode steps, while a client's rate after its first token also waits on the prompt chunks of
+        # requests that join (at 64 requests on the H200, `never` delivered 0.65-0.75x the rate the load gate
+        # measured for auto's plain decode steps in the same rounds, 2026-12-03), so `tandem bench` sets the
+        # predictions beside these too.
+        self.decode_step_seconds = Counter("tandem_decode_step_seconds", "Wall time of decode steps (no prompt "
+                                           "chunk in them), every mode's, by batch bucket and arm (trees or "
+                                           "plain)", ["arm", "sequences"], registry=r)
+        self.decode_step_committed = Counter("tandem_decode_step_committed_tokens", "Tokens committed by decode "
+                                             "steps, every mode's, by batch bucket and arm (trees or plain)",
+                                             ["arm", "sequences"], registry=r)
         # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens of finished requests, by "
                                          "the request's speculation mode", ["speculation"], registry=r)
@@ -143,6 +154,12 @@ class GatewayMetrics:
             self.registry.register(self._audit)
         else:
             self._audit.audit = audit
+
+    def record_decode_step(self, sequences: str, trees: bool, committed: int, seconds: float) -> None:
+        """One decode step of any mode: `sequences` is its batch bucket's label ("16-31")."""
+        arm = "trees" if trees else "plain"
+        self.decode_step_seconds.labels(arm=arm, sequences=sequences).inc(seconds)
+        self.decode_step_committed.labels(arm=arm, sequences=sequences).inc(committed)
 
     def record_finished(self, model_name: str, prompt_tokens: int, completion_tokens: int) -> None:
         labels = {"model_name": model_name, "engine": "0"}

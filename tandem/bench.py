@@ -15,10 +15,12 @@ round and the medians, and auto / max(never, always) per round and on the median
 
 Each level also reports the rate at which its requests decode (concurrency x a
 request's tokens after the first over its time after the first token: what a
-step's goodput compares with, prefill left out) and, for `auto`, the policy's
-audit over the level at the level's batch bucket: what its cost model predicted
-for trees and for plain decoding, and what the load gate measured each arm's
-steps deliver, read from the gateway's /metrics before and after the level.
+step's goodput compares with, prefill left out), the rate of its decode steps
+alone as the gateway timed them at the level's batch bucket (steps that carry a
+joining request's prompt chunk left out too), and, for `auto`, the policy's
+audit over the level at that bucket: what its cost model predicted for trees
+and for plain decoding, and what the load gate measured each arm's steps
+deliver, read from the gateway's /metrics before and after the level.
 """
 
 from __future__ import annotations
@@ -66,9 +68,13 @@ class LevelResult:
     itl_p99_s: float
     acceptance_length: float | None
     decode_tok_s: float = 0.0  # concurrency x mean of (tokens - 1) / (seconds - ttft): prefill left out
-    # auto's audit over the level (read_policy_sums): per arm ("trees", "plain"), the mean predicted
+    # auto's audit over the level (read_level_sums): per arm ("trees", "plain"), the mean predicted
     # and the measured goodput in tok/s (None where there were none); None when /metrics was unread.
     audit: dict[str, dict[str, float | None]] | None = None
+    # The level's decode steps alone, as the gateway timed them at the level's batch bucket (tokens they
+    # committed over their seconds, any arm): the rate the audit's predictions are for, with the prompt
+    # chunks of joining requests left out (decode_tok_s waits on them). None when /metrics was unread.
+    decode_steps_tok_s: float | None = None
     round: int = 1  # which of --rounds this level was, from 1
 
 
@@ -171,11 +177,15 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
         concurrency * statistics.mean(decoding) if decoding else 0.0)
 
 
-# The gateway's running sums of auto's audit (gateway/metrics.py, _PolicyAudit).
+# The gateway's running sums of auto's audit (gateway/metrics.py, _PolicyAudit), and of every mode's
+# decode steps (GatewayMetrics.record_decode_step), each by arm and batch bucket.
 PREDICTIONS = "tandem_policy_predictions_total"
 PREDICTED = "tandem_policy_predicted_goodput_total"
 COMMITTED = "tandem_policy_arm_committed_tokens_total"
 SECONDS = "tandem_policy_arm_step_seconds_total"
+DECODE_COMMITTED = "tandem_decode_step_committed_tokens_total"
+DECODE_SECONDS = "tandem_decode_step_seconds_total"
+LEVEL_SUMS = (PREDICTIONS, PREDICTED, COMMITTED, SECONDS, DECODE_COMMITTED, DECODE_SECONDS)
 
 
 def level_bucket(concurrency: int) -> str:
@@ -186,21 +196,21 @@ def level_bucket(concurrency: int) -> str:
     return f"{low}-{2 * low - 1}"
 
 
-def read_policy_sums(url: str, sequences: str) -> dict[tuple[str, str], float] | None:
-    """auto's audit sums from the gateway's /metrics, per (sample name, arm), in one batch bucket;
-    None where /metrics cannot be read (a gateway that guards it with its API key, say)."""
+def read_level_sums(url: str, sequences: str) -> dict[tuple[str, str], float] | None:
+    """The audit's and the decode steps' sums from the gateway's /metrics, per (sample name, arm), in one
+    batch bucket; None where /metrics cannot be read (a gateway that guards it with its API key, say)."""
     try:
         response = httpx.get(f"{url}/metrics", timeout=10)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
         return None
-    return policy_sums(response.text, sequences)
+    return level_sums(response.text, sequences)
 
 
-def policy_sums(exposition: str, sequences: str) -> dict[tuple[str, str], float]:
-    """auto's audit sums in a Prometheus text exposition, per (sample name, arm), in the batch bucket
-    `sequences` ("64-127"). A level's other buckets are its ramp-up and drain: summed with its own
+def level_sums(exposition: str, sequences: str) -> dict[tuple[str, str], float]:
+    """The audit's and the decode steps' sums in a Prometheus text exposition, per (sample name, arm), in
+    the batch bucket `sequences` ("64-127"). A level's other buckets are its ramp-up and drain: summed with its own
     (2026-12-03, H200, 64 requests), they made the mean prediction a mix of a few plans at 64 requests
     (the gate had chosen plain decoding: one dormant plan in 16 predicts, and a grant is one plan) and
     every plan of the last few requests, and plain decoding read 0.33x `never`, where the 64-127 bucket
@@ -208,7 +218,7 @@ def policy_sums(exposition: str, sequences: str) -> dict[tuple[str, str], float]
     sums: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            if sample.name in (PREDICTIONS, PREDICTED, COMMITTED, SECONDS) and sample.labels["sequences"] == sequences:
+            if sample.name in LEVEL_SUMS and sample.labels.get("sequences") == sequences:
                 key = (sample.name, sample.labels["arm"])
                 sums[key] = sums.get(key, 0.0) + sample.value
     return sums
@@ -229,6 +239,19 @@ def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[s
         out[arm] = {"predicted": grew(PREDICTED, arm) / predictions if predictions > 0 else None,
                     "measured": grew(COMMITTED, arm) / seconds if seconds > 0 else None}
     return out
+
+
+def level_decode_steps(before: dict[tuple[str, str], float] | None, after: dict[tuple[str, str], float] | None
+                       ) -> float | None:
+    """The tok/s of the level's decode steps, both arms together (None: /metrics unread, or no such step)."""
+    if before is None or after is None:
+        return None
+
+    def grew(name: str) -> float:
+        return sum(after.get((name, arm), 0.0) - before.get((name, arm), 0.0) for arm in ("trees", "plain"))
+
+    seconds = grew(DECODE_SECONDS)
+    return grew(DECODE_COMMITTED) / seconds if seconds > 0 else None
 
 
 def print_table(rows: list[LevelResult]) -> None:
@@ -266,23 +289,27 @@ def print_audit(rows: list[LevelResult]) -> None:
     if not audited:
         return
     decode = {(r.mode, r.concurrency, r.round): r.decode_tok_s for r in rows}
+    steps = {(r.mode, r.concurrency, r.round): r.decode_steps_tok_s for r in rows}
 
     def cell(value: float | None) -> str:
         return f"{value:10.1f}" if value else f"{'-':>10}"
 
     print("\nauto's audit, tok/s while decoding, at the level's batch bucket: the policy's mean prediction and the"
           "\ngate's measurement per arm,"
-          "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token);"
-          "\n'cfg pred': the configured tree for every auto request, as `always` drafts it (set it beside `always`)")
+          "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token)"
+          "\nand its decode steps alone as the gateway timed them ('steps': no prompt chunk of a joining request,"
+          "\nas the predictions assume); 'cfg pred': the configured tree for every auto request, as `always` drafts"
+          "\nit (set it beside `always`)")
     print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'cfg pred':>10} {'always':>10} "
-          f"{'plain pred':>10} {'plain meas':>10} {'never':>10} {'auto':>10}")
+          f"{'steps':>10} {'plain pred':>10} {'plain meas':>10} {'never':>10} {'steps':>10} {'auto':>10}")
     for r in audited:
         trees, plain = r.audit["trees"], r.audit["plain"]
         configured = r.audit.get("configured_tree", {}).get("predicted")  # absent in runs before it existed
+        level = (r.concurrency, r.round)
         print(f"{r.concurrency:>5} {r.round:>5} {cell(trees['predicted'])} {cell(trees['measured'])} "
-              f"{cell(configured)} {cell(decode.get(('always', r.concurrency, r.round)))} "
+              f"{cell(configured)} {cell(decode.get(('always', *level)))} {cell(steps.get(('always', *level)))} "
               f"{cell(plain['predicted'])} {cell(plain['measured'])} "
-              f"{cell(decode.get(('never', r.concurrency, r.round)))} {cell(r.decode_tok_s)}")
+              f"{cell(decode.get(('never', *level)))} {cell(steps.get(('never', *level)))} {cell(r.decode_tok_s)}")
 
 
 def plot(rows: list[LevelResult], path: Path, title: str) -> None:
@@ -423,11 +450,13 @@ def main(argv: list[str] | None = None) -> int:
             for conc, round_number, mode in schedule:
                 n = args.requests_per_level or max(4, args.requests_per_slot * conc)
                 bar.set_postfix(mode=mode, concurrency=conc, round=round_number)
-                before = read_policy_sums(url, level_bucket(conc)) if mode == "auto" else None
+                before = read_level_sums(url, level_bucket(conc))
                 rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
+                after = read_level_sums(url, level_bucket(conc))
                 rows[-1].round = round_number
+                rows[-1].decode_steps_tok_s = level_decode_steps(before, after)
                 if mode == "auto":
-                    rows[-1].audit = level_audit(before, read_policy_sums(url, level_bucket(conc)))
+                    rows[-1].audit = level_audit(before, after)
                 bar.update()
     finally:
         if proc is not None:

@@ -52,13 +52,13 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
 
     from gateway.metrics import GatewayMetrics
     from gateway.policy import LoadGate, Rates, batch_bucket, bucket_range
-    from tandem.bench import level_audit, level_bucket, policy_sums
+    from tandem.bench import level_audit, level_bucket, level_sums
 
     gate, metrics = LoadGate(), GatewayMetrics()
     metrics.watch_policy(gate.audit)
 
     def scrape(concurrency: int) -> dict[tuple[str, str], float]:
-        return policy_sums(generate_latest(metrics.registry).decode(), level_bucket(concurrency))
+        return level_sums(generate_latest(metrics.registry).decode(), level_bucket(concurrency))
 
     gate.predict(9, Rates(plain=900.0, trees=1500.0))
     gate.record(9, False, 9, 0.01)
@@ -80,6 +80,46 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
         "configured_tree": {"predicted": None, "measured": None}}
     assert level_audit(None, scrape(9)) is None  # /metrics unread: no audit
     assert all(level_bucket(n) == bucket_range(batch_bucket(n)) for n in range(1, 300))
+
+
+def test_a_levels_decode_steps_are_what_the_gateway_timed_at_its_bucket_between_two_scrapes():
+    """Every mode's decode steps, both arms together, at the level's batch bucket only: the rate the
+    audit's predictions are for (a client's rate also waits on joining requests' prompt chunks)."""
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+    from tandem.bench import level_bucket, level_decode_steps, level_sums
+
+    metrics = GatewayMetrics()
+
+    def scrape(concurrency: int) -> dict[tuple[str, str], float]:
+        return level_sums(generate_latest(metrics.registry).decode(), level_bucket(concurrency))
+
+    metrics.record_decode_step("64-127", trees=False, committed=64, seconds=0.01)  # before the level
+    before = scrape(64)
+    metrics.record_decode_step("64-127", trees=False, committed=64, seconds=0.006)
+    metrics.record_decode_step("64-127", trees=True, committed=160, seconds=0.024)
+    metrics.record_decode_step("32-63", trees=False, committed=40, seconds=0.001)  # the drain: not the level's
+    assert level_decode_steps(before, scrape(64)) == pytest.approx((64 + 160) / (0.006 + 0.024))
+    assert level_decode_steps(scrape(64), scrape(64)) is None  # no decode step in between
+    assert level_decode_steps(None, scrape(64)) is None  # /metrics unread
+
+
+def test_the_audit_sets_the_predictions_beside_what_each_mode_delivered_and_its_decode_steps(capsys):
+    from tandem.bench import LevelResult, print_audit
+
+    def level(mode: str, decode: float, steps: float | None, audit=None) -> LevelResult:
+        return LevelResult(mode=mode, concurrency=64, requests=256, total_tok_s=decode / 2, tok_s_per_request=1.0,
+                           ttft_p50_s=0.1, itl_p50_s=0.006, itl_p99_s=0.03, acceptance_length=None,
+                           decode_tok_s=decode, decode_steps_tok_s=steps, audit=audit)
+
+    audit = {"trees": {"predicted": 6000.0, "measured": None}, "plain": {"predicted": 10600.0, "measured": 10100.0},
+             "configured_tree": {"predicted": 5000.0, "measured": None}}
+    print_audit([level("never", 6700.0, 10300.0), level("always", 3800.0, 5100.0),
+                 level("auto", 7600.0, 10250.0, audit)])
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row == ["64", "1", "6000.0", "-", "5000.0", "3800.0", "5100.0", "10600.0", "10100.0", "6700.0",
+                   "10300.0", "7600.0"]
 
 
 def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_first_level():

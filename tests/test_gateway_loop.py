@@ -529,6 +529,28 @@ def test_every_target_step_is_counted_once_under_its_kind(tokenizer):
     assert kinds["trees"] == core.metrics.num_drafts._value.get()
 
 
+def test_every_modes_decode_steps_are_timed_per_batch_bucket_and_arm_and_prefills_are_not(tokenizer):
+    """tandem_decode_step_*: what `tandem bench` sets beside the audit's predictions, for `never` and
+    `always` as for auto. Steps that carry a prompt chunk are no decode steps."""
+    def decode_sums(core, arm: str, sequences: str) -> tuple[float, float]:
+        labels = {"arm": arm, "sequences": sequences}
+        return (core.metrics.decode_step_committed.labels(**labels)._value.get(),
+                core.metrics.decode_step_seconds.labels(**labels)._value.get())
+
+    core, _, _ = new_core(tokenizer, mode="never", grant_steps=8)
+    submit(core, "n", [20, 1], max_tokens=12)
+    run_until_idle(core)
+    committed, seconds = decode_sums(core, "plain", "1-1")
+    assert committed == 11 and seconds > 0  # the first token comes with the prefill step
+    assert decode_sums(core, "trees", "1-1") == (0, 0)
+
+    core, _, _ = new_core(tokenizer, mode="always")
+    submit(core, "a", [20, 1], max_tokens=12)
+    run_until_idle(core)
+    committed, seconds = decode_sums(core, "trees", "1-1")
+    assert committed == 11 - decode_sums(core, "plain", "1-1")[0] and committed > 0 and seconds > 0
+
+
 def test_a_stop_string_inside_a_grant_ends_it_and_the_text_is_cut_as_without_grants(tokenizer):
     texts = {}
     for k in (1, 8):
