@@ -229,15 +229,11 @@ def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[s
     """Per arm, the mean prediction over the level's steps and the goodput its measured steps delivered."""
     if before is None or after is None:
         return None
-
-    def grew(name: str, arm: str) -> float:
-        return after.get((name, arm), 0.0) - before.get((name, arm), 0.0)
-
     out = {}
     for arm in ("trees", "plain", "configured_tree"):  # the last: predicted only (what `always` would do)
-        predictions, seconds = grew(PREDICTIONS, arm), grew(SECONDS, arm)
-        out[arm] = {"predicted": grew(PREDICTED, arm) / predictions if predictions > 0 else None,
-                    "measured": grew(COMMITTED, arm) / seconds if seconds > 0 else None}
+        predictions, seconds = _grown(before, after, PREDICTIONS, arm), _grown(before, after, SECONDS, arm)
+        out[arm] = {"predicted": _grown(before, after, PREDICTED, arm) / predictions if predictions > 0 else None,
+                    "measured": _grown(before, after, COMMITTED, arm) / seconds if seconds > 0 else None}
     return out
 
 
@@ -246,12 +242,14 @@ def level_decode_steps(before: dict[tuple[str, str], float] | None, after: dict[
     """The tok/s of the level's decode steps, both arms together (None: /metrics unread, or no such step)."""
     if before is None or after is None:
         return None
+    committed, seconds = (sum(_grown(before, after, name, arm) for arm in ("trees", "plain"))
+                          for name in (DECODE_COMMITTED, DECODE_SECONDS))
+    return committed / seconds if seconds > 0 else None
 
-    def grew(name: str) -> float:
-        return sum(after.get((name, arm), 0.0) - before.get((name, arm), 0.0) for arm in ("trees", "plain"))
 
-    seconds = grew(DECODE_SECONDS)
-    return grew(DECODE_COMMITTED) / seconds if seconds > 0 else None
+def _grown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], name: str, arm: str) -> float:
+    """How much a running sum grew between two scrapes (absent: 0)."""
+    return after.get((name, arm), 0.0) - before.get((name, arm), 0.0)
 
 
 def print_table(rows: list[LevelResult]) -> None:
