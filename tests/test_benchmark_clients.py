@@ -71,7 +71,10 @@ def test_guidellm_streams_with_zero_errors_and_reads_the_servers_usage(clients, 
     counted = since(before, served(demo))
     assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
     ok = requests["successful"]
-    assert len(ok) == REQUESTS
+    # A CI run on two busy workers (2026-12-03) read 3 successful, 0 errored, 0 incomplete, and kept nothing
+    # else: the message says what guidellm did count, and what the server served.
+    kept = {kind: len(listed) for kind, listed in requests.items() if isinstance(listed, list)}
+    assert len(ok) == REQUESTS, f"guidellm's requests by kind: {kept}; served since the start: {counted}"
     # It sent continuous usage stats on every stream (the field it was refused over), and read usage back.
     assert all(json.loads(r["request_args"])["body"]["stream_options"]["continuous_usage_stats"] for r in ok)
     assert sum(r["input_metrics"]["text_tokens"] for r in ok) == counted["prompt"]
