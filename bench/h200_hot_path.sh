@@ -40,6 +40,9 @@
 #            (ROUND_CONCURRENCY overrides the level), what one gRPC stream call costs on this host
 #            (bench/grpc_stream_latency.py), and a torch.profiler table of the draft call at
 #            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
+#   timeline after only: a speculative round at one request hop by hop (bench/round_timeline.py over the services'
+#            TANDEM_TIMELINE marks), scale track at 0.8 then demo track in bf16 (TIMELINE_TRACKS, TIMELINE_CONCURRENCY,
+#            TIMELINE_BENCH_ARGS override)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
@@ -266,6 +269,24 @@ for stage in "$@"; do
       run grpc_latency_sleep after 120 python3 bench/grpc_stream_latency.py --sleep
       [[ ${ROUND_PROFILE:-1} == 1 ]] && run draft_profile after 150 python3 bench/draft_step.py --batches 1 \
         --budgets "5,4,8" --iters 10 --profile "$OUT/draft_profile.txt" ;;
+    timeline)  # after only: a speculative round at one request hop by hop: `never` then `always` on a serve whose
+               # processes mark their hops (TANDEM_TIMELINE, tandem/timeline.py), read by bench/round_timeline.py,
+               # beside bench/round_breakdown.py; scale track (0.8) then demo track (bf16), TIMELINE_TRACKS picks
+      for track in ${TIMELINE_TRACKS:-scale demo}; do
+        if [[ $track == scale ]]; then
+          need_scale scale_track $scale && scale_serve $scale 0.8 && flags=("${serve[@]}")
+        else
+          flags=(--device cuda --dtype bfloat16)
+        fi
+        marks=$OUT/timeline_$track/marks
+        run "timeline_$track" after 400 env SERVE_PORT=8450 TANDEM_TIMELINE="$marks" \
+          BENCH_ARGS="${TIMELINE_BENCH_ARGS:---requests-per-slot 8}" bash "$root/bench/serve_and_bench.sh" \
+          "$OUT/timeline_$track" "${TIMELINE_CONCURRENCY:-1}" never,always 128 "${flags[@]}"
+        python3 bench/round_timeline.py "$marks" --json "$OUT/timeline_$track.json" > "$OUT/timeline_$track.txt" 2>&1
+        python3 bench/round_breakdown.py "$OUT/timeline_$track" always --since never \
+          > "$OUT/timeline_${track}_breakdown.txt" 2>&1
+        cat "$OUT/timeline_$track.txt"
+      done ;;
     features)
       need_scale scale_track $scale
       scale_serve $scale 0.8

@@ -31,7 +31,7 @@ from draft_service.types import (
 from kernels.compile_watch import CompileWatch
 from kernels.topk import warm_up as warm_up_top_k
 from kernels.tree_attention import warm_up
-from tandem import telemetry
+from tandem import telemetry, timeline
 from tandem.errors import Unavailable
 from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
@@ -138,12 +138,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _draft(self, request: draft_pb2.DraftRequest) -> tuple[draft_pb2.DraftResponse, Callable[[], None]]:
         """The reply, and the recording of the call's metrics, which need not delay it."""
         engine = self._ready()
+        timeline.mark("draft.features.start")
         ingest = self._with_features([ingest_from_proto(m) for m in request.ingest])
         items = [item_from_proto(m) for m in request.items]
         with self._lock:
             t0 = time.perf_counter()
             captured_before = engine.graphs_captured
+            timeline.mark("draft.engine.start")
             trees = engine.draft(items, ingest)
+            timeline.mark("draft.engine.end")
             captured = engine.graphs_captured - captured_before
             if self.forcing is not None:
                 trees = [self.forcing.rewrite(t, engine.requests[t.request_id].tokens) for t in trees]
@@ -176,6 +179,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def DraftStream(self, request_iterator, context):
         # map_errors covers unary calls; a stream maps its error the same way and ends.
         for request in request_iterator:
+            timeline.mark("draft.recv")
             try:
                 with telemetry.continued_span(DRAFT_CALL, request.traceparent):
                     response, record = self._draft(request)
@@ -184,7 +188,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("DraftStream failed")
                 context.abort(code, message)
+            timeline.mark("draft.reply")
             yield response
+            timeline.mark("draft.sent")
             record()  # the reply has left: metrics off the round's critical path
 
     @map_errors

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from draft_service.types import IngestItem
+from tandem import timeline
 from tandem.channels import open_channel
 from tandem.errors import InvalidArgument
 from tandem.feature_ring import FeatureRing, RingUnavailable
@@ -116,7 +117,9 @@ class TargetFeatureReader:
                         ring_bytes=ring.data_bytes if ring else 0))
                     for msg in self._call:
                         if msg.request_ids:
+                            timeline.mark("draft.push.recv")
                             self._take_batch(msg)
+                            timeline.mark("draft.push.stored")
                         elif msg.request_id:  # a target that sends a message per sequence
                             self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
                         else:

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.tree_wire import trees_from_proto
 from draft_service.types import DraftBudget, DraftTree, IngestItem
+from tandem import timeline
 from tandem.channels import open_channel
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_tracing import instrument_channel
@@ -178,6 +179,7 @@ class TargetGrant:
         while not self._done:
             try:
                 reply = self._stream.reply()
+                timeline.mark("gw.step.reply")
             except (grpc.RpcError, StopIteration) as e:
                 self._end()
                 self._on_broken()
@@ -239,6 +241,7 @@ class TargetClient:
             call.item_feature_sink.CopyFrom(array_to_proto(
                 np.array([index.get(sink, -1) for sink in feature_sinks], dtype=np.int32)))
         stream = self._open_stream()
+        timeline.mark("gw.step.send")
         stream.send(target_pb2.StepCall(step=call))
         return TargetGrant(stream, batch.request_ids, self._drop_stream, span)
 
@@ -358,10 +361,12 @@ class DraftClient:
         if self._stream is None:
             self._stream = _CallStream(self.stub.DraftStream)
         stream = self._stream
+        timeline.mark("gw.draft.send")
         stream.send(req)
         self._deadline.arm(stream, self.timeout)
         try:
             resp = stream.reply()
+            timeline.mark("gw.draft.reply")
             self._deadline.disarm()
             trees = trees_from_proto(resp.packed)
         except grpc.RpcError as e:

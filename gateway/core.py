@@ -47,6 +47,7 @@ from gateway.policy import (
 from gateway.request import DraftLink, Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, blocks_for, plan_step
 from gateway.types import DeltaSink, FinishReason, GenerationParams, SpecMode
+from tandem import timeline
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from target_service.types import KvLoad, SamplingParams, SequenceResult, SequenceStep
 from target_service.wire import GrantStops
@@ -351,6 +352,7 @@ class GatewayCore:
         Each phase's wall time goes to tandem_step_phase_seconds{phase} (where a round's time goes)."""
         phase = self.metrics.step_phase
         t0 = round_start = time.perf_counter()
+        timeline.mark("gw.round")
         self._apply_reports()
         plan = self._schedule()
         if plan is None:
@@ -361,15 +363,18 @@ class GatewayCore:
         trees = self._draft(plan)
         t0 = time.perf_counter()
         phase["draft"].observe(t0 - t1)
+        timeline.mark("gw.draft.end")
         for outcome in self._execute(plan, trees):
             t1 = time.perf_counter()
             phase["execute"].observe(t1 - t0)
+            timeline.mark("gw.execute.end")
             self._update(plan, outcome)
             t0 = time.perf_counter()
             phase["update"].observe(t0 - t1)
             self._record(plan, outcome, round_start)
             t1, t0 = t0, time.perf_counter()
             phase["record"].observe(t0 - t1)
+            timeline.mark("gw.record.end")
 
     # --- schedule ------------------------------------------------------------------
     def _schedule(self) -> StepPlan | None:
@@ -649,6 +654,7 @@ class GatewayCore:
         if not by_replica:
             return {}
         futures = {}
+        timeline.mark("gw.draft.submit")
         for idx, items in by_replica.items():
             replica = self.pool.replicas[idx]
             # The drafting requests' new tokens and features ride in the same call.

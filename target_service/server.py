@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from kernels.compile_watch import CompileWatch
-from tandem import telemetry
+from tandem import telemetry, timeline
 from tandem.errors import InvalidArgument, Unavailable
 from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
@@ -183,7 +183,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         pushes: list[tuple[str, CommittedRows]] = []
         with self._lock:
             t0 = time.perf_counter()
+            timeline.mark("target.engine.start")
             results = engine.run(batch, layers)
+            timeline.mark("target.engine.end")
             if hold and results.features is not None:  # before the reply leaves: a reader told of them finds them
                 results, pushes = self._keep_features(results, sinks)
             if self.pacing is not None:
@@ -277,6 +279,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def StepStream(self, request_iterator, context):
         calls = _CallReader(request_iterator)
         while (call := calls.next()) is not None:
+            timeline.mark("target.recv")
             if call.WhichOneof("call") == "step":  # an Interrupt with nothing running is moot
                 with telemetry.continued_span(STEP_CALL, call.step.traceparent):
                     yield from self._answer(call.step, calls.arrived)
@@ -290,10 +293,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if call.grant_steps <= 1:
                 sinks = _item_sinks(call, batch.size) if call.hold_features else None
                 run = self._run(engine, batch, layers, call.hold_features, sinks)
+                reply = _reply(run.results, np.arange(batch.size), run.load, run.seconds, 1, True)
+                timeline.mark("target.reply")
                 try:
-                    yield _reply(run.results, np.arange(batch.size), run.load, run.seconds, 1, True)
+                    yield reply
                 finally:  # the reply has left (or the stream is gone): the rest is off the critical path
+                    timeline.mark("target.sent")
                     self._after_reply(run)
+                    timeline.mark("target.pushed")
                 return
             stops = GrantStops.from_proto(call.stops, batch.size)
             check_grant(batch, stops)
