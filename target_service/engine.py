@@ -82,6 +82,7 @@ class TargetEngine:
         self._host_buf = torch.zeros(0, dtype=torch.int32)
         self._out_host = torch.zeros(0, dtype=torch.int32)
         self._features_host: torch.Tensor | None = None  # every row's features, copied beside the results
+        self._flags_host = torch.zeros(0, dtype=torch.bool)  # _device_flags' pinned staging
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
         # Token counts of the sequences whose penalties need them (target_service.processors).
@@ -370,6 +371,16 @@ class TargetEngine:
                                          pin_memory=self._pinned)
         return self._out_host[:words]
 
+    def _device_flags(self, flags: np.ndarray) -> torch.Tensor:
+        """bool flags on the device through a pinned buffer, without waiting for the GPU (the buffer
+        is next written after this step's results are read, when the copy is long done)."""
+        if self._flags_host.numel() < len(flags):
+            self._flags_host = torch.zeros(max(len(flags), 2 * self._flags_host.numel(), 256), dtype=torch.bool,
+                                           pin_memory=self._pinned)
+        staged = self._flags_host[: len(flags)]
+        staged.numpy()[:] = flags
+        return staged.to(self.device, non_blocking=self._pinned)
+
     def _features_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._features_host
         if buf is None or buf.shape[0] < rows or buf.shape[1] != width or buf.dtype != dtype:
@@ -396,11 +407,16 @@ class TargetEngine:
             features_host = self._features_buffer(R, features.shape[1], features.dtype)
             features_host.copy_(features[:R], non_blocking=self._pinned)
         elif layers:
-            # Committed rows of the sequences that asked, in row order, gathered on the device.
-            want = tail.v["row_seq"].ge(0) if committed is None else committed & tail.v["row_seq"].ge(0)
-            asked = torch.from_numpy(batch.return_features).to(self.device, non_blocking=False)
-            want &= asked[tail.v["row_seq"].long().clamp(min=0)]
-            feature_rows = features[want]
+            # Committed rows of the sequences that asked, in row order, moved to the front on the device
+            # by a stable sort of the mask: nothing waits for the GPU here (a boolean index counts its rows
+            # first, and the mask's flags came through pageable memory: two waits, then a third for a
+            # pageable copy out). How many rows there are is known from the results, below.
+            row_seq = tail.v["row_seq"]
+            want = row_seq.ge(0) if committed is None else committed & row_seq.ge(0)
+            if not batch.return_features.all():
+                want &= self._device_flags(batch.return_features)[row_seq.long().clamp(min=0)]
+            first = torch.sort(want.logical_not().to(torch.uint8), stable=True).indices
+            compacted = features[: want.shape[0]][first]
         if self._pinned:
             torch.cuda.current_stream().synchronize()
         raw = host.numpy()[:B]
@@ -426,6 +442,13 @@ class TargetEngine:
             results.top_k = batch.top_logprobs
         if features_host is not None:  # the rows of the sequences that asked: a new tensor (the buffer is reused)
             feature_rows = features_host[torch.from_numpy(asked_rows(batch))]
+        elif layers:  # the first rows of `compacted`: each asking sequence's committed rows
+            n = int(committed_now[batch.return_features].sum())
+            rows_host = self._features_buffer(n, compacted.shape[1], compacted.dtype)
+            rows_host.copy_(compacted[:n], non_blocking=self._pinned)
+            if self._pinned:
+                torch.cuda.current_stream().synchronize()
+            feature_rows = rows_host.clone()
         if feature_rows is not None:
             results.features = feature_rows.cpu()  # in the model dtype: bf16 on a GPU, half the bytes of float32
             results.feature_counts = np.where(batch.return_features, committed_now, 0)
