@@ -655,6 +655,8 @@ class GatewayCore:
             return {}
         futures = {}
         timeline.mark("gw.draft.submit")
+        # One replica's call runs on this thread (where its queue is empty); several run side by side.
+        alone = len(by_replica) == 1
         for idx, items in by_replica.items():
             replica = self.pool.replicas[idx]
             # The drafting requests' new tokens and features ride in the same call.
@@ -663,8 +665,8 @@ class GatewayCore:
                 req.draft.pending = None
                 req.draft.known = True
             calls = [(req.request_id, budget, req.num_tokens) for req, budget in items]
-            futures[idx] = replica.submit(
-                lambda replica=replica, ingest=ingest, calls=calls: replica.client.draft(ingest, calls))
+            run = replica.call if alone else replica.submit
+            futures[idx] = run(lambda replica=replica, ingest=ingest, calls=calls: replica.client.draft(ingest, calls))
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:

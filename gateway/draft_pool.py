@@ -48,6 +48,8 @@ class DraftReplica:
         # so if it comes back without having restarted, their state is released then.
         self.orphans: set[str] = set()
         self._jobs: queue.Queue[tuple[Callable, Future] | None] = queue.Queue()
+        self._queued = 0  # jobs submitted and not yet done
+        self._client_busy = threading.Lock()  # held while a job or an inline call uses the client
         self._closed = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=f"draft-{index}", daemon=True)
@@ -56,13 +58,13 @@ class DraftReplica:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except Exception as exc:
-                fut.set_exception(exc)
-        self.client.close()  # after every job queued before close() has run
+            if fut.set_running_or_notify_cancel():
+                with self._client_busy:
+                    _run_into(fut, fn)
+            with self._lock:
+                self._queued -= 1
+        with self._client_busy:  # and after an inline call that is still running
+            self.client.close()  # after every job queued before close() has run
 
     def submit(self, fn: Callable) -> Future:
         fut: Future = Future()
@@ -71,7 +73,23 @@ class DraftReplica:
                 # A caller that raced the retirement gets an ordinary replica failure.
                 fut.set_exception(Unavailable(f"draft {self.client.address} was retired"))
                 return fut
+            self._queued += 1
             self._jobs.put((bind_context(fn), fut))  # the worker runs fn in the caller's trace context
+        return fut
+
+    def call(self, fn: Callable) -> Future:
+        """fn's outcome, run on the caller's thread when no job of this replica is queued or
+        running (so the FIFO order holds), else queued as `submit` does. A round's draft call
+        then skips two hand-overs between threads, which cost about 0.1 ms each way on the
+        H200's host (BENCHMARKS.md, "A round hop by hop")."""
+        with self._lock:
+            idle = not self._closed and self._queued == 0
+        if not idle:
+            return self.submit(fn)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        with self._client_busy:  # a job submitted since by another thread waits for this call
+            _run_into(fut, fn)
         return fut
 
     def close(self) -> None:
@@ -80,6 +98,13 @@ class DraftReplica:
                 return
             self._closed = True
             self._jobs.put(None)
+
+
+def _run_into(fut: Future, fn: Callable) -> None:
+    try:
+        fut.set_result(fn())
+    except Exception as exc:
+        fut.set_exception(exc)
 
 
 def feature_layers_match(expected: Callable[[], tuple[int, ...]]) -> AdmissionCheck:
