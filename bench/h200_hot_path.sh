@@ -42,7 +42,7 @@
 #            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
 #   timeline after only: a speculative round at one request hop by hop (bench/round_timeline.py over the services'
 #            TANDEM_TIMELINE marks), scale track at 0.8 then demo track in bf16 (TIMELINE_TRACKS, TIMELINE_CONCURRENCY,
-#            TIMELINE_BENCH_ARGS override)
+#            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
@@ -278,14 +278,16 @@ for stage in "$@"; do
         else
           flags=(--device cuda --dtype bfloat16)
         fi
-        marks=$OUT/timeline_$track/marks
-        run "timeline_$track" after 400 env SERVE_PORT=8450 TANDEM_TIMELINE="$marks" \
-          BENCH_ARGS="${TIMELINE_BENCH_ARGS:---requests-per-slot 8}" bash "$root/bench/serve_and_bench.sh" \
-          "$OUT/timeline_$track" "${TIMELINE_CONCURRENCY:-1}" never,always 128 "${flags[@]}"
-        python3 bench/round_timeline.py "$marks" --json "$OUT/timeline_$track.json" > "$OUT/timeline_$track.txt" 2>&1
-        python3 bench/round_breakdown.py "$OUT/timeline_$track" always --since never \
-          > "$OUT/timeline_${track}_breakdown.txt" 2>&1
-        cat "$OUT/timeline_$track.txt"
+        for tree in ${TIMELINE_TREES:-after}; do
+          name=timeline_$track; [[ $tree == before ]] && name+=_before
+          marks=$OUT/$name/marks
+          run "$name" $tree 400 env SERVE_PORT=8450 TANDEM_TIMELINE="$marks" \
+            BENCH_ARGS="${TIMELINE_BENCH_ARGS:---requests-per-slot 8}" bash "$root/bench/serve_and_bench.sh" \
+            "$OUT/$name" "${TIMELINE_CONCURRENCY:-1}" never,always 128 "${flags[@]}"
+          python3 bench/round_timeline.py "$marks" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+          python3 bench/round_breakdown.py "$OUT/$name" always --since never > "$OUT/${name}_breakdown.txt" 2>&1
+          cat "$OUT/$name.txt"
+        done
       done ;;
     features)
       need_scale scale_track $scale
