@@ -81,8 +81,7 @@ class TargetEngine:
         self._pinned = self.device.type == "cuda"
         self._host_buf = torch.zeros(0, dtype=torch.int32)
         self._out_host = torch.zeros(0, dtype=torch.int32)
-        self._features_host: torch.Tensor | None = None  # every row's features, copied beside the results
-        self._flags_host = torch.zeros(0, dtype=torch.bool)  # _device_flags' pinned staging
+        self._staging: dict[torch.dtype, torch.Tensor] = {}  # _to_device's pinned buffers
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
         # Token counts of the sequences whose penalties need them (target_service.processors).
@@ -371,22 +370,18 @@ class TargetEngine:
                                          pin_memory=self._pinned)
         return self._out_host[:words]
 
-    def _device_flags(self, flags: np.ndarray) -> torch.Tensor:
-        """bool flags on the device through a pinned buffer, without waiting for the GPU (the buffer
-        is next written after this step's results are read, when the copy is long done)."""
-        if self._flags_host.numel() < len(flags):
-            self._flags_host = torch.zeros(max(len(flags), 2 * self._flags_host.numel(), 256), dtype=torch.bool,
-                                           pin_memory=self._pinned)
-        staged = self._flags_host[: len(flags)]
-        staged.numpy()[:] = flags
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """A small host array on the device through a pinned buffer, without waiting for the GPU (the
+        buffer is next written after this step's results are read, when the copy is long done)."""
+        dtype = torch.from_numpy(values[:0]).dtype
+        buf = self._staging.get(dtype)
+        if buf is None or buf.numel() < len(values):
+            buf = torch.zeros(max(len(values), 2 * (buf.numel() if buf is not None else 0), 256), dtype=dtype,
+                              pin_memory=self._pinned)
+            self._staging[dtype] = buf
+        staged = buf[: len(values)]
+        staged.numpy()[:] = values
         return staged.to(self.device, non_blocking=self._pinned)
-
-    def _features_buffer(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._features_host
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != width or buf.dtype != dtype:
-            grown = max(rows, 2 * buf.shape[0] if buf is not None else 0, 64)
-            buf = self._features_host = torch.empty(grown, width, dtype=dtype, pin_memory=self._pinned)
-        return buf[:rows]
 
     def _read_results(self, batch: StepBatch, M: int, out: torch.Tensor, top_k: int, tail: StepTail,
                       committed: torch.Tensor | None, features: torch.Tensor | None,
@@ -394,18 +389,20 @@ class TargetEngine:
         B = batch.size
         host = self._out_buffer(out.numel()).view(out.shape)
         host.copy_(out, non_blocking=self._pinned)
-        features_host = feature_rows = None
+        feature_rows = None
         if layers and not batch.drafted_trees:
-            # No drafted nodes: every row is committed. The step's rows (0..R-1, its nodes in batch order) go
-            # in the same pinned copy as the results, and the host takes those of the sequences that asked.
-            # Choosing them on the device (below) waits on the GPU twice more and copies through pageable
-            # memory: on the H200 a decode step with features cost 0.30 / 0.67 / 1.75 ms more than one without
-            # at 1 / 8 / 64 requests that way, 0.16 / 0.10 / 0.96 ms this way (BENCHMARKS.md, "What asking
-            # for features adds to a target step"). A verify step copies only its committed rows (a few of
-            # its tree's): copying the whole tree was dearer there (8 x 8 nodes: +0.85 against +0.53 ms).
-            R = len(batch.tokens)
-            features_host = self._features_buffer(R, features.shape[1], features.dtype)
-            features_host.copy_(features[:R], non_blocking=self._pinned)
+            # No drafted nodes: every row is committed, so the rows of the sequences that asked are known
+            # here. They leave in the same wait as the results, gathered on the device where only some
+            # sequences asked, into a pinned tensor of their own: a boolean index on the device waited on
+            # the GPU twice more (on the H200 a decode step with features then cost 0.30 / 0.67 / 1.75 ms
+            # more than one without at 1 / 8 / 64 requests, BENCHMARKS.md, "What asking for features adds
+            # to a target step"), and taking the rows on the host afterwards copied them once more there
+            # (13 ms for a 1024-token prompt's rows on the dev machine).
+            rows = asked_rows(batch)
+            feature_rows = torch.empty(len(rows), features.shape[1], dtype=features.dtype, pin_memory=self._pinned)
+            asked = features[: len(rows)] if len(rows) == len(batch.tokens) else features.index_select(
+                0, self._to_device(rows))
+            feature_rows.copy_(asked, non_blocking=self._pinned)
         elif layers:
             # Committed rows of the sequences that asked, in row order, moved to the front on the device
             # by a stable sort of the mask: nothing waits for the GPU here (a boolean index counts its rows
@@ -414,7 +411,7 @@ class TargetEngine:
             row_seq = tail.v["row_seq"]
             want = row_seq.ge(0) if committed is None else committed & row_seq.ge(0)
             if not batch.return_features.all():
-                want &= self._device_flags(batch.return_features)[row_seq.long().clamp(min=0)]
+                want &= self._to_device(batch.return_features)[row_seq.long().clamp(min=0)]
             first = torch.sort(want.logical_not().to(torch.uint8), stable=True).indices
             compacted = features[: want.shape[0]][first]
         if self._pinned:
@@ -440,9 +437,7 @@ class TargetEngine:
             results.top_logprobs = raw[:, at + M * top_k: at + 2 * M * top_k].copy().view(np.float32).reshape(
                 B, M, top_k)
             results.top_k = batch.top_logprobs
-        if features_host is not None:  # the rows of the sequences that asked: a new tensor (the buffer is reused)
-            feature_rows = features_host[torch.from_numpy(asked_rows(batch))]
-        elif layers:  # the first rows of `compacted`: each asking sequence's committed rows
+        if layers and batch.drafted_trees:  # the first rows of `compacted`: each asking sequence's committed rows
             n = int(committed_now[batch.return_features].sum())
             # A tensor of its own (torch's pinned-memory cache makes it cheap): a clone of a reused buffer
             # cost a host copy of every row, 7 MB at 64 x 8 nodes.
