@@ -58,11 +58,15 @@ class DraftReplica:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
+            done: Future | None = None
             if fut.set_running_or_notify_cancel():
+                done = Future()
                 with self._client_busy:
-                    _run_into(fut, fn)
-            with self._lock:
+                    _run_into(done, fn)
+            with self._lock:  # before the caller hears of it: its next call then finds the replica idle
                 self._queued -= 1
+            if done is not None:
+                _pass_on(done, fut)
         with self._client_busy:  # and after an inline call that is still running
             self.client.close()  # after every job queued before close() has run
 
@@ -105,6 +109,13 @@ def _run_into(fut: Future, fn: Callable) -> None:
         fut.set_result(fn())
     except Exception as exc:
         fut.set_exception(exc)
+
+
+def _pass_on(done: Future, fut: Future) -> None:
+    if done.exception() is not None:
+        fut.set_exception(done.exception())
+    else:
+        fut.set_result(done.result())
 
 
 def feature_layers_match(expected: Callable[[], tuple[int, ...]]) -> AdmissionCheck:
