@@ -24,10 +24,10 @@ from pathlib import Path
 # The critical path of a speculative round, in order, and what each gap is.
 PATH = [
     ("gw.round", "gateway: apply reports, schedule, budgets, ingests queued"),
-    ("gw.draft.submit", "gateway: hand the call to the replica's worker, pack it"),
+    ("gw.draft.submit", "gateway: the call handed to the replica's worker (none inline), packed"),
     ("gw.draft.send", "gateway -> draft: the call's message"),
-    ("draft.recv", "draft: parse, take pushed features"),
-    ("draft.features.start", "draft: wait for pushed features, parse items, take the lock"),
+    ("draft.recv", "draft: into the call (trace span, readiness)"),
+    ("draft.features.start", "draft: take pushed features, parse items, take the lock"),
     ("draft.engine.start", "draft engine: catch-up and tree growth"),
     ("draft.engine.end", "draft: forcing, metrics' load, the reply built"),
     ("draft.reply", "draft -> gateway: the reply's message"),
