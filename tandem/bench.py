@@ -334,6 +334,16 @@ def plot(rows: list[LevelResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def write_results(out: Path, meta: dict, rows: list[LevelResult], complete: bool) -> None:
+    """bench.json: the sweep's settings and every level measured so far (`complete`: all of them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench.json"
+    partial = path.with_suffix(".json.part")  # replaced in one rename: a reader never sees half a file
+    partial.write_text(json.dumps({"meta": {**meta, "complete": complete},
+                                   "results": [asdict(r) for r in rows]}, indent=1))
+    partial.replace(path)
+
+
 def served_model(url: str) -> str | None:
     """The model id the gateway serves (its /v1/models), for the record; None if it does not say."""
     try:
@@ -439,10 +449,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     proc, url = (None, args.url) if args.url else start_serve(args)
     rows: list[LevelResult] = []
+    started = args.url is None
     try:
         for mode, conc, requests, tokens in warmup_levels(modes, levels, args.warmup, args.max_tokens):
             asyncio.run(run_level(url, prompts, mode, conc, requests, tokens))
-        served = served_model(url)
+        meta = {"url": args.url or "started tandem serve", "served_model": served_model(url),
+                "model": args.model or ("demo/target" if started else None),
+                "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
+                "warmup": args.warmup, "rounds": args.rounds, "requests_per_slot": args.requests_per_slot,
+                "requests_per_level": args.requests_per_level or None, "date": time.strftime("%Y-%m-%d"),
+                "track": ("demo" if not args.model else "custom") if started else None,
+                "target_args": args.target_args, "draft_args": args.draft_args}
         schedule = level_schedule(levels, modes, args.rounds)
         with tqdm(total=len(schedule), desc="bench", unit="level") as bar:
             for conc, round_number, mode in schedule:
@@ -455,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows[-1].decode_steps_tok_s = level_decode_steps(before, after)
                 if mode == "auto":
                     rows[-1].audit = level_audit(before, after)
+                # Every finished level is on disk at once: a sweep cut short (a deadline, Ctrl-C) keeps them.
+                write_results(args.out, meta, rows, complete=False)
                 bar.update()
     finally:
         if proc is not None:
@@ -464,16 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     print_table(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = args.url is None
-    meta = {"url": args.url or "started tandem serve", "served_model": served,
-            "model": args.model or ("demo/target" if started else None),
-            "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
-            "warmup": args.warmup, "rounds": args.rounds, "requests_per_slot": args.requests_per_slot,
-            "requests_per_level": args.requests_per_level or None, "date": time.strftime("%Y-%m-%d"),
-            "track": ("demo" if not args.model else "custom") if started else None,
-            "target_args": args.target_args, "draft_args": args.draft_args}
-    (args.out / "bench.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows]}, indent=1))
+    write_results(args.out, meta, rows, complete=True)
     plot(rows, args.out / "bench.png", args.title)
     print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
     return 0

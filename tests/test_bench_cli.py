@@ -22,7 +22,7 @@ def test_bench_writes_json_and_png(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "bench.json").read_text())
     # Warm-ups went first, uncounted (warmup_levels); the record names the model the gateway served.
-    assert data["meta"]["warmup"] == 1 and data["meta"]["served_model"]
+    assert data["meta"]["warmup"] == 1 and data["meta"]["served_model"] and data["meta"]["complete"] is True
     rows = data["results"]
     assert {(r["mode"], r["concurrency"]) for r in rows} == {(m, c) for m in ("never", "always", "auto")
                                                               for c in (1, 2)}
@@ -175,3 +175,31 @@ def test_bench_refuses_zero_rounds_before_starting_anything():
     with pytest.raises(SystemExit) as exc:
         main(["--rounds", "0"])
     assert str(exc.value).startswith("error: ") and "--rounds at least 1" in str(exc.value)
+
+
+def test_a_sweep_cut_short_keeps_every_level_it_finished_on_disk(tmp_path, monkeypatch):
+    """A device call's deadline cut a 0.6 sweep on the H200 after about 260 s and left no bench.json:
+    each finished level is now written at once, marked incomplete until the sweep ends."""
+    from tandem import bench
+
+    finished: list[tuple[str, int]] = []
+
+    async def run_level(url, prompts, mode, concurrency, requests, max_tokens):
+        if len(finished) == 3:
+            raise KeyboardInterrupt  # the deadline, mid-level
+        finished.append((mode, concurrency))
+        return bench.LevelResult(mode=mode, concurrency=concurrency, requests=requests, total_tok_s=100.0,
+                                 tok_s_per_request=100.0 / concurrency, ttft_p50_s=0.01, itl_p50_s=0.005,
+                                 itl_p99_s=0.01, acceptance_length=None)
+
+    monkeypatch.setattr(bench, "run_level", run_level)
+    monkeypatch.setattr(bench, "served_model", lambda url: "demo")
+    monkeypatch.setattr(bench, "read_level_sums", lambda url, sequences: None)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--url", "http://127.0.0.1:9", "--concurrency", "1,2", "--modes", "never,auto",
+                    "--warmup", "0", "--out", str(out)])
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["complete"] is False and data["meta"]["served_model"] == "demo"
+    assert [(r["mode"], r["concurrency"]) for r in data["results"]] == finished == [
+        ("never", 1), ("auto", 1), ("never", 2)]
