@@ -58,15 +58,14 @@ class DraftReplica:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
-            done: Future | None = None
+            outcome = None
             if fut.set_running_or_notify_cancel():
-                done = Future()
                 with self._client_busy:
-                    _run_into(done, fn)
+                    outcome = _outcome(fn)
             with self._lock:  # before the caller hears of it: its next call then finds the replica idle
                 self._queued -= 1
-            if done is not None:
-                _pass_on(done, fut)
+            if outcome is not None:
+                _settle(fut, outcome)
         with self._client_busy:  # and after an inline call that is still running
             self.client.close()  # after every job queued before close() has run
 
@@ -93,7 +92,7 @@ class DraftReplica:
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
         with self._client_busy:  # a job submitted since by another thread waits for this call
-            _run_into(fut, fn)
+            _settle(fut, _outcome(fn))
         return fut
 
     def close(self) -> None:
@@ -104,18 +103,20 @@ class DraftReplica:
             self._jobs.put(None)
 
 
-def _run_into(fut: Future, fn: Callable) -> None:
+def _outcome(fn: Callable) -> tuple[object, Exception | None]:
+    """fn's result, or the exception it raised."""
     try:
-        fut.set_result(fn())
+        return fn(), None
     except Exception as exc:
+        return None, exc
+
+
+def _settle(fut: Future, outcome: tuple[object, Exception | None]) -> None:
+    result, exc = outcome
+    if exc is not None:
         fut.set_exception(exc)
-
-
-def _pass_on(done: Future, fut: Future) -> None:
-    if done.exception() is not None:
-        fut.set_exception(done.exception())
     else:
-        fut.set_result(done.result())
+        fut.set_result(result)
 
 
 def feature_layers_match(expected: Callable[[], tuple[int, ...]]) -> AdmissionCheck:

@@ -81,7 +81,6 @@ class TargetEngine:
         self._pinned = self.device.type == "cuda"
         self._host_buf = torch.zeros(0, dtype=torch.int32)
         self._out_host = torch.zeros(0, dtype=torch.int32)
-        self._staging: dict[torch.dtype, torch.Tensor] = {}  # _to_device's pinned buffers
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
         # Token counts of the sequences whose penalties need them (target_service.processors).
@@ -371,17 +370,10 @@ class TargetEngine:
         return self._out_host[:words]
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        """A small host array on the device through a pinned buffer, without waiting for the GPU (the
-        buffer is next written after this step's results are read, when the copy is long done)."""
-        dtype = torch.from_numpy(values[:0]).dtype
-        buf = self._staging.get(dtype)
-        if buf is None or buf.numel() < len(values):
-            buf = torch.zeros(max(len(values), 2 * (buf.numel() if buf is not None else 0), 256), dtype=dtype,
-                              pin_memory=self._pinned)
-            self._staging[dtype] = buf
-        staged = buf[: len(values)]
-        staged.numpy()[:] = values
-        return staged.to(self.device, non_blocking=self._pinned)
+        """A small host array on the device without waiting for the GPU: from pinned memory (torch's
+        cache of it, which keeps the block until the copy has run) the copy is queued and the host goes on."""
+        host = torch.from_numpy(values)
+        return host.pin_memory().to(self.device, non_blocking=True) if self._pinned else host
 
     def _read_results(self, batch: StepBatch, M: int, out: torch.Tensor, top_k: int, tail: StepTail,
                       committed: torch.Tensor | None, features: torch.Tensor | None,
