@@ -491,6 +491,7 @@ class Probe(NamedTuple):
     spec: bool  # the arm measured
     steps_left: int  # steps of that arm still to take
     reprobe: bool  # the arm had a figure before: the probe only asks whether it changed
+    clear_losses: int = 0  # recorded steps in a row, the last ones, that each lost by `clear`
 
 
 @dataclass
@@ -524,7 +525,7 @@ class LoadGate:
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
-    # times worse ends after its first recorded step. A re-probe only asks whether anything
+    # times worse ends after `clear_steps` recorded steps. A re-probe only asks whether anything
     # changed: it ends after its first recorded step unless that step alone comes within
     # `margin` of the winner. The loser is re-probed once the time a re-probe loses (its
     # steps, at the loser's step time and shortfall) is `probe_budget` of the time since the
@@ -538,6 +539,14 @@ class LoadGate:
     # may get: 64 x 48 steps, about 20 s of plain decoding at 6 ms a step (with 8 x 48, each level of
     # 512 steps that `tandem bench` ran at 4-32 requests on the H200 held a re-probe of trees).
     clear: float = 1.5
+    # A first probe ends early only after this many recorded steps in a row that each lost by `clear`:
+    # one step can be an outlier (a joining prompt's chunk, a draft still catching up, a graph met for
+    # the first time). On the H200 scale track (0.8) one recorded tree step settled 4-7 sequences at
+    # 480.7 tok/s (predicted 680.2) against plain's 858.3, and 8-15 at 353.9 (predicted 1203.2)
+    # against 1699.1, where `always`'s decode steps ran at 981-1108 and 1692-1937 tok/s and the
+    # next probe of trees at 4-7 measured 1307.8 over 7 steps: auto read 0.84 of `always` at 4
+    # requests. A re-probe still ends after one step: it only asks whether anything changed.
+    clear_steps: int = 2
     probe_budget: float = 0.01
     max_stale_factor: float = 64.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
@@ -577,7 +586,7 @@ class LoadGate:
             return probe.spec
         # A new bucket measures plain decoding first where it won at the nearest lighter load
         # (trees only cost more as the batch grows) or where the cost model predicts it: the
-        # probe of trees, measured second, then ends after one recorded step if they clearly
+        # probe of trees, measured second, then ends after `clear_steps` recorded steps if they clearly
         # lose (probing trees first cost 8 tree steps at every new bucket of a loaded server).
         order = ((spec, True), (plain, False))
         if spec.samples == 0 and plain.samples == 0 and (
@@ -726,12 +735,17 @@ class LoadGate:
         other.since += 1
         if not probing:
             return None
-        # Clearly losing on a fresh figure: one recorded step settles it (judging on the stale
-        # figure that started the probe would end every probe at once, and re-probe on every step).
-        settled = recorded and other.samples and (other.goodput >= self.clear * this.goodput
-                                                  or (probe.reprobe and other.goodput >= self.margin * rate))
+        # Clearly losing on fresh figures settles it early (judging on the stale figure that started
+        # the probe would end every probe at once, and re-probe on every step): a re-probe after one
+        # recorded step, a first probe after `clear_steps` in a row.
+        losses = probe.clear_losses + 1 if recorded and other.samples and other.goodput >= self.clear * rate else 0
+        if probe.reprobe:
+            settled = recorded and other.samples and (other.goodput >= self.clear * this.goodput
+                                                      or other.goodput >= self.margin * rate)
+        else:
+            settled = losses >= self.clear_steps
         if probe.steps_left > 1 and not settled:
-            self._probing[b] = probe._replace(steps_left=probe.steps_left - 1)
+            self._probing[b] = probe._replace(steps_left=probe.steps_left - 1, clear_losses=losses)
             return None
         if not other.samples:
             self._drop_probe(b)
