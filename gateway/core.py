@@ -117,6 +117,7 @@ class StepOutcome:
     granted: int  # 0: a plain call; k >= 1: the k-th step of a grant
     held_features: bool = False  # the target kept the features asked for, for the replicas to read
     fed_draft: bool = False  # some request asked for features: not how plain decoding runs
+    fed_prompt: bool = False  # some prompt's chunk asked for features (its request may be offered trees)
 
 
 def _feature_rows(item: IngestItem) -> int:
@@ -156,7 +157,7 @@ class GatewayCore:
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate()
-        self.metrics.watch_policy(self.gate.audit)
+        self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()
         self.eos_ids: frozenset[int] = frozenset()
@@ -730,9 +731,11 @@ class GatewayCore:
                 sinks = self._feature_sinks(plan, steps) if hold else None
                 results, load, _ = self.target.step(steps, self.feature_layers, hold_features=hold,
                                                     feature_sinks=sinks)
+                pairs = zip(plan.items, steps, strict=True)
                 yield StepOutcome(items=plan.items, results=results, load=load,
                                   seconds=time.perf_counter() - t0, trees=trees, granted=0, held_features=hold,
-                                  fed_draft=any(step.return_features for step in steps))
+                                  fed_draft=any(step.return_features for step in steps),
+                                  fed_prompt=any(step.return_features for it, step in pairs if not it.is_decode))
                 return
             yield from self._run_grant(plan, steps, grant, t0)
         except ResourceExhausted:
@@ -921,6 +924,7 @@ class GatewayCore:
                       sum(len(q) for q in self._ingest_queue.values()))
         if decode:
             self.metrics.record_decode_step(bucket_range(batch_bucket(seqs)), bool(outcome.trees), committed, seconds)
+        self._charge_prompts(plan, outcome, seconds, committed)
         if decode and outcome.fed_draft and not outcome.trees and not plan.draft_captured:
             self.costs.observe_fed(sum(len(it.tokens) for it in outcome.items), seqs, seconds)
         if arm_step:
@@ -940,6 +944,21 @@ class GatewayCore:
             if verdict is not None:
                 log.info("load gate, %s: %s", self.gate.describe(seqs),
                          "speculating" if verdict else "decoding plainly")
+
+    def _charge_prompts(self, plan: StepPlan, outcome: StepOutcome, seconds: float, committed: int) -> None:
+        """What the prompts in this step cost beyond its decode items' price, for the load gate's prompt charges
+        (PromptCharges): a step whose prompts fed the drafts is what trees cost, one whose prompts did not, plain."""
+        prompt_tokens = sum(len(it.tokens) for it in outcome.items if not it.is_decode)
+        self.gate.prompts.observe_step(prompt_tokens, committed)
+        if not prompt_tokens or plan.draft_captured:
+            return
+        decodes = [it for it in outcome.items if it.is_decode]
+        budgets = [plan.budgets[rid] for rid in outcome.trees]
+        price = 0.0
+        if decodes:
+            tokens = sum(len(it.tokens) for it in decodes) + sum(b.max_nodes for b in budgets)
+            price = self.costs.step_time(tokens, len(decodes), budgets)
+        self.gate.prompts.observe_prompts(outcome.fed_prompt, prompt_tokens, seconds - price)
 
     # --- draft state ---------------------------------------------------------------
     def _apply_reports(self) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.policy import AuditRow
+from gateway.policy import AuditArm, AuditRow
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -43,10 +43,14 @@ class _PolicyAudit:
       level, say): `tandem_policy_predictions_total` and `tandem_policy_predicted_goodput_total`
       (the predictions, summed: their mean is the second over the first), and
       `tandem_policy_arm_committed_tokens_total` and `tandem_policy_arm_step_seconds_total` (what
-      the arm's steps committed and took: the measured goodput is the first over the second)."""
+      the arm's steps committed and took: the measured goodput is the first over the second);
+    - `tandem_policy_prompt_seconds_per_token{arm}` (trees or plain): what joining prompts add to each
+      committed token's time under that arm, as the gate charges it (PromptCharges; 0 until both arms
+      have a charge). A decode-step rate r delivers 1 / (1 / r + this)."""
 
-    def __init__(self, audit: Callable[[], list[AuditRow]]):
+    def __init__(self, audit: Callable[[], list[AuditRow]], prompt_charge: Callable[[bool], float] | None = None):
         self.audit = audit
+        self.prompt_charge = prompt_charge
 
     def collect(self) -> Iterator[Metric]:
         labels = ["arm", "sequences"]
@@ -72,6 +76,13 @@ class _PolicyAudit:
             committed.add_metric(key, row.committed_total)
             seconds.add_metric(key, row.seconds_total)
         yield from (now, predictions, predicted, committed, seconds)
+        if self.prompt_charge is not None:
+            charge = GaugeMetricFamily("tandem_policy_prompt_seconds_per_token", "What joining prompts add to "
+                                       "each committed token's time under this arm, as the load gate charges it",
+                                       labels=["arm"])
+            for arm, spec in ((AuditArm.TREES, True), (AuditArm.PLAIN, False)):
+                charge.add_metric([str(arm)], self.prompt_charge(spec))
+            yield charge
 
 
 class GatewayMetrics:
@@ -147,13 +158,15 @@ class GatewayMetrics:
         self._verify_series: dict[str, _VerifySeries] = {}  # model name -> its children
         self._audit: _PolicyAudit | None = None
 
-    def watch_policy(self, audit: Callable[[], list[AuditRow]]) -> None:
-        """Export the policy's audit (LoadGate.audit) at every scrape; once per registry."""
+    def watch_policy(self, audit: Callable[[], list[AuditRow]],
+                     prompt_charge: Callable[[bool], float] | None = None) -> None:
+        """Export the policy's audit (LoadGate.audit, and PromptCharges.seconds_per_token) at every scrape;
+        once per registry."""
         if self._audit is None:
-            self._audit = _PolicyAudit(audit)
+            self._audit = _PolicyAudit(audit, prompt_charge)
             self.registry.register(self._audit)
         else:
-            self._audit.audit = audit
+            self._audit.audit, self._audit.prompt_charge = audit, prompt_charge
 
     def record_decode_step(self, sequences: str, trees: bool, committed: int, seconds: float) -> None:
         """One decode step of any mode: `sequences` is its batch bucket's label ("16-31")."""

@@ -487,6 +487,65 @@ class AuditRow(NamedTuple):
     seconds_total: float
 
 
+@dataclass
+class PromptCharges:
+    """What a joining prompt costs each arm, spread over the tokens the workload commits.
+
+    The gate measures its arms on decode steps; what trees also cost comes with the prompts: a prompt
+    taken in while trees may be chosen feeds its features to the draft (the target copies them out, the
+    draft takes them in), one taken in under the plain verdict does not, and each stalls every decoding
+    request for as long as its step lasts. On the H200 scale track (prefix 1024, 128 tokens, 0.8), at
+    8 and 16 requests `always`'s decode steps matched or beat `never`'s (1651-1773 against 1556-1562
+    tok/s, 2788-3060 against 2972-2975) while it delivered less (1275.6 against 1418.5, 2137.3 against
+    2640.7): a gate that saw decode steps alone chose trees there and lost 14-20% (2026-12-03).
+
+    Per arm: the seconds a prompt-carrying step took beyond what its decode items alone would (the cost
+    model's price for them), per prompt token, decayed; a step counts for trees when some prompt in it
+    fed a draft. And the workload's prompt tokens per committed token, decayed over steps. An arm's
+    delivered rate is then 1 / (1 / decode-step rate + its charge per prompt token x prompt tokens per
+    committed token). Until both arms have a charge neither is charged (as before): only the difference
+    between them can turn a verdict, and one arm's charge alone would count the prompts' own forward
+    against it.
+    """
+
+    decay: float = 0.8  # per prompt-carrying step of that arm
+    workload_decay: float = 0.998  # per step: about the last 500 steps
+    # arm (trees?) -> [decayed extra seconds, decayed prompt tokens]
+    extra: dict[bool, list[float]] = field(default_factory=dict)
+    prompt_tokens: float = 0.0  # decayed, every step
+    committed: float = 0.0
+
+    def observe_prompts(self, fed: bool, prompt_tokens: int, extra_seconds: float) -> None:
+        """A step that carried `prompt_tokens` prompt tokens (fed to drafts or not) took `extra_seconds`
+        beyond its decode items' price."""
+        if prompt_tokens <= 0:
+            return
+        sums = self.extra.setdefault(fed, [0.0, 0.0])
+        sums[0] = self.decay * sums[0] + max(0.0, extra_seconds)
+        sums[1] = self.decay * sums[1] + prompt_tokens
+
+    def observe_step(self, prompt_tokens: int, committed: int) -> None:
+        self.prompt_tokens = self.workload_decay * self.prompt_tokens + prompt_tokens
+        self.committed = self.workload_decay * self.committed + committed
+
+    def per_prompt_token(self, spec: bool) -> float | None:
+        sums = self.extra.get(spec)
+        return None if sums is None or sums[1] <= 0 else sums[0] / sums[1]
+
+    def seconds_per_token(self, spec: bool) -> float:
+        """What prompts add to each committed token's time under this arm (0 until both arms have a charge)."""
+        own, other = self.per_prompt_token(spec), self.per_prompt_token(not spec)
+        if own is None or other is None or self.committed <= 0:
+            return 0.0
+        return own * self.prompt_tokens / self.committed
+
+    def delivered(self, spec: bool, rate: float) -> float:
+        """A decode-step rate (tok/s) of this arm as delivered, its prompts' charge included."""
+        if rate <= 0:
+            return rate
+        return 1.0 / (1.0 / rate + self.seconds_per_token(spec))
+
+
 class Probe(NamedTuple):
     spec: bool  # the arm measured
     steps_left: int  # steps of that arm still to take
@@ -559,6 +618,7 @@ class LoadGate:
     # bucket -> the predictions of the configured tree for every auto request (Rates.configured); an
     # Arm of which only the prediction fields are used: nothing runs it under auto.
     _configured: dict[int, Arm] = field(default_factory=dict)
+    prompts: PromptCharges = field(default_factory=PromptCharges)
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
         """Whether auto may speculate at this load. model_prefers_spec: whether the cost model gives
@@ -647,9 +707,12 @@ class LoadGate:
         below = self._judged_below(b)
         if below is None:
             return False
-        spec, plain = self.arms[(below, True)], self.arms[(below, False)]
-        return (not self._verdict[below] and spec.samples > 0
-                and plain.goodput >= self.clear * spec.goodput)
+        return (not self._verdict[below] and self.arms[(below, True)].samples > 0
+                and self._delivered(below, False) >= self.clear * self._delivered(below, True))
+
+    def _delivered(self, b: int, spec: bool, rate: float | None = None) -> float:
+        """An arm's goodput at this load (or `rate`, one step of it) as delivered: its prompts' charge included."""
+        return self.prompts.delivered(spec, self.arms[(b, spec)].goodput if rate is None else rate)
 
     def _judge(self, b: int) -> bool:
         """Speculate? A load's first verdict goes to the arm that measured better; a later one keeps
@@ -657,7 +720,7 @@ class LoadGate:
         noise). Keeping trees until plain decoding beat them by `margin` from the first verdict on
         chose trees at 8-15 sequences on the H200 where plain had measured 4% better (1,620 against
         1,556 tok/s) and `always` delivered 0.8x `never`: auto read 0.84x `never` there."""
-        spec, plain = self.arms[(b, True)].goodput, self.arms[(b, False)].goodput
+        spec, plain = self._delivered(b, True), self._delivered(b, False)
         standing = self._verdict.get(b)
         if standing is None:
             return spec >= plain
@@ -738,10 +801,12 @@ class LoadGate:
         # Clearly losing on fresh figures settles it early (judging on the stale figure that started
         # the probe would end every probe at once, and re-probe on every step): a re-probe after one
         # recorded step, a first probe after `clear_steps` in a row.
-        losses = probe.clear_losses + 1 if recorded and other.samples and other.goodput >= self.clear * rate else 0
+        # Rates as delivered: see PromptCharges.
+        others, step_rate = self._delivered(b, not spec), self._delivered(b, spec, rate)
+        losses = probe.clear_losses + 1 if recorded and other.samples and others >= self.clear * step_rate else 0
         if probe.reprobe:
-            settled = recorded and other.samples and (other.goodput >= self.clear * this.goodput
-                                                      or other.goodput >= self.margin * rate)
+            settled = recorded and other.samples and (others >= self.clear * self._delivered(b, spec)
+                                                      or others >= self.margin * step_rate)
         else:
             settled = losses >= self.clear_steps
         if probe.steps_left > 1 and not settled:
@@ -764,5 +829,9 @@ class LoadGate:
 
         probe = self._probing.get(b)
         probing = "" if probe is None else f", probing {'trees' if probe.spec else 'plain'} ({probe.steps_left} left)"
+        charges = ""
+        if self.prompts.seconds_per_token(True) or self.prompts.seconds_per_token(False):
+            charges = (f", prompts add {1e6 * self.prompts.seconds_per_token(True):.0f} us a token to trees and "
+                       f"{1e6 * self.prompts.seconds_per_token(False):.0f} to plain")
         return (f"{bucket_range(b)} sequences: trees {s.goodput:.1f} tok/s ({s.samples} steps{predicted(s)}), "
-                f"plain {p.goodput:.1f} tok/s ({p.samples} steps{predicted(p)}){probing}")
+                f"plain {p.goodput:.1f} tok/s ({p.samples} steps{predicted(p)}){probing}{charges}")

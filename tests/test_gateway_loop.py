@@ -383,6 +383,30 @@ def test_a_batch_arriving_where_plain_decoding_clearly_won_feeds_its_prompts_to_
     assert first_steps_features(seed_gate=True) == [False]
 
 
+def test_prompts_that_feed_the_drafts_charge_trees_and_prompts_that_do_not_charge_plain(tokenizer):
+    """Issue 14: the load gate charges each arm what its prompts cost (PromptCharges). A batch taken in
+    while trees may be chosen feeds its prompts to the drafts: a charge for trees; one taken in where
+    plain decoding clearly won feeds none: a charge for plain. Each counts every prompt token."""
+    from gateway.policy import Arm
+
+    def charged(seed_gate: bool) -> tuple[dict, float]:
+        core, _, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+        if seed_gate:  # 4-7 sequences: plain decoding measured 3x trees
+            core.gate.arms[(3, True)] = Arm(goodput=100.0, seconds=0.05, samples=3)
+            core.gate.arms[(3, False)] = Arm(goodput=300.0, seconds=0.005, samples=50)
+            core.gate._verdict[3] = False
+        for i in range(8):
+            submit(core, f"b{i}", [40 + i, 2, 3], max_tokens=20)
+        run_until_idle(core)
+        return core.gate.prompts.extra, core.gate.prompts.prompt_tokens
+
+    extra, prompt_tokens = charged(seed_gate=False)
+    assert list(extra) == [True] and extra[True][0] > 0
+    assert extra[True][1] == pytest.approx(8 * 3) and prompt_tokens == pytest.approx(8 * 3, rel=0.1)
+    extra, _ = charged(seed_gate=True)
+    assert list(extra) == [False] and extra[False][0] > 0
+
+
 def test_a_lost_draft_falls_back_to_plain_decode_with_the_same_output(tokenizer):
     core, target, drafts = new_core(tokenizer, mode="always")
     out = submit(core, "a", [3, 4, 5], max_tokens=30)

@@ -15,6 +15,7 @@ from gateway.policy import (
     CostModel,
     LoadGate,
     PolicyConfig,
+    PromptCharges,
     Rates,
     chains_would_accept,
     choose_budgets,
@@ -460,6 +461,41 @@ def test_a_first_verdict_goes_to_the_arm_that_measured_better_and_then_holds_wit
     assert share_of_trees(run_gate(gate, 8, 400, spec_rate=108, plain_rate=104)) < 0.2  # within the margin
     assert share_of_trees(run_gate(gate, 8, 400, spec_rate=150, plain_rate=104)[-200:]) > 0.9  # trees clearly win
     assert share_of_trees(run_gate(gate, 8, 400, spec_rate=100, plain_rate=104)) > 0.8  # and hold within it
+
+
+def test_prompts_charge_neither_arm_until_both_have_a_charge_and_then_each_its_own():
+    """Only the difference between the arms' prompt charges can turn a verdict: one arm's charge alone
+    would count the prompts' own forward against it."""
+    charges = PromptCharges()
+    for _ in range(10):
+        charges.observe_step(prompt_tokens=0, committed=8)
+    charges.observe_step(prompt_tokens=80, committed=1)  # 80 prompt tokens for 81 committed
+    charges.observe_prompts(fed=True, prompt_tokens=80, extra_seconds=80 * 40e-6)
+    assert charges.seconds_per_token(True) == 0.0 and charges.delivered(True, 1000.0) == 1000.0
+    charges.observe_prompts(fed=False, prompt_tokens=80, extra_seconds=80 * 25e-6)
+    per_committed = charges.prompt_tokens / charges.committed
+    assert charges.seconds_per_token(True) == pytest.approx(40e-6 * per_committed)
+    assert charges.seconds_per_token(False) == pytest.approx(25e-6 * per_committed)
+    assert charges.delivered(False, 1000.0) == pytest.approx(1 / (1e-3 + 25e-6 * per_committed))
+
+
+def test_the_gate_judges_arms_as_delivered_with_what_their_prompts_cost():
+    """Issue 14, H200 scale track at 8 requests: `always`'s decode steps beat `never`'s (1651-1773
+    against 1556-1562 tok/s) while it delivered less (1275.6 against 1418.5), since a prompt taken in
+    for trees feeds its features to the draft. Trees 10% faster on decode steps, but charged 40 us a
+    prompt token against plain's 25 at 8 prompt tokens per committed token, deliver less: plain wins.
+    Without the charges trees win."""
+    def verdict(charged: bool) -> bool:
+        gate = LoadGate()
+        if charged:
+            gate.prompts.observe_step(prompt_tokens=8 * 1024, committed=1024)
+            gate.prompts.observe_prompts(fed=True, prompt_tokens=1024, extra_seconds=1024 * 40e-6)
+            gate.prompts.observe_prompts(fed=False, prompt_tokens=1024, extra_seconds=1024 * 25e-6)
+        seen = run_gate(gate, 8, 40, spec_rate=1100.0, plain_rate=1000.0)
+        return seen[-1]
+
+    assert verdict(charged=False) is True
+    assert verdict(charged=True) is False
 
 
 def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the_verdict():
