@@ -821,6 +821,14 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
     measured = [(arm, seqs) for (name, arm, seqs), value in sums.items()
                 if name == "tandem_policy_arm_step_seconds_total" and value > 0]
     assert measured and all(sums[("tandem_policy_arm_committed_tokens_total", *key)] > 0 for key in measured)
+    # What prompts add to each arm's committed tokens: nothing until both arms have a charge (these prompts all fed).
+    charges = {s.labels["arm"]: s.value for family in core.metrics.registry.collect()
+               if family.name == "tandem_policy_prompt_seconds_per_token" for s in family.samples}
+    assert charges == {"trees": 0.0, "plain": 0.0}
+    core.gate.prompts.observe_prompts(fed=False, prompt_tokens=3, extra_seconds=1e-3)
+    charges = {s.labels["arm"]: s.value for family in core.metrics.registry.collect()
+               if family.name == "tandem_policy_prompt_seconds_per_token" for s in family.samples}
+    assert charges["trees"] > 0 and charges["plain"] > 0
 
 
 def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(tokenizer):
