@@ -347,8 +347,11 @@ for stage in "$@"; do
           run "auto_scale_${acceptance}${suffix}_report" after 60 python3 bench/auto_report.py \
             "$OUT/auto_scale_$acceptance$suffix"
           # The trees each plan chose and what they delivered (every mode's trees: AUTO_MODES=auto for auto's alone).
-          [[ ${SERVE_LOG_LEVEL:-} == DEBUG ]] && run "auto_scale_${acceptance}${suffix}_budgets" after 60 \
-            python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets
+          # (An `if`, not `[[ ]] &&`: as the stage's last command a false test made the whole script exit 1.)
+          if [[ ${SERVE_LOG_LEVEL:-} == DEBUG ]]; then
+            run "auto_scale_${acceptance}${suffix}_budgets" after 60 \
+              python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets
+          fi
         done
       done ;;
     fedgrants)  # after only: auto with fed grants (--fed-grants) against without (the default) on fresh serves, back to

@@ -50,7 +50,9 @@ def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
     first = run_both(eager, graphs, [SequenceStep.chain(r, p, create=True) for r, p in prompts.items()])
     assert graphs.graphs.replays == 0  # prefill runs eagerly
     last = {r.request_id: r.tokens[-1] for r in first}
-    for step in range(6):
+    # Four steps cover each case at least once (plain and tree items side by side, features asked, batches
+    # of 2 and of 3); on CPU every step runs the Triton kernels interpreted (71 s at six steps, 2026-12-03).
+    for step in range(4):
         items = []
         for i, rid in enumerate(prompts):
             if (step + i) % 3 == 0:  # plain decode
@@ -64,7 +66,7 @@ def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
         items = items if step % 2 else items[:2]
         results = run_both(eager, graphs, items)
         last.update({r.request_id: r.tokens[-1] for r in results})
-    assert graphs.graphs.replays == 6
+    assert graphs.graphs.replays == 4
     for rid in prompts:  # the committed caches agree too
         n = eager.kv.seqs[rid].length
         assert graphs.kv.seqs[rid].length == n
