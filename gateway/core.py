@@ -125,6 +125,11 @@ def _feature_rows(item: IngestItem) -> int:
     return item.num_feature_rows or item.target_feature_rows
 
 
+def _prompt_tokens(req: Request, item: IngestItem) -> int:
+    """Tokens of req's prompt that an ingest item brings the draft."""
+    return max(0, min(item.start_position + len(item.tokens), len(req.prompt)) - item.start_position)
+
+
 def _step_kind(outcome: StepOutcome, decode: bool) -> str:
     """The kind of target step an outcome was (tandem_step_kind_seconds)."""
     if outcome.trees:
@@ -651,6 +656,13 @@ class GatewayCore:
         for req in self.running:  # deferred ingests of requests that do not draft now: send them off
             if req.draft is not None and req.draft.pending is not None and req.request_id not in drafting:
                 self._send_ingest(req)
+        if by_replica:
+            # A replica applies its queue before the draft call: the call waits on any prompt queued there (a
+            # request joined since the last round), and the round pays for that prompt, not for its trees. On
+            # the H200 (scale track, 0.8) the first recorded tree steps as 8 requests joined ran at 0.4x the rate
+            # `always`'s tree steps kept at that load, and settled the load for plain decoding.
+            plan.draft_prompt_tokens = sum(_prompt_tokens(req, item) for idx in by_replica
+                                           for req, item in self._ingest_queue.get(idx, ()))
         self._flush_ingests()  # before the draft calls: a replica applies its queue in order
         if not by_replica:
             return {}
@@ -915,7 +927,10 @@ class GatewayCore:
         # shape: the first tree of each batch bucket, and the depth-cut budgets near max_tokens) belongs
         # to neither arm either: one such round lifted the trees' cost ratio by a fifth, and auto at one
         # request then decoded plainly for the rest of the run (0.83x `always`, issue 14).
-        arm_step = decode and (bool(outcome.trees) or not outcome.fed_draft) and not plan.draft_captured
+        # A round whose draft call waited on a joining prompt's ingest belongs to neither arm: it is what that
+        # prompt costs trees (_charge_prompts).
+        arm_step = (decode and (bool(outcome.trees) or not outcome.fed_draft) and not plan.draft_captured
+                    and not plan.draft_prompt_tokens)
         self.metrics.step_kind[_step_kind(outcome, decode)].observe(seconds)
         if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
@@ -947,10 +962,12 @@ class GatewayCore:
 
     def _charge_prompts(self, plan: StepPlan, outcome: StepOutcome, seconds: float, committed: int) -> None:
         """What the prompts in this step cost beyond its decode items' price, for the load gate's prompt charges
-        (PromptCharges): a step whose prompts fed the drafts is what trees cost, one whose prompts did not, plain."""
+        (PromptCharges): a step whose prompts fed the drafts is what trees cost, one whose prompts did not, plain;
+        so is a round whose draft call waited on a replica taking in a prompt (that prompt's cost to trees)."""
         prompt_tokens = sum(len(it.tokens) for it in outcome.items if not it.is_decode)
         self.gate.prompts.observe_step(prompt_tokens, committed)
-        if not prompt_tokens or plan.draft_captured:
+        catch_up = bool(plan.draft_prompt_tokens) and bool(outcome.trees)
+        if not (prompt_tokens or catch_up) or plan.draft_captured:
             return
         decodes = [it for it in outcome.items if it.is_decode]
         budgets = [plan.budgets[rid] for rid in outcome.trees]
@@ -958,7 +975,7 @@ class GatewayCore:
         if decodes:
             tokens = sum(len(it.tokens) for it in decodes) + sum(b.max_nodes for b in budgets)
             price = self.costs.step_time(tokens, len(decodes), budgets)
-        self.gate.prompts.observe_prompts(outcome.fed_prompt, prompt_tokens, seconds - price)
+        self.gate.prompts.observe_prompts(outcome.fed_prompt or catch_up, prompt_tokens, seconds - price)
 
     # --- draft state ---------------------------------------------------------------
     def _apply_reports(self) -> None:

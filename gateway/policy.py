@@ -501,11 +501,12 @@ class PromptCharges:
 
     Per arm: the seconds a prompt-carrying step took beyond what its decode items alone would (the cost
     model's price for them), per prompt token, decayed; a step counts for trees when some prompt in it
-    fed a draft. And the workload's prompt tokens per committed token, decayed over steps. An arm's
-    delivered rate is then 1 / (1 / decode-step rate + its charge per prompt token x prompt tokens per
-    committed token). Until both arms have a charge neither is charged (as before): only the difference
-    between them can turn a verdict, and one arm's charge alone would count the prompts' own forward
-    against it.
+    fed a draft. Trees are also charged the rounds whose draft call waited on a replica taking in a
+    joining prompt (its catch-up), which no arm records. And the workload's prompt tokens per committed
+    token, decayed over steps. An arm's delivered rate is then 1 / (1 / decode-step rate + its charge
+    per prompt token x prompt tokens per committed token). Until both arms have a charge neither is
+    charged (as before): only the difference between them can turn a verdict, and one arm's charge
+    alone would count the prompts' own forward against it.
     """
 
     decay: float = 0.8  # per prompt-carrying step of that arm
@@ -517,12 +518,14 @@ class PromptCharges:
 
     def observe_prompts(self, fed: bool, prompt_tokens: int, extra_seconds: float) -> None:
         """A step that carried `prompt_tokens` prompt tokens (fed to drafts or not) took `extra_seconds`
-        beyond its decode items' price."""
-        if prompt_tokens <= 0:
+        beyond its decode items' price. prompt_tokens 0: a round that waited on a draft taking in prompts
+        counted before (their catch-up), added to the charge without a decay of its own."""
+        if prompt_tokens <= 0 and extra_seconds <= 0:
             return
         sums = self.extra.setdefault(fed, [0.0, 0.0])
-        sums[0] = self.decay * sums[0] + max(0.0, extra_seconds)
-        sums[1] = self.decay * sums[1] + prompt_tokens
+        decay = self.decay if prompt_tokens > 0 else 1.0
+        sums[0] = decay * sums[0] + max(0.0, extra_seconds)
+        sums[1] = decay * sums[1] + prompt_tokens
 
     def observe_step(self, prompt_tokens: int, committed: int) -> None:
         self.prompt_tokens = self.workload_decay * self.prompt_tokens + prompt_tokens

@@ -46,6 +46,9 @@ class StepPlan:
     # A replica captured a graph for a shape new to it while drafting this plan's trees: the
     # round took tens of milliseconds more than the next of its kind will (filled by the draft phase).
     draft_captured: bool = False
+    # Prompt tokens a drafting replica took in (its queued ingests) ahead of this plan's draft call: a round
+    # that waits on a prompt's catch-up pays for the prompt, not for its trees (see GatewayCore._draft).
+    draft_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -780,6 +780,47 @@ def test_a_round_in_which_the_draft_captured_a_graph_is_learned_by_neither_the_c
     assert 1 not in observed_trees and 3 not in observed_trees, observed_trees
 
 
+def test_a_round_that_waits_on_a_replica_taking_in_a_joining_prompt_is_charged_to_that_prompt_not_to_trees(
+        tokenizer):
+    """Issue 14: a replica applies its queued ingests before a draft call, so the round after a request
+    joins waits on the draft taking in its prompt. On the H200 the first tree steps as 8 requests joined
+    ran at 0.4x what `always`'s tree steps kept at that load and settled the load for plain decoding.
+    Such a round is learned by neither the cost model nor the gate; the load gate charges it to the
+    prompt, for trees."""
+    core, _, _ = new_core(tokenizer, mode="always")
+    rounds: list[tuple[int, bool]] = []  # (prompt tokens the replica took in first, learned as a tree round)
+    charges: list[tuple[bool, int]] = []
+    learned = [0]
+    real_observe, real_record, real_charge = core.costs.observe, core._record, core.gate.prompts.observe_prompts
+
+    def observe(tokens, seqs, budgets, seconds):
+        learned[0] += bool(budgets)
+        return real_observe(tokens, seqs, budgets, seconds)
+
+    def record(plan, outcome, round_start):
+        before = learned[0]
+        real_record(plan, outcome, round_start)
+        rounds.append((plan.draft_prompt_tokens, learned[0] > before))
+
+    def charge(fed, prompt_tokens, extra_seconds):
+        charges.append((fed, prompt_tokens))
+        return real_charge(fed, prompt_tokens, extra_seconds)
+
+    core.costs.observe, core._record, core.gate.prompts.observe_prompts = observe, record, charge
+    first = submit(core, "first", [3, 4, 5], max_tokens=60)
+    core._take_inbox()
+    for _ in range(6):  # the first request drafts its trees
+        core._step()
+    second = submit(core, "second", [6, 7, 8, 9], max_tokens=30)
+    run_until_idle(core)
+    assert tokens_of(first) == expected([3, 4, 5], 60) and tokens_of(second) == expected([6, 7, 8, 9], 30)
+    waited = [learned for tokens, learned in rounds if tokens]
+    assert waited == [False], rounds  # the second's prompt (4 tokens) held up one round, not learned
+    assert any(tokens == 4 for tokens, _ in rounds)
+    assert (True, 0) in charges  # that round charged to trees, as the catch-up of prompts counted before
+    assert any(learned for tokens, learned in rounds if not tokens)
+
+
 def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_before_going_dormant(tokenizer):
     """Issue 14: what a plain step costs above a granted one (it feeds the draft, ungranted) is spread
     over the plain spell it would start: the request's remaining tokens, up to WAKE_EVERY; only the
