@@ -363,20 +363,27 @@ def test_requests_that_end_together_are_released_on_their_draft_in_one_call_and_
     assert draft.release_calls == []
 
 
+def _batch_of_eight(tokenizer, plain_won_below: bool) -> tuple:
+    """(core, target) after 8 auto requests ran to the end; plain_won_below: the gate had judged 4-7
+    sequences for plain decoding (measured at 3x trees) before they came."""
+    from gateway.policy import Arm
+
+    core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+    if plain_won_below:
+        core.gate.arms[(3, True)] = Arm(goodput=100.0, seconds=0.05, samples=3)
+        core.gate.arms[(3, False)] = Arm(goodput=300.0, seconds=0.005, samples=50)
+        core.gate._verdict[3] = False
+    for i in range(8):
+        submit(core, f"b{i}", [40 + i, 2, 3], max_tokens=20)
+    run_until_idle(core)
+    return core, target
+
+
 def test_a_batch_arriving_where_plain_decoding_clearly_won_feeds_its_prompts_to_no_draft(tokenizer):
     """Issue 14: a step of prompts alone has no request that could draft, so the gate was not asked
     and the prompts' features went to the drafts, although the batch would decode plainly at once."""
-    from gateway.policy import Arm
-
     def first_steps_features(seed_gate: bool) -> list[bool]:
-        core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
-        if seed_gate:  # 4-7 sequences: plain decoding measured 3x trees
-            core.gate.arms[(3, True)] = Arm(goodput=100.0, seconds=0.05, samples=3)
-            core.gate.arms[(3, False)] = Arm(goodput=300.0, seconds=0.005, samples=50)
-            core.gate._verdict[3] = False
-        for i in range(8):
-            submit(core, f"b{i}", [40 + i, 2, 3], max_tokens=20)
-        run_until_idle(core)
+        _, target = _batch_of_eight(tokenizer, plain_won_below=seed_gate)
         return [any(it.return_features for it in step) for step in target.steps[:1]]
 
     assert first_steps_features(seed_gate=False) == [True]  # no verdict yet: the drafts take the prompts
@@ -387,17 +394,8 @@ def test_prompts_that_feed_the_drafts_charge_trees_and_prompts_that_do_not_charg
     """Issue 14: the load gate charges each arm what its prompts cost (PromptCharges). A batch taken in
     while trees may be chosen feeds its prompts to the drafts: a charge for trees; one taken in where
     plain decoding clearly won feeds none: a charge for plain. Each counts every prompt token."""
-    from gateway.policy import Arm
-
     def charged(seed_gate: bool) -> tuple[dict, float]:
-        core, _, _ = new_core(tokenizer, mode="auto", grant_steps=8)
-        if seed_gate:  # 4-7 sequences: plain decoding measured 3x trees
-            core.gate.arms[(3, True)] = Arm(goodput=100.0, seconds=0.05, samples=3)
-            core.gate.arms[(3, False)] = Arm(goodput=300.0, seconds=0.005, samples=50)
-            core.gate._verdict[3] = False
-        for i in range(8):
-            submit(core, f"b{i}", [40 + i, 2, 3], max_tokens=20)
-        run_until_idle(core)
+        core, _ = _batch_of_eight(tokenizer, plain_won_below=seed_gate)
         return core.gate.prompts.extra, core.gate.prompts.prompt_tokens
 
     extra, prompt_tokens = charged(seed_gate=False)
