@@ -42,6 +42,7 @@ from gateway.policy import (
     bucket_range,
     chains_would_accept,
     choose_budgets,
+    main_path,
     search_budgets,
 )
 from gateway.request import DraftLink, Phase, Request
@@ -862,8 +863,10 @@ class GatewayCore:
             self.book.record(budget, accepted)
             # The step's node 0 is the root token (DraftTree.verify_tree): the tree's node i is its i + 1.
             drafted_nodes = [node - 1 for node in res.accepted_nodes]
-            for chain, chain_accepted in chains_would_accept(tree.parents, tree.scores, drafted_nodes,
-                                                             self.cfg.policy.auto_options(), budget):
+            path = main_path(tree.parents, tree.scores, drafted_nodes)
+            if path is not None:
+                self.book.record_path(path)
+            for chain, chain_accepted in chains_would_accept(path, self.cfg.policy.auto_options(), budget):
                 req.acceptance.record(chain, chain_accepted)
                 self.book.record(chain, chain_accepted)
         elif it.is_decode:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from draft_service.types import DraftBudget
+from draft_service.types import MAX_STEPS, DraftBudget
 
 NO_SPEC = DraftBudget(0, 0, 0)
 
@@ -42,10 +42,31 @@ class PolicyConfig:
         return DraftBudget(self.steps, self.topk, self.draft_tokens)
 
     def auto_options(self) -> list[DraftBudget]:
-        """Budgets `auto` chooses among: a short chain, the configured tree and a wider tree."""
+        """Budgets `auto` chooses among: the explored options, then the depth options (those of them
+        that are not already explored ones)."""
+        explored = self.explored_options()
+        return explored + [o for o in self.depth_options() if o not in explored]
+
+    def explored_options(self) -> list[DraftBudget]:
+        """A short chain, the configured tree and a wider tree: each starts from an optimistic prior
+        and is tried by exploration where the figures decline trees."""
         opts = [DraftBudget(3, 1, 4), self.fixed_budget,
                 DraftBudget(self.steps + 1, self.topk * 2, self.draft_tokens * 2)]
         return list(dict.fromkeys(opts))
+
+    def depth_options(self) -> list[DraftBudget]:
+        """A chain as deep as the configured tree and one twice as deep: priced from the acceptance
+        measured per level of verified trees' main paths (AcceptanceBook.chain_prior), never explored
+        on a prior, and left out until some main path has been verified.
+
+        Why: where a draft's best guess at each level is what gets accepted, a tree's side branches
+        are verified for nothing and what pays is depth. On the H200 scale track (0.8 accepted per
+        level of the main path) a round at one request took 11.1 ms for 3.6 tokens with 5/4/8, while
+        a draft level costs about 0.25 ms (bench/draft_step.py at batch 1: 1.29 ms for 3/1/4, 1.90 for
+        5/4/8); a 10-token chain would commit about 4.6 tokens for about 1.2 ms more. An optimistic
+        prior of half its depth would have every cold start explore the deep chain first."""
+        deep = min(2 * self.steps, MAX_STEPS)
+        return list(dict.fromkeys([DraftBudget(self.steps, 1, self.steps + 1), DraftBudget(deep, 1, deep + 1)]))
 
 
 def bucket_range(bucket: int) -> str:
@@ -165,43 +186,56 @@ def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
     return (1 - weight) * old + weight * measured
 
 
-def chains_would_accept(parents: list[int], scores: list[float], accepted_nodes: list[int],
-                        options: list[DraftBudget], drafted: DraftBudget) -> list[tuple[DraftBudget, int]]:
-    """What each chain among `options` (topk 1, other than the budget `drafted`) would have accepted at
-    this position, read off a verified tree: (option, accepted) where the tree says it exactly.
+class MainPath(NamedTuple):
+    """A verified tree's main path (the best-scored child of each node on it, from the root): its
+    depth, and how many of its nodes, from the root on, were accepted."""
 
-    A chain drafts the draft's best child at every level, so its tokens are the tree's main path (the
-    best-scored child of each node on it, from the root). A chain of depth d accepts the main path's
-    accepted prefix, up to d. Where the whole main path was accepted, a chain deeper than it is left
-    out: what it would accept below is not known. Wider trees are not inferred: their nodes off the
-    main path are not the verified tree's.
+    depth: int
+    accepted: int
+
+
+def main_path(parents: list[int], scores: list[float], accepted_nodes: list[int]) -> MainPath | None:
+    """The main path of a verified tree (node i's parent parents[i], -1 the root; accepted_nodes the
+    accepted nodes from the root on). None for a tree without scores: its main path is not known."""
+    if len(scores) != len(parents):
+        return None
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path = []
+    node = -1
+    while children.get(node):
+        node = max(children[node], key=lambda child: scores[child])
+        path.append(node)
+    run = 0
+    while run < len(path) and run < len(accepted_nodes) and accepted_nodes[run] == path[run]:
+        run += 1
+    return MainPath(len(path), run)
+
+
+def chains_would_accept(path: MainPath | None, options: list[DraftBudget],
+                        drafted: DraftBudget) -> list[tuple[DraftBudget, int]]:
+    """What each chain among `options` (topk 1, other than the budget `drafted`) would have accepted at
+    this position, read off a verified tree's main path: (option, accepted) where the tree says it exactly.
+
+    A chain drafts the draft's best child at every level, so its tokens are the tree's main path. A
+    chain of depth d accepts the main path's accepted prefix, up to d. A chain deeper than the main path
+    is left out whatever was accepted: where the main path was accepted whole, what the chain would
+    accept below is not known, and recording it only where the main path failed early would teach it
+    its misses and none of its successes. (AcceptanceBook.record_path learns every level the main path
+    reached, which prices deeper chains without that bias.) Wider trees are not inferred: their nodes
+    off the main path are not the verified tree's.
 
     Why: each option's acceptance was learned only from its own trees, so figures that a few trees at
     a request's hardest positions had set stayed until the option ran again; which tree auto settled
     on turned on them (BENCHMARKS.md, sixth session: at 4 requests on the CPU, chains in one run and
     5/4/8 trees in the next). Every verified tree now also measures the chains, at the same positions
     as the tree it chose. (The scale track's forced acceptance sets only the main path right: there
-    this is exact for every tree.) A tree without scores says nothing."""
-    if len(scores) != len(parents):
+    this is exact for every tree.) A tree without scores (path None) says nothing."""
+    if path is None:
         return []
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
-    main_path = []
-    node = -1
-    while children.get(node):
-        node = max(children[node], key=lambda child: scores[child])
-        main_path.append(node)
-    run = 0
-    while run < len(main_path) and run < len(accepted_nodes) and accepted_nodes[run] == main_path[run]:
-        run += 1
-    out = []
-    for option in options:
-        if option.topk != 1 or option == drafted:
-            continue
-        if run < len(main_path) or option.steps <= run:
-            out.append((option, min(run, option.steps)))
-    return out
+    return [(option, min(path.accepted, option.steps)) for option in options
+            if option.topk == 1 and option != drafted and option.steps <= path.depth]
 
 
 @dataclass
@@ -234,6 +268,9 @@ class AcceptanceBook:
     # per 3-token chain over its first 11 trees, 2.3 after), so the gateway explores more often
     # until the book holds this much (GatewayCore._explore_now).
     thin_evidence: float = 8.0
+    # Per level of verified trees' main paths (index k: level k + 1): [decayed accepted, decayed reached].
+    # A level is reached where every level above it was accepted. See record_path and chain_prior.
+    levels: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.prior_weight < 1.0:  # optimistic's ln N must not be negative
@@ -243,6 +280,32 @@ class AcceptanceBook:
         s = self.totals.setdefault(budget, [0.0, 0.0])
         s[0] = 0.98 * s[0] + accepted
         s[1] = 0.98 * s[1] + 1.0
+
+    def record_path(self, path: MainPath) -> None:
+        """A verified tree's main path: each level it reached counts, accepted or not (levels below a
+        miss were not reached, so a deep level is judged only where its prefix was accepted)."""
+        for k in range(min(path.accepted + 1, path.depth)):
+            if k == len(self.levels):
+                self.levels.append([0.0, 0.0])
+            level = self.levels[k]
+            level[0] = 0.98 * level[0] + (k < path.accepted)
+            level[1] = 0.98 * level[1] + 1.0
+
+    def chain_prior(self, steps: int) -> float | None:
+        """Expected accepted tokens of a chain `steps` deep, from the acceptance measured per level of
+        main paths: sum over k <= steps of the product of levels 1..k's rates (each (accepted + 0.5) /
+        (reached + 1)). A level no main path reached takes the rate of the deepest one measured. None
+        until some main path has been recorded."""
+        if not self.levels:
+            return None
+        total, reach, rate = 0.0, 1.0, 0.0
+        for k in range(steps):
+            if k < len(self.levels):
+                accepted, reached = self.levels[k]
+                rate = (accepted + 0.5) / (reached + 1.0)
+            reach *= rate
+            total += reach
+        return total
 
     def optimistic(self, budget: DraftBudget, own: tuple[float, float] | None) -> float:
         """`expected` plus an upper-confidence bonus, the most a budget may plausibly accept: what
@@ -269,11 +332,12 @@ class AcceptanceBook:
         """Whether the book holds fewer recent trees than `thin_evidence`."""
         return sum(s[1] for s in self.totals.values()) < self.thin_evidence
 
-    def expected(self, budget: DraftBudget, own: tuple[float, float] | None) -> float:
+    def expected(self, budget: DraftBudget, own: tuple[float, float] | None, prior: float | None = None) -> float:
         """Expected accepted drafted tokens for a request: its own decayed mean blended with
-        the global mean, which is in turn blended with the prior."""
+        the global mean, which is in turn blended with the prior (`prior`, or else half the
+        budget's depth)."""
         s = self.totals.get(budget, [0.0, 0.0])
-        prior = self.prior_share * budget.steps
+        prior = self.prior_share * budget.steps if prior is None else prior
         glob = (s[0] + prior * self.prior_weight) / (s[1] + self.prior_weight)
         if own is None:
             return glob
@@ -368,9 +432,14 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     live_fixed = [b for b in fixed if not b.empty]
     fixed_levels = max((b.steps for b in live_fixed), default=0)
     fixed_expansions = sum(b.steps * b.topk for b in live_fixed)
+    explored = cfg.explored_options()
     for o in cfg.auto_options() if auto else ():
+        explorable = o in explored
+        prior = None if explorable else book.chain_prior(o.steps)
+        if not explorable and prior is None:
+            continue  # a depth option before any main path was verified: nothing prices it
         # Each request's expectation once per option (the sort is stable: ties keep their order).
-        scored = sorted(((book.expected(o, c.own_stats.get(o)), c) for c in auto), key=lambda pair: -pair[0])
+        scored = sorted(((book.expected(o, c.own_stats.get(o), prior), c) for c in auto), key=lambda pair: -pair[0])
         ranked = [c for _, c in scored]
         committed, tokens = base_committed, base_tokens
         levels = max(fixed_levels, o.steps)
@@ -386,7 +455,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
             # figures that a cold start had set too low were never refreshed by an exploration.
             full = (base_committed + k * o.steps) / seconds
             ceiling = full if ceiling is None else max(ceiling, full)
-            if k == 1:
+            if k == 1 and explorable:
                 # Exploration's pick: the option with the most plausible upside, for its likeliest
                 # request (optimistic adds the same doubt to every request's expectation of o).
                 upside = (base_committed + book.optimistic(o, c.own_stats.get(o))) / seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -14,11 +15,13 @@ from gateway.policy import (
     Candidate,
     CostModel,
     LoadGate,
+    MainPath,
     PolicyConfig,
     PromptCharges,
     Rates,
     chains_would_accept,
     choose_budgets,
+    main_path,
     search_budgets,
 )
 from gateway.request import Phase, Request
@@ -194,7 +197,7 @@ def test_exploration_tries_the_tree_with_the_most_plausible_upside_not_the_best_
     own = {chain: (0.0, 3.0), wide: (2.0, 4.0)}
     search = search_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0)
     assert search.best is None  # the figures decline every tree
-    by_expected = max(CFG.auto_options(), key=lambda o: (1 + book.expected(o, own.get(o)))
+    by_expected = max(CFG.explored_options(), key=lambda o: (1 + book.expected(o, own.get(o)))
                       / costs.step_time(1 + o.max_nodes, 1, [o]))
     assert by_expected == wide
     tried = choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0, search=search, explore=True)["r0"]
@@ -225,7 +228,7 @@ def test_exploration_tries_again_the_chain_whose_first_trees_missed_before_a_tre
         accepted = min(book.expected(o, own.get(o)) + doubt, o.steps)
         return (1 + accepted) / costs.step_time(1 + o.max_nodes, 1, [o])
 
-    assert max(CFG.auto_options(), key=upside_by_two_errors) == tree
+    assert max(CFG.explored_options(), key=upside_by_two_errors) == tree
     tried = choose_budgets(CFG, costs, book, candidates(1, stats=own), 0, 0, search=search, explore=True)["r0"]
     assert tried == chain and book.explored
     for _ in range(6):  # tried and missed again and again: the chain's doubt shrinks, the others' grows
@@ -245,7 +248,7 @@ def test_asked_to_explore_at_two_requests_the_policy_tries_a_tree_where_trees_fo
         book.record(o, 0)
     search = search_budgets(CFG, costs, book, candidates(2, stats={}), 0, 0)
     plain = search.rates.plain
-    one_tree_best = max((2 + o.steps) / costs.step_time(2 + o.max_nodes, 2, [o]) for o in CFG.auto_options())
+    one_tree_best = max((2 + o.steps) / costs.step_time(2 + o.max_nodes, 2, [o]) for o in CFG.explored_options())
     assert search.best is None and one_tree_best < plain < search.ceiling
     tried = choose_budgets(CFG, costs, book, candidates(2, stats={}), 0, 0, explore=True)
     assert sum(not b.empty for b in tried.values()) == 1 and book.explored
@@ -314,7 +317,8 @@ def test_trees_that_measure_below_a_dear_profile_correct_it_as_a_mean_would_whil
 
 def test_a_verified_tree_says_what_each_chain_would_have_accepted_where_it_can_know():
     """A chain drafts the tree's main path (the best-scored child at each level): it accepts the main
-    path's accepted prefix, up to its depth; past a main path accepted whole it is unknown."""
+    path's accepted prefix, up to its depth; a chain deeper than the main path is never inferred (past a
+    main path accepted whole it is unknown, so its early misses alone would bias it low)."""
     chain2, chain3, chain6 = DraftBudget(2, 1, 2), DraftBudget(3, 1, 4), DraftBudget(6, 1, 6)
     tree, wide = DraftBudget(5, 4, 8), DraftBudget(6, 8, 16)
     options = [chain2, chain3, chain6, tree, wide]
@@ -322,14 +326,15 @@ def test_a_verified_tree_says_what_each_chain_would_have_accepted_where_it_can_k
     parents, scores = [-1, -1, 0, 0, 3, 1], [-0.1, -2.0, -1.5, -0.3, -0.5, -2.5]  # main path: 0, 3, 4
 
     def chains(accepted: list[int], drafted: DraftBudget = tree) -> dict[DraftBudget, int]:
-        return dict(chains_would_accept(parents, scores, accepted, options, drafted))
+        return dict(chains_would_accept(main_path(parents, scores, accepted), options, drafted))
 
-    assert chains([0, 3]) == {chain2: 2, chain3: 2, chain6: 2}  # node 4 rejected: every chain stops at 2
-    assert chains([0, 2]) == {chain2: 1, chain3: 1, chain6: 1}  # a side branch: the main path's 3 was rejected
-    assert chains([1, 5]) == {chain2: 0, chain3: 0, chain6: 0}
-    assert chains([0, 3, 4]) == {chain2: 2, chain3: 3}  # the main path accepted whole: deeper is unknown
+    assert chains([0, 3]) == {chain2: 2, chain3: 2}  # node 4 rejected: every chain stops at 2
+    assert chains([0, 2]) == {chain2: 1, chain3: 1}  # a side branch: the main path's 3 was rejected
+    assert chains([1, 5]) == {chain2: 0, chain3: 0}  # chain6, deeper than the main path: never inferred
+    assert chains([0, 3, 4]) == {chain2: 2, chain3: 3}  # the main path accepted whole
     assert chains([0, 3, 4], drafted=chain3) == {chain2: 2}  # the drafted budget is recorded as it ran
-    assert chains_would_accept(parents, [], [0], options, tree) == []  # no scores: nothing inferred
+    assert main_path(parents, [], [0]) is None  # no scores: the main path is not known
+    assert chains_would_accept(None, options, tree) == []  # and nothing is inferred
 
 
 def test_a_probe_of_speculation_counts_only_steps_that_had_trees():
@@ -573,6 +578,58 @@ def test_a_tree_steps_price_from_its_deepest_level_and_expansions_is_the_price_o
     for k in (1, 2, 7):
         budgets = [fixed] + [option] * k
         assert costs.tree_step_time(40, 9, 5, 3 + k * 20) == pytest.approx(costs.step_time(40, 9, budgets))
+
+
+def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_chains_than_the_tree():
+    """A draft whose main path is accepted at 0.8 a level and whose side branches never are (the scale
+    track's forcing): the configured 5/4/8 tree commits what a 5-deep chain does for more nodes, and a
+    chain twice as deep commits more for a few draft levels, so auto drafts that chain at one request.
+    At 0.5 a level the deep chain's last levels add almost nothing and a shorter chain wins."""
+    deep, chain5, tree = CFG.auto_options()[4], CFG.auto_options()[3], CFG.fixed_budget
+    assert (deep, chain5) == (DraftBudget(10, 1, 11), DraftBudget(5, 1, 6))
+    # About the H200 scale track's profile at one request: a 7.2 ms step, draft levels of 0.25 ms.
+    costs = CostModel(target_base=7.2e-3, target_per_token=2e-5, target_per_seq=4e-5, draft_base=2.5e-3,
+                      draft_per_level=2.5e-4, draft_per_expansion=2e-5)
+
+    def best(per_level: float) -> DraftBudget | None:
+        """After 400 verified 5/4/8 trees whose main path is accepted at `per_level` a level."""
+        book = AcceptanceBook()
+        rng = random.Random(0)
+        for _ in range(400):
+            run = 0
+            while run < tree.steps and rng.random() < per_level:
+                run += 1
+            book.record(tree, run)
+            book.record_path(MainPath(depth=tree.steps, accepted=run))
+            for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.auto_options(), tree):
+                book.record(chain, accepted)
+        search = search_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)
+        return None if search.best is None else search.best[0]
+
+    # Levels 6-10, which no 5/4/8 tree reaches, are priced at level 5's measured rate.
+    assert best(0.8) == deep
+    assert best(0.5) not in (deep, tree, None)
+
+
+def test_depth_options_are_left_out_until_a_main_path_is_measured_and_never_explored():
+    """An untried deep chain on an optimistic prior of half its depth would be every cold start's
+    first tree; it is priced only from measured levels, and exploration keeps to the other options."""
+    depth = [o for o in CFG.auto_options() if o not in CFG.explored_options()]
+    assert depth == [DraftBudget(5, 1, 6), DraftBudget(10, 1, 11)]
+    book = AcceptanceBook()
+    assert book.chain_prior(10) is None
+    first = choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats={}), 0, 0)["r0"]
+    assert first in CFG.explored_options()
+    book.record_path(MainPath(depth=5, accepted=2))  # levels 1 and 2 accepted, level 3 reached and missed
+    assert book.levels == [[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
+    rates = [(1 + 0.5) / 2, (1 + 0.5) / 2, 0.5 / 2]
+    assert book.chain_prior(4) == pytest.approx(
+        rates[0] + rates[0] * rates[1] + rates[0] * rates[1] * rates[2] + rates[0] * rates[1] * rates[2] ** 2)
+    bad = {o: (0.0, 50.0) for o in CFG.explored_options()}
+    for _ in range(40):
+        book.record_path(MainPath(depth=5, accepted=0))
+    assert choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats=bad), 0, 0, explore=True)["r0"] in (
+        NO_SPEC, *CFG.explored_options())
 
 
 def test_predicted_goodput_is_the_whole_steps_with_what_the_other_items_commit():
