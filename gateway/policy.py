@@ -701,11 +701,14 @@ class LoadGate:
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
         probe = self._probing.get(b)
-        # Above a load where plain decoding clearly won, trees are not even probed: they only cost
-        # more as the batch grows, and a probe there is dear (every request's draft catches up
-        # from its tokens first: on the H200 scale track a probe at 32-63 sequences took 27 steps
-        # that fed the draft at 3x a granted step, then a 431 ms round; probes cost auto a third of
-        # `never`'s throughput at 64 requests). Where trees later win below, this bucket is new again.
+        # Above a load where plain decoding won, trees are not even probed: they only cost more as
+        # the batch grows, and a probe there is dear (every request's draft catches up from its
+        # tokens first: on the H200 scale track a probe at 32-63 sequences took 27 steps that fed
+        # the draft at 3x a granted step, then a 431 ms round; probes cost auto a third of `never`'s
+        # throughput at 64 requests). Until 2026-12-03 this took a win by `clear` below; where trees
+        # lost by 7-8% at 8-15 and 16-31 sequences (0.8), the probes that followed at 16-31, 32-63
+        # and 64-127 left auto at 0.90, 0.89-0.95 and 0.93 of `never` in the rounds that ran them.
+        # Where trees later win below, this bucket is new again.
         if self._trees_need_no_probe(b):
             if probe is not None and probe.spec:
                 # A first probe of trees left pending when its load passed (a burst of short requests
@@ -716,13 +719,11 @@ class LoadGate:
             return False
         if probe is not None:
             return probe.spec
-        # A new bucket measures plain decoding first where it won at the nearest lighter load
-        # (trees only cost more as the batch grows) or where the cost model predicts it: the
+        # A new bucket measures plain decoding first where the cost model predicts it wins: the
         # probe of trees, measured second, then ends after `clear_steps` recorded steps if they clearly
         # lose (probing trees first cost 8 tree steps at every new bucket of a loaded server).
         order = ((spec, True), (plain, False))
-        if spec.samples == 0 and plain.samples == 0 and (
-                self._verdict_below(b) is False or (model_prefers_spec is not None and not model_prefers_spec())):
+        if spec.samples == 0 and plain.samples == 0 and model_prefers_spec is not None and not model_prefers_spec():
             order = order[::-1]
         for arm, key in order:
             if arm.samples == 0:
@@ -748,9 +749,9 @@ class LoadGate:
         return probe.spec if probe is not None else self._verdict.get(b, True)
 
     def _trees_need_no_probe(self, b: int) -> bool:
-        """Trees are unmeasured at this load and plain decoding clearly won at a lighter one."""
+        """Trees are unmeasured at this load and plain decoding won at a lighter one."""
         spec = self.arms.get((b, True))
-        return (spec is None or spec.samples == 0) and self._plain_clearly_won_below(b)
+        return (spec is None or spec.samples == 0) and self._plain_won_below(b)
 
     def _drop_probe(self, b: int) -> None:
         del self._probing[b]
@@ -770,17 +771,10 @@ class LoadGate:
         """The nearest smaller bucket that has a verdict (None: no such bucket)."""
         return max((x for x in self._verdict if x < b), default=None)
 
-    def _verdict_below(self, b: int) -> bool | None:
+    def _plain_won_below(self, b: int) -> bool:
+        """Whether the nearest smaller bucket with a verdict measured trees and decodes plainly."""
         below = self._judged_below(b)
-        return None if below is None else self._verdict[below]
-
-    def _plain_clearly_won_below(self, b: int) -> bool:
-        """Whether at the nearest smaller bucket with a verdict plain decoding won by `clear`."""
-        below = self._judged_below(b)
-        if below is None:
-            return False
-        return (not self._verdict[below] and self.arms[(below, True)].samples > 0
-                and self._delivered(below, False) >= self.clear * self._delivered(below, True))
+        return below is not None and not self._verdict[below] and self.arms[(below, True)].samples > 0
 
     def _delivered(self, b: int, spec: bool, rate: float | None = None) -> float:
         """An arm's goodput at this load (or `rate`, one step of it) as delivered: its prompts' charge included."""
