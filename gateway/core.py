@@ -554,8 +554,8 @@ class GatewayCore:
                     sched.wake_every = min(max(sched.wake_every, math.ceil(affordable)), self.MAX_WAKE_EVERY)
 
     def _candidate(self, req: Request) -> Candidate:
-        return Candidate(req.request_id, {o: req.acceptance.mean(o) for o in self.cfg.policy.auto_options()},
-                         self._mode(req))
+        return Candidate(req.request_id, {o: req.acceptance.mean(o) for o in self.cfg.policy.explored_options()},
+                         self._mode(req), levels=req.acceptance.levels)
 
     # The dormant audit's search prices every auto request under every option: 0.2 / 0.36 / 0.65 ms a
     # plan at 16 / 32 / 64 requests on the 2-core dev machine (bench/gateway_step.py's fakes), against
@@ -866,7 +866,8 @@ class GatewayCore:
             path = main_path(tree.parents, tree.scores, drafted_nodes)
             if path is not None:
                 self.book.record_path(path)
-            for chain, chain_accepted in chains_would_accept(path, self.cfg.policy.auto_options(), budget):
+                req.acceptance.levels.record(path)
+            for chain, chain_accepted in chains_would_accept(path, self.cfg.policy.explored_options(), budget):
                 req.acceptance.record(chain, chain_accepted)
                 self.book.record(chain, chain_accepted)
         elif it.is_decode:

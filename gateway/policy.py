@@ -56,7 +56,7 @@ class PolicyConfig:
 
     def depth_options(self) -> list[DraftBudget]:
         """A chain as deep as the configured tree and one twice as deep: priced from the acceptance
-        measured per level of verified trees' main paths (AcceptanceBook.chain_prior), never explored
+        measured per level of verified trees' main paths (AcceptanceBook.chain_expected), never explored
         on a prior, and left out until some main path has been verified.
 
         Why: where a draft's best guess at each level is what gets accepted, a tree's side branches
@@ -213,6 +213,29 @@ def main_path(parents: list[int], scores: list[float], accepted_nodes: list[int]
     return MainPath(len(path), run)
 
 
+@dataclass
+class LevelRates:
+    """Acceptance per level of verified trees' main paths: per level, the decayed count of paths that
+    reached it (every level above it accepted) and of those that accepted it. A level is judged only
+    where its prefix was accepted, so a deep level's rate is not pulled down by misses above it."""
+
+    decay: float = 0.98
+    levels: list[list[float]] = field(default_factory=list)  # index k: level k + 1, [accepted, reached]
+
+    def record(self, path: MainPath) -> None:
+        for k in range(min(path.accepted + 1, path.depth)):
+            if k == len(self.levels):
+                self.levels.append([0.0, 0.0])
+            level = self.levels[k]
+            level[0] = self.decay * level[0] + (k < path.accepted)
+            level[1] = self.decay * level[1] + 1.0
+
+    def fade(self, factor: float) -> None:
+        for level in self.levels:
+            level[0] *= factor
+            level[1] *= factor
+
+
 def chains_would_accept(path: MainPath | None, options: list[DraftBudget],
                         drafted: DraftBudget) -> list[tuple[DraftBudget, int]]:
     """What each chain among `options` (topk 1, other than the budget `drafted`) would have accepted at
@@ -222,7 +245,7 @@ def chains_would_accept(path: MainPath | None, options: list[DraftBudget],
     chain of depth d accepts the main path's accepted prefix, up to d. A chain deeper than the main path
     is left out whatever was accepted: where the main path was accepted whole, what the chain would
     accept below is not known, and recording it only where the main path failed early would teach it
-    its misses and none of its successes. (AcceptanceBook.record_path learns every level the main path
+    its misses and none of its successes. (LevelRates learns every level the main path
     reached, which prices deeper chains without that bias.) Wider trees are not inferred: their nodes
     off the main path are not the verified tree's.
 
@@ -268,9 +291,8 @@ class AcceptanceBook:
     # per 3-token chain over its first 11 trees, 2.3 after), so the gateway explores more often
     # until the book holds this much (GatewayCore._explore_now).
     thin_evidence: float = 8.0
-    # Per level of verified trees' main paths (index k: level k + 1): [decayed accepted, decayed reached].
-    # A level is reached where every level above it was accepted. See record_path and chain_prior.
-    levels: list[list[float]] = field(default_factory=list)
+    # Acceptance per level of every verified tree's main path: what prices the depth options.
+    levels: LevelRates = field(default_factory=LevelRates)
 
     def __post_init__(self) -> None:
         if self.prior_weight < 1.0:  # optimistic's ln N must not be negative
@@ -282,27 +304,30 @@ class AcceptanceBook:
         s[1] = 0.98 * s[1] + 1.0
 
     def record_path(self, path: MainPath) -> None:
-        """A verified tree's main path: each level it reached counts, accepted or not (levels below a
-        miss were not reached, so a deep level is judged only where its prefix was accepted)."""
-        for k in range(min(path.accepted + 1, path.depth)):
-            if k == len(self.levels):
-                self.levels.append([0.0, 0.0])
-            level = self.levels[k]
-            level[0] = 0.98 * level[0] + (k < path.accepted)
-            level[1] = 0.98 * level[1] + 1.0
+        self.levels.record(path)
 
-    def chain_prior(self, steps: int) -> float | None:
-        """Expected accepted tokens of a chain `steps` deep, from the acceptance measured per level of
-        main paths: sum over k <= steps of the product of levels 1..k's rates (each (accepted + 0.5) /
-        (reached + 1)). A level no main path reached takes the rate of the deepest one measured. None
-        until some main path has been recorded."""
-        if not self.levels:
+    def chain_expected(self, steps: int, own: LevelRates | None) -> float | None:
+        """Expected accepted tokens of a chain `steps` deep for a request with these level rates (None:
+        the global figure): the sum over k <= steps of the product of levels 1..k's rates. A level's
+        global rate is (accepted + 0.5) / (reached + 1); a request's is its own counts blended with the
+        global rate as `prior_weight` paths. A level no path reached takes the rate of the deepest one
+        measured. None until some main path has been recorded.
+
+        Why levels and not the chain's own trees: a deep chain is only measured by its own trees, and
+        two that missed early (3 then 0 accepted, on the H200 scale track at 0.8) set its figure so low
+        that it was never drafted again, while every verified tree measures the levels it reaches."""
+        book = self.levels.levels
+        if not book:
             return None
+        mine = own.levels if own is not None else []
         total, reach, rate = 0.0, 1.0, 0.0
         for k in range(steps):
-            if k < len(self.levels):
-                accepted, reached = self.levels[k]
+            if k < len(book):
+                accepted, reached = book[k]
                 rate = (accepted + 0.5) / (reached + 1.0)
+            if k < len(mine):
+                accepted, reached = mine[k]
+                rate = (accepted + rate * self.prior_weight) / (reached + self.prior_weight)
             reach *= rate
             total += reach
         return total
@@ -332,12 +357,11 @@ class AcceptanceBook:
         """Whether the book holds fewer recent trees than `thin_evidence`."""
         return sum(s[1] for s in self.totals.values()) < self.thin_evidence
 
-    def expected(self, budget: DraftBudget, own: tuple[float, float] | None, prior: float | None = None) -> float:
+    def expected(self, budget: DraftBudget, own: tuple[float, float] | None) -> float:
         """Expected accepted drafted tokens for a request: its own decayed mean blended with
-        the global mean, which is in turn blended with the prior (`prior`, or else half the
-        budget's depth)."""
+        the global mean, which is in turn blended with the prior."""
         s = self.totals.get(budget, [0.0, 0.0])
-        prior = self.prior_share * budget.steps if prior is None else prior
+        prior = self.prior_share * budget.steps
         glob = (s[0] + prior * self.prior_weight) / (s[1] + self.prior_weight)
         if own is None:
             return glob
@@ -352,6 +376,7 @@ class Candidate:
     key: str
     own_stats: dict[DraftBudget, tuple[float, float] | None]  # the request's mean accepted per budget
     mode: str  # the request's effective mode
+    levels: LevelRates | None = None  # the request's acceptance per level of main paths (depth options)
 
 
 class Rates(NamedTuple):
@@ -435,11 +460,12 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     explored = cfg.explored_options()
     for o in cfg.auto_options() if auto else ():
         explorable = o in explored
-        prior = None if explorable else book.chain_prior(o.steps)
-        if not explorable and prior is None:
+        if not explorable and book.chain_expected(o.steps, None) is None:
             continue  # a depth option before any main path was verified: nothing prices it
         # Each request's expectation once per option (the sort is stable: ties keep their order).
-        scored = sorted(((book.expected(o, c.own_stats.get(o), prior), c) for c in auto), key=lambda pair: -pair[0])
+        expectations = ((book.expected(o, c.own_stats.get(o)) if explorable else book.chain_expected(o.steps, c.levels),
+                         c) for c in auto)
+        scored = sorted(expectations, key=lambda pair: -pair[0])
         ranked = [c for _, c in scored]
         committed, tokens = base_committed, base_tokens
         levels = max(fixed_levels, o.steps)

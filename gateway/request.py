@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from draft_service.types import DraftBudget, IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.policy import LevelRates
 from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecStats, TokenLogprob
 from target_service.controls import LogitsControls
 
@@ -29,6 +30,8 @@ class AcceptanceStats:
     """Online acceptance per speculation budget: mean drafted tokens accepted per verify step."""
 
     totals: dict[DraftBudget, list[float]] = field(default_factory=dict)  # budget -> [sum, n]
+    # Per level of this request's verified main paths (what prices the depth options for it).
+    levels: LevelRates = field(default_factory=lambda: LevelRates(decay=0.8))
 
     def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
@@ -42,6 +45,7 @@ class AcceptanceStats:
         for s in self.totals.values():
             s[0] *= factor
             s[1] *= factor
+        self.levels.fade(factor)
 
     def mean(self, budget: DraftBudget) -> tuple[float, float] | None:
         s = self.totals.get(budget)

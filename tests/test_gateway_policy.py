@@ -14,6 +14,7 @@ from gateway.policy import (
     AuditArm,
     Candidate,
     CostModel,
+    LevelRates,
     LoadGate,
     MainPath,
     PolicyConfig,
@@ -600,7 +601,7 @@ def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_c
                 run += 1
             book.record(tree, run)
             book.record_path(MainPath(depth=tree.steps, accepted=run))
-            for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.auto_options(), tree):
+            for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.explored_options(), tree):
                 book.record(chain, accepted)
         search = search_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)
         return None if search.best is None else search.best[0]
@@ -616,19 +617,46 @@ def test_depth_options_are_left_out_until_a_main_path_is_measured_and_never_expl
     depth = [o for o in CFG.auto_options() if o not in CFG.explored_options()]
     assert depth == [DraftBudget(5, 1, 6), DraftBudget(10, 1, 11)]
     book = AcceptanceBook()
-    assert book.chain_prior(10) is None
+    assert book.chain_expected(10, None) is None
     first = choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats={}), 0, 0)["r0"]
     assert first in CFG.explored_options()
     book.record_path(MainPath(depth=5, accepted=2))  # levels 1 and 2 accepted, level 3 reached and missed
-    assert book.levels == [[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
+    assert book.levels.levels == [[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
     rates = [(1 + 0.5) / 2, (1 + 0.5) / 2, 0.5 / 2]
-    assert book.chain_prior(4) == pytest.approx(
+    assert book.chain_expected(4, None) == pytest.approx(
         rates[0] + rates[0] * rates[1] + rates[0] * rates[1] * rates[2] + rates[0] * rates[1] * rates[2] ** 2)
     bad = {o: (0.0, 50.0) for o in CFG.explored_options()}
     for _ in range(40):
         book.record_path(MainPath(depth=5, accepted=0))
     assert choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats=bad), 0, 0, explore=True)["r0"] in (
         NO_SPEC, *CFG.explored_options())
+
+
+def test_a_deep_chain_is_priced_from_every_main_path_so_two_early_misses_do_not_end_it_for_good():
+    """On the H200 scale track at 0.8 the first two 10-token chains accepted 3 and 0 tokens; judged on
+    its own trees, the deep chain was drafted 4 times in 1,700 tree steps. Its price comes from the
+    levels every verified tree measures, so the 5/4/8 trees that follow keep it priced at what the
+    levels say; a request whose own main paths keep missing early is priced from its own levels."""
+    deep, tree = DraftBudget(10, 1, 11), CFG.fixed_budget
+    book = AcceptanceBook()
+    rng = random.Random(1)
+
+    def verified(drafted: DraftBudget, run: int) -> None:
+        book.record(drafted, run)
+        book.record_path(MainPath(depth=drafted.steps, accepted=run))
+
+    for _ in range(200):
+        run = 0
+        while run < tree.steps and rng.random() < 0.8:
+            run += 1
+        verified(tree, run)
+    verified(deep, 3)
+    verified(deep, 0)
+    assert book.chain_expected(10, None) > 3.0  # about 4(1 - 0.8^10) = 3.57 were every level at 0.8
+    unlucky = LevelRates(decay=0.8)
+    for _ in range(6):
+        unlucky.record(MainPath(depth=5, accepted=0))
+    assert book.chain_expected(10, unlucky) < 0.4 * book.chain_expected(10, None)
 
 
 def test_predicted_goodput_is_the_whole_steps_with_what_the_other_items_commit():
