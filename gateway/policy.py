@@ -14,6 +14,7 @@ draft call adds its own time, and budget 0 wins.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,32 +42,40 @@ class PolicyConfig:
     def fixed_budget(self) -> DraftBudget:
         return DraftBudget(self.steps, self.topk, self.draft_tokens)
 
-    def auto_options(self) -> list[DraftBudget]:
+    def auto_options(self) -> tuple[DraftBudget, ...]:
         """Budgets `auto` chooses among: the explored options, then the depth options (those of them
         that are not already explored ones)."""
-        explored = self.explored_options()
-        return explored + [o for o in self.depth_options() if o not in explored]
+        return self._options[0] + self._options[1]
 
-    def explored_options(self) -> list[DraftBudget]:
+    def explored_options(self) -> tuple[DraftBudget, ...]:
         """A short chain, the configured tree and a wider tree: each starts from an optimistic prior
         and is tried by exploration where the figures decline trees."""
-        opts = [DraftBudget(3, 1, 4), self.fixed_budget,
-                DraftBudget(self.steps + 1, self.topk * 2, self.draft_tokens * 2)]
-        return list(dict.fromkeys(opts))
+        return self._options[0]
 
-    def depth_options(self) -> list[DraftBudget]:
-        """A chain as deep as the configured tree and one twice as deep: priced from the acceptance
-        measured per level of verified trees' main paths (AcceptanceBook.chain_expected), never explored
-        on a prior, and left out until some main path has been verified.
+    def depth_options(self) -> tuple[DraftBudget, ...]:
+        """A chain as deep as the configured tree and one twice as deep (those that are no explored
+        option): priced from the acceptance measured per level of verified trees' main paths
+        (AcceptanceBook.chain_expectations), never explored on a prior, and left out until some main
+        path has been verified.
 
         Why: where a draft's best guess at each level is what gets accepted, a tree's side branches
         are verified for nothing and what pays is depth. On the H200 scale track (0.8 accepted per
         level of the main path) a round at one request took 11.1 ms for 3.6 tokens with 5/4/8, while
         a draft level costs about 0.25 ms (bench/draft_step.py at batch 1: 1.29 ms for 3/1/4, 1.90 for
-        5/4/8); a 10-token chain would commit about 4.6 tokens for about 1.2 ms more. An optimistic
-        prior of half its depth would have every cold start explore the deep chain first."""
+        5/4/8), so a 10-token chain was predicted to commit about 4.6 tokens for about 1.2 ms more. An
+        optimistic prior of half its depth would have every cold start explore the deep chain first.
+        Measured there (BENCHMARKS.md, twenty-fifth session): auto at one and two requests came to
+        0.98-0.99 of `always`, within the rounds' spread; the gain predicted did not show."""
+        return self._options[1]
+
+    @functools.cached_property
+    def _options(self) -> tuple[tuple[DraftBudget, ...], tuple[DraftBudget, ...]]:
+        """(explored options, depth options), made once: search_budgets asks for them every step."""
+        explored = tuple(dict.fromkeys([DraftBudget(3, 1, 4), self.fixed_budget,
+                                        DraftBudget(self.steps + 1, self.topk * 2, self.draft_tokens * 2)]))
         deep = min(2 * self.steps, MAX_STEPS)
-        return list(dict.fromkeys([DraftBudget(self.steps, 1, self.steps + 1), DraftBudget(deep, 1, deep + 1)]))
+        chains = [DraftBudget(self.steps, 1, self.steps + 1), DraftBudget(deep, 1, deep + 1)]
+        return explored, tuple(o for o in dict.fromkeys(chains) if o not in explored)
 
 
 def bucket_range(bucket: int) -> str:
@@ -134,8 +143,14 @@ class CostModel:
     def tree_step_time(self, tokens: int, seqs: int, levels: int, expansions: int) -> float:
         """step_time of a step with trees, from their deepest level and their summed expansions
         (steps x topk): what search_budgets asks for every (option, k) without building k budgets."""
+        base, per_token, per_expansion = self.tree_step_line(seqs, levels)
+        return base + per_token * tokens + per_expansion * expansions
+
+    def tree_step_line(self, seqs: int, levels: int) -> tuple[float, float, float]:
+        """tree_step_time at this load and depth as (seconds, per token, per expansion): linear in both."""
         ratio = self.ratios.get((batch_bucket(seqs), True), 1.0)
-        return (self.target_time(tokens, seqs) + self._draft_time(levels, expansions)) * ratio
+        base = self.target_base + self.target_per_seq * seqs + self.draft_base + self.draft_per_level * levels
+        return base * ratio, self.target_per_token * ratio, self.draft_per_expansion * ratio
 
     def fed_step_time(self, tokens: int, seqs: int) -> float | None:
         """Predicted wall time of a plain step that feeds the drafts (None: none measured at this load)."""
@@ -199,14 +214,16 @@ def main_path(parents: list[int], scores: list[float], accepted_nodes: list[int]
     accepted nodes from the root on). None for a tree without scores: its main path is not known."""
     if len(scores) != len(parents):
         return None
-    children: dict[int, list[int]] = {}
+    best: dict[int, int] = {}  # parent -> its best-scored child (the first of equals)
     for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
+        rival = best.get(parent)
+        if rival is None or scores[node] > scores[rival]:
+            best[parent] = node
     path = []
-    node = -1
-    while children.get(node):
-        node = max(children[node], key=lambda child: scores[child])
+    node = best.get(-1)
+    while node is not None:
         path.append(node)
+        node = best.get(node)
     run = 0
     while run < len(path) and run < len(accepted_nodes) and accepted_nodes[run] == path[run]:
         run += 1
@@ -308,10 +325,17 @@ class AcceptanceBook:
 
     def chain_expected(self, steps: int, own: LevelRates | None) -> float | None:
         """Expected accepted tokens of a chain `steps` deep for a request with these level rates (None:
-        the global figure): the sum over k <= steps of the product of levels 1..k's rates. A level's
-        global rate is (accepted + 0.5) / (reached + 1); a request's is its own counts blended with the
-        global rate as `prior_weight` paths. A level no path reached takes the rate of the deepest one
-        measured. None until some main path has been recorded.
+        the global figure); None until some main path has been recorded. See chain_expectations."""
+        out = self.chain_expectations([steps], [own])
+        return None if out is None else out[0][0]
+
+    def chain_expectations(self, depths: list[int], owns: list[LevelRates | None]) -> list[list[float]] | None:
+        """For each request's level rates in `owns`, the expected accepted tokens of a chain of each
+        depth in `depths`: the sum over levels k <= depth of the product of levels 1..k's rates. A
+        level's global rate is (accepted + 0.5) / (reached + 1); a request's is its own counts blended
+        with the global rate as `prior_weight` paths. A level no path reached takes the rate of the
+        deepest one measured. None until some main path has been recorded. (One pass per request for
+        every depth: search_budgets asks for every auto request at every step.)
 
         Why levels and not the chain's own trees: a deep chain is only measured by its own trees, and
         two that missed early (3 then 0 accepted, on the H200 scale track at 0.8) set its figure so low
@@ -319,18 +343,33 @@ class AcceptanceBook:
         book = self.levels.levels
         if not book:
             return None
-        mine = own.levels if own is not None else []
-        total, reach, rate = 0.0, 1.0, 0.0
-        for k in range(steps):
+        deepest = max(depths, default=0)
+        rates, rate = [], 0.0
+        for k in range(deepest):
             if k < len(book):
                 accepted, reached = book[k]
                 rate = (accepted + 0.5) / (reached + 1.0)
-            if k < len(mine):
-                accepted, reached = mine[k]
-                rate = (accepted + rate * self.prior_weight) / (reached + self.prior_weight)
-            reach *= rate
-            total += reach
-        return total
+            rates.append(rate)
+        shared: list[float] | None = None  # the global figures, for every request without levels of its own
+        out = []
+        for own in owns:
+            mine = own.levels if own is not None else []
+            if not mine and shared is not None:
+                out.append(shared)
+                continue
+            totals, total, reach = [], 0.0, 1.0
+            for k, rate in enumerate(rates):
+                if k < len(mine):
+                    accepted, reached = mine[k]
+                    rate = (accepted + rate * self.prior_weight) / (reached + self.prior_weight)
+                reach *= rate
+                total += reach
+                totals.append(total)
+            figures = [totals[d - 1] if d > 0 else 0.0 for d in depths]
+            if not mine:
+                shared = figures
+            out.append(figures)
+        return out
 
     def optimistic(self, budget: DraftBudget, own: tuple[float, float] | None) -> float:
         """`expected` plus an upper-confidence bonus, the most a budget may plausibly accept: what
@@ -457,42 +496,53 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     live_fixed = [b for b in fixed if not b.empty]
     fixed_levels = max((b.steps for b in live_fixed), default=0)
     fixed_expansions = sum(b.steps * b.topk for b in live_fixed)
-    explored = cfg.explored_options()
+    explored, depth_options = cfg.explored_options(), cfg.depth_options()
+    # Per auto request, what each depth option is expected to accept (None: no main path measured yet).
+    by_depth = book.chain_expectations([o.steps for o in depth_options], [c.levels for c in auto]) if auto else None
     for o in cfg.auto_options() if auto else ():
-        explorable = o in explored
-        if not explorable and book.chain_expected(o.steps, None) is None:
+        if o in explored:
+            expectations = [book.expected(o, c.own_stats.get(o)) for c in auto]
+        elif by_depth is not None:
+            column = depth_options.index(o)
+            expectations = [figures[column] for figures in by_depth]
+        else:
             continue  # a depth option before any main path was verified: nothing prices it
+        explorable = o in explored
         # Each request's expectation once per option (the sort is stable: ties keep their order).
-        expectations = ((book.expected(o, c.own_stats.get(o)) if explorable else book.chain_expected(o.steps, c.levels),
-                         c) for c in auto)
-        scored = sorted(expectations, key=lambda pair: -pair[0])
+        scored = sorted(zip(expectations, auto), key=lambda pair: -pair[0])
         ranked = [c for _, c in scored]
-        committed, tokens = base_committed, base_tokens
-        levels = max(fixed_levels, o.steps)
+        committed, tokens, expansions = base_committed, base_tokens, fixed_expansions
+        # = costs.step_time(tokens, base_seqs, fixed + [o] * k), in constant time per k
+        step_base, per_token, per_expansion = costs.tree_step_line(base_seqs, max(fixed_levels, o.steps))
+        nodes, tree_expansions = o.max_nodes, o.steps * o.topk
+        rate = 0.0
         for k, (expected, c) in enumerate(scored, start=1):
             committed += expected
-            tokens += o.max_nodes
-            # = costs.step_time(tokens, base_seqs, fixed + [o] * k), in constant time
-            seconds = costs.tree_step_time(tokens, base_seqs, levels, fixed_expansions + k * o.steps * o.topk)
+            tokens += nodes
+            expansions += tree_expansions
+            seconds = step_base + per_token * tokens + per_expansion * expansions
             rate = committed / seconds
-            top_tree_rate = rate if top_tree_rate is None else max(top_tree_rate, rate)
+            if top_tree_rate is None or rate > top_tree_rate:
+                top_tree_rate = rate
             # The ceiling over every k, not one tree alone: at two requests on the H200 one tree
             # could never pay where trees for both did (`always` 412 tok/s against `never`'s 395), so
             # figures that a cold start had set too low were never refreshed by an exploration.
             full = (base_committed + k * o.steps) / seconds
-            ceiling = full if ceiling is None else max(ceiling, full)
+            if ceiling is None or full > ceiling:
+                ceiling = full
             if k == 1 and explorable:
                 # Exploration's pick: the option with the most plausible upside, for its likeliest
                 # request (optimistic adds the same doubt to every request's expectation of o).
                 upside = (base_committed + book.optimistic(o, c.own_stats.get(o))) / seconds
                 if single is None or upside > single[0]:
                     single = (upside, o, c)
-            if k == len(ranked) and (every is None or rate > every[0]):
-                every = (rate, o)
-            if k == len(ranked) and o == cfg.fixed_budget:
-                configured_rate = rate
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
+        # k = every auto request
+        if every is None or rate > every[0]:
+            every = (rate, o)
+        if o == cfg.fixed_budget:
+            configured_rate = rate
     return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate, configured_rate), ceiling,
                         plain_now)
 

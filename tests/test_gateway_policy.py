@@ -614,8 +614,8 @@ def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_c
 def test_depth_options_are_left_out_until_a_main_path_is_measured_and_never_explored():
     """An untried deep chain on an optimistic prior of half its depth would be every cold start's
     first tree; it is priced only from measured levels, and exploration keeps to the other options."""
-    depth = [o for o in CFG.auto_options() if o not in CFG.explored_options()]
-    assert depth == [DraftBudget(5, 1, 6), DraftBudget(10, 1, 11)]
+    assert CFG.depth_options() == (DraftBudget(5, 1, 6), DraftBudget(10, 1, 11))
+    assert not set(CFG.depth_options()) & set(CFG.explored_options())
     book = AcceptanceBook()
     assert book.chain_expected(10, None) is None
     first = choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats={}), 0, 0)["r0"]
