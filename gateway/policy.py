@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -253,7 +253,7 @@ class LevelRates:
             level[1] *= factor
 
 
-def chains_would_accept(path: MainPath | None, options: list[DraftBudget],
+def chains_would_accept(path: MainPath | None, options: Iterable[DraftBudget],
                         drafted: DraftBudget) -> list[tuple[DraftBudget, int]]:
     """What each chain among `options` (topk 1, other than the budget `drafted`) would have accepted at
     this position, read off a verified tree's main path: (option, accepted) where the tree says it exactly.
@@ -500,14 +500,14 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     # Per auto request, what each depth option is expected to accept (None: no main path measured yet).
     by_depth = book.chain_expectations([o.steps for o in depth_options], [c.levels for c in auto]) if auto else None
     for o in cfg.auto_options() if auto else ():
-        if o in explored:
+        explorable = o in explored
+        if explorable:
             expectations = [book.expected(o, c.own_stats.get(o)) for c in auto]
         elif by_depth is not None:
             column = depth_options.index(o)
             expectations = [figures[column] for figures in by_depth]
         else:
             continue  # a depth option before any main path was verified: nothing prices it
-        explorable = o in explored
         # Each request's expectation once per option (the sort is stable: ties keep their order).
         scored = sorted(zip(expectations, auto), key=lambda pair: -pair[0])
         ranked = [c for _, c in scored]
@@ -782,8 +782,8 @@ class LoadGate:
         # tokens first: on the H200 scale track a probe at 32-63 sequences took 27 steps that fed
         # the draft at 3x a granted step, then a 431 ms round; probes cost auto a third of `never`'s
         # throughput at 64 requests). Until 2026-12-03 this took a win by `clear` below; where trees
-        # lost by 7-8% at 8-15 and 16-31 sequences (0.8), the probes that followed at 16-31, 32-63
-        # and 64-127 left auto at 0.90, 0.89-0.95 and 0.93 of `never` in the rounds that ran them.
+        # lost by 7-8% at 8-15 and 16-31 sequences (0.8), trees were then probed at 16-31, 32-63
+        # and 64-127, levels whose worst rounds read 0.90, 0.89 and 0.93 of the better mode.
         # Where trees later win below, this bucket is new again.
         if self._trees_need_no_probe(b):
             if probe is not None and probe.spec:

@@ -291,6 +291,31 @@ def test_each_verified_tree_also_teaches_the_book_what_the_short_chain_would_hav
     assert max(chains) == chain.steps
 
 
+def test_each_verified_tree_teaches_the_book_and_its_request_the_levels_its_main_path_reached(tokenizer):
+    """The depth options are priced from acceptance per level of main paths (LevelRates): every verified
+    tree records its main path's depth and accepted run, in the global book and in its request's own
+    figures. The fake draft's tree is a chain of the configured depth: the whole tree is its main path."""
+    core, _, drafts = new_core(tokenizer, "always")
+    drafts[0].wrong_trees = 2
+    fixed = core.cfg.policy.fixed_budget
+    trees, paths = [], []
+    record, record_path = core.book.record, core.book.record_path
+    core.book.record = lambda budget, accepted: (trees.append(accepted) if budget == fixed else None,
+                                                 record(budget, accepted))
+    core.book.record_path = lambda path: (paths.append(path), record_path(path))
+    out = submit(core, "a", [1, 2, 3], max_tokens=40)
+    core._take_inbox()
+    req = next(r for r in [*core.waiting, *core.running] if r.request_id == "a")
+    run_until_idle(core)
+    assert tokens_of(out) == expected([1, 2, 3], 40)
+    assert len(paths) == len(trees) >= 4
+    assert [path.accepted for path in paths] == trees and {path.depth for path in paths} == {fixed.steps}
+    assert paths[0].accepted == paths[1].accepted == 0  # the two wrong trees: level 1 reached and missed
+    own, book = req.acceptance.levels.levels, core.book.levels.levels
+    assert len(own) == len(book) == fixed.steps
+    assert all(0 <= accepted <= reached for accepted, reached in own + book)
+
+
 def test_each_step_sends_at_most_one_ingest_call_per_replica(tokenizer):
     core, _, drafts = new_core(tokenizer, mode="always", drafts=2)
     outs = [submit(core, f"r{i}", [5 + i, 11, 13]) for i in range(6)]

@@ -410,9 +410,9 @@ def run_gate(gate: LoadGate, n: int, steps: int, spec_rate: float, plain_rate: f
 
 def test_no_tree_is_probed_above_a_load_where_plain_decoding_won_even_narrowly():
     """Trees only cost more as the batch grows: where plain decoding won at 8-15 sequences by 8% (not
-    by `clear`), 16-31 decodes plainly without a probe of trees (on the H200 scale track at 0.8 such
-    probes at 16-31, 32-63 and 64-127 cost auto 5-11% of `never` in the rounds that ran them); a bucket
-    above one where trees won still measures trees first."""
+    by `clear`), 16-31 decodes plainly without a probe of trees (on the H200 scale track at 0.8 the
+    levels where such probes then ran, 16-31, 32-63 and 64-127, had worst rounds of 0.89-0.93 of the
+    better mode); a bucket above one where trees won still measures trees first."""
     gate = LoadGate()
     assert run_gate(gate, 8, 40, spec_rate=100, plain_rate=108)[:16] == [True] * 8 + [False] * 8
     assert not any(run_gate(gate, 16, 40, spec_rate=100, plain_rate=200))
