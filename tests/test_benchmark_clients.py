@@ -54,6 +54,7 @@ def run(cmd: list[str], cwd: Path) -> None:
 
 
 def guidellm(clients: Path, st: Stack, tmp: Path, endpoint: str) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "guidellm.json"
     run([str(clients / "guidellm"), "run",
          "--backend", f"kind=openai_http,target={st.url},request_format={endpoint}",
@@ -66,15 +67,25 @@ def guidellm(clients: Path, st: Stack, tmp: Path, endpoint: str) -> dict:
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_guidellm_streams_with_zero_errors_and_reads_the_servers_usage(clients, demo, tmp_path, endpoint):
-    before = served(demo)
-    requests = guidellm(clients, demo, tmp_path, endpoint)
-    counted = since(before, served(demo))
-    assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
-    ok = requests["successful"]
-    # A CI run on two busy workers (2026-12-03) read 3 successful, 0 errored, 0 incomplete, and kept nothing
-    # else: the message says what guidellm did count, and what the server served.
-    kept = {kind: len(listed) for kind, listed in requests.items() if isinstance(listed, list)}
-    assert len(ok) == REQUESTS, f"guidellm's requests by kind: {kept}; served since the start: {counted}"
+    # guidellm 0.8.1 now and then leaves one request of a max_requests run out of its report, though the
+    # server served it in full: two CI runs on two busy workers (2026-12-03) read 3 successful, 0 errored,
+    # 0 incomplete, nothing else kept, while the server had counted 4 x 32 prompt and 4 x 16 output tokens.
+    # The cause is in guidellm and not found for certain (its max_requests constraint stops processing as the
+    # last request is counted, a likely race). Such a run is repeated once, after checking that it had no
+    # error and that the server served every request in full; every other check is made on a run that kept
+    # all of them.
+    for attempt in range(2):
+        before = served(demo)
+        requests = guidellm(clients, demo, tmp_path / f"run{attempt}", endpoint)
+        counted = since(before, served(demo))
+        assert len(requests["errored"]) == 0 and len(requests["incomplete"]) == 0
+        ok = requests["successful"]
+        kept = {kind: len(listed) for kind, listed in requests.items() if isinstance(listed, list)}
+        shown = f"guidellm's requests by kind: {kept}; served since the start: {counted}"
+        if len(ok) == REQUESTS or attempt == 1:
+            break
+        assert len(ok) == REQUESTS - 1 and counted["output"] == 16 * REQUESTS, shown
+    assert len(ok) == REQUESTS, shown
     # It sent continuous usage stats on every stream (the field it was refused over), and read usage back.
     assert all(json.loads(r["request_args"])["body"]["stream_options"]["continuous_usage_stats"] for r in ok)
     assert sum(r["input_metrics"]["text_tokens"] for r in ok) == counted["prompt"]
