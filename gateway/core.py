@@ -865,7 +865,7 @@ class GatewayCore:
             drafted_nodes = [node - 1 for node in res.accepted_nodes]
             path = main_path(tree.parents, tree.scores, drafted_nodes)
             if path is not None:
-                self.book.record_path(path)
+                self.book.levels.record(path)
                 req.acceptance.levels.record(path)
             for chain, chain_accepted in chains_would_accept(path, self.cfg.policy.explored_options(), budget):
                 req.acceptance.record(chain, chain_accepted)

@@ -149,7 +149,7 @@ class CostModel:
     def tree_step_line(self, seqs: int, levels: int) -> tuple[float, float, float]:
         """tree_step_time at this load and depth as (seconds, per token, per expansion): linear in both."""
         ratio = self.ratios.get((batch_bucket(seqs), True), 1.0)
-        base = self.target_base + self.target_per_seq * seqs + self.draft_base + self.draft_per_level * levels
+        base = self.target_time(0, seqs) + self._draft_time(levels, 0)
         return base * ratio, self.target_per_token * ratio, self.draft_per_expansion * ratio
 
     def fed_step_time(self, tokens: int, seqs: int) -> float | None:
@@ -319,9 +319,6 @@ class AcceptanceBook:
         s = self.totals.setdefault(budget, [0.0, 0.0])
         s[0] = 0.98 * s[0] + accepted
         s[1] = 0.98 * s[1] + 1.0
-
-    def record_path(self, path: MainPath) -> None:
-        self.levels.record(path)
 
     def chain_expected(self, steps: int, own: LevelRates | None) -> float | None:
         """Expected accepted tokens of a chain `steps` deep for a request with these level rates (None:

@@ -299,10 +299,10 @@ def test_each_verified_tree_teaches_the_book_and_its_request_the_levels_its_main
     drafts[0].wrong_trees = 2
     fixed = core.cfg.policy.fixed_budget
     trees, paths = [], []
-    record, record_path = core.book.record, core.book.record_path
+    record, record_level = core.book.record, core.book.levels.record
     core.book.record = lambda budget, accepted: (trees.append(accepted) if budget == fixed else None,
                                                  record(budget, accepted))
-    core.book.record_path = lambda path: (paths.append(path), record_path(path))
+    core.book.levels.record = lambda path: (paths.append(path), record_level(path))
     out = submit(core, "a", [1, 2, 3], max_tokens=40)
     core._take_inbox()
     req = next(r for r in [*core.waiting, *core.running] if r.request_id == "a")

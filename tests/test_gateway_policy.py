@@ -600,7 +600,7 @@ def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_c
             while run < tree.steps and rng.random() < per_level:
                 run += 1
             book.record(tree, run)
-            book.record_path(MainPath(depth=tree.steps, accepted=run))
+            book.levels.record(MainPath(depth=tree.steps, accepted=run))
             for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.explored_options(), tree):
                 book.record(chain, accepted)
         search = search_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)
@@ -620,14 +620,14 @@ def test_depth_options_are_left_out_until_a_main_path_is_measured_and_never_expl
     assert book.chain_expected(10, None) is None
     first = choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats={}), 0, 0)["r0"]
     assert first in CFG.explored_options()
-    book.record_path(MainPath(depth=5, accepted=2))  # levels 1 and 2 accepted, level 3 reached and missed
+    book.levels.record(MainPath(depth=5, accepted=2))  # levels 1 and 2 accepted, level 3 reached and missed
     assert book.levels.levels == [[1.0, 1.0], [1.0, 1.0], [0.0, 1.0]]
     rates = [(1 + 0.5) / 2, (1 + 0.5) / 2, 0.5 / 2]
     assert book.chain_expected(4, None) == pytest.approx(
         rates[0] + rates[0] * rates[1] + rates[0] * rates[1] * rates[2] + rates[0] * rates[1] * rates[2] ** 2)
     bad = {o: (0.0, 50.0) for o in CFG.explored_options()}
     for _ in range(40):
-        book.record_path(MainPath(depth=5, accepted=0))
+        book.levels.record(MainPath(depth=5, accepted=0))
     assert choose_budgets(CFG, gpu_like_costs(), book, candidates(1, stats=bad), 0, 0, explore=True)["r0"] in (
         NO_SPEC, *CFG.explored_options())
 
@@ -643,7 +643,7 @@ def test_a_deep_chain_is_priced_from_every_main_path_so_two_early_misses_do_not_
 
     def verified(drafted: DraftBudget, run: int) -> None:
         book.record(drafted, run)
-        book.record_path(MainPath(depth=drafted.steps, accepted=run))
+        book.levels.record(MainPath(depth=drafted.steps, accepted=run))
 
     for _ in range(200):
         run = 0
