@@ -77,6 +77,9 @@
 #            in grants that push each step's features to the drafts) against without (the default), each on a fresh
 #            serve, demo track (bf16) then scale track (0.8), FED_CONCURRENCY (default 1,2,4); `never` (and, without
 #            fed grants, `always`) on the same serves
+#   fixedtrees  after only: `never` and `always` with each fixed tree of FIXED_TREES (default "5,4,8 5,1,6 10,1,11
+#            3,1,4": depth,topk,tokens) on a fresh serve each, scale track at FIXED_ACCEPTANCE (default 0.8), levels
+#            FIXED_CONCURRENCY (default 1,2,4): what each of auto's options delivers when it is drafted alone
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -372,6 +375,18 @@ for stage in "$@"; do
             "${flags[@]}" "${extra[@]}"
         done
         run "fed_${track}_report" after 60 python3 bench/auto_report.py "$OUT/fed_${track}_off"
+      done ;;
+    fixedtrees)
+      need_scale scale_track $scale
+      scale_serve $scale "${FIXED_ACCEPTANCE:-0.8}"
+      port=8600
+      for tree in ${FIXED_TREES:-5,4,8 5,1,6 10,1,11 3,1,4}; do
+        IFS=, read -r depth topk tokens <<<"$tree"
+        port=$((port + 10))
+        serve_bench "fixed_${depth}_${topk}_${tokens}" $port "${FIXED_CONCURRENCY:-1,2,4}" never,always "${serve[@]}" \
+          --spec-depth "$depth" --spec-topk "$topk" --spec-draft-tokens "$tokens"
+        run "fixed_${depth}_${topk}_${tokens}_report" after 60 python3 bench/auto_report.py \
+          "$OUT/fixed_${depth}_${topk}_${tokens}"
       done ;;
     autodemo)
       for tree in ${AUTO_TREES:-after}; do
