@@ -384,7 +384,7 @@ for stage in "$@"; do
         IFS=, read -r depth topk tokens <<<"$tree"
         port=$((port + 10))
         serve_bench "fixed_${depth}_${topk}_${tokens}" $port "${FIXED_CONCURRENCY:-1,2,4}" never,always "${serve[@]}" \
-          --spec-depth "$depth" --spec-topk "$topk" --spec-draft-tokens "$tokens"
+          --spec-steps "$depth" --spec-topk "$topk" --spec-draft-tokens "$tokens"
         run "fixed_${depth}_${topk}_${tokens}_report" after 60 python3 bench/auto_report.py \
           "$OUT/fixed_${depth}_${topk}_${tokens}"
       done ;;
