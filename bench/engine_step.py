@@ -115,6 +115,29 @@ def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, dev
     return 1000 * statistics.median(times[3:])
 
 
+def time_join(engine: TargetEngine, ids: list[str], prompt: int, iters: int, device: str) -> float:
+    """ms per step (median) of the batch's decode steps with a new request's whole prompt of `prompt`
+    tokens beside them, its features asked (a prompt that feeds a draft), as a request joins a batch."""
+    g = torch.Generator().manual_seed(prompt)
+    last = {rid: 1 for rid in ids}
+    times = []
+    for i in range(iters + 3):
+        tokens = torch.randint(0, engine.model.cfg.vocab_size, (prompt,), generator=g).tolist()
+        joining = f"join-{i}"
+        items = [SequenceStep.chain(rid, [last[rid]]) for rid in ids[:-1]]
+        items.append(SequenceStep.chain(joining, tokens, create=True, return_features=True))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.step(items)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        last.update({r.request_id: r.tokens[-1] for r in out})
+        engine.release([joining])
+    return 1000 * statistics.median(times[3:])
+
+
 def time_grant(engine: TargetEngine, ids: list[str], steps: int, device: str) -> float | None:
     """ms per step of a plain-decode grant of `steps` steps (two in flight on graphs), or None
     where the engine has no grant."""
@@ -239,6 +262,20 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
                 rows.append({"mode": "replay", "batch": b, "nodes": n, **replay})
                 print(f"replay batch {b:>4} nodes {n:>3}: forward {replay['forward']:.2f} ms, "
                       f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
+        for prompt in args.prompt_tokens if args.tp == 1 else ():
+            # The batch's last request sits out: b - 1 decode items and a joining prompt make b sequences.
+            how = {"eager": engine.graphs is None}
+            if engine.graphs is not None:  # the same engine with prompt chunks kept out of the graphs
+                cfg = engine.graphs.cfg
+                engine.graphs.cfg = dataclasses.replace(cfg, max_chain_rows=0)
+                how["chains eager"] = time_join(engine, ids, prompt, args.iters, device)
+                engine.graphs.cfg = cfg
+            ms = time_join(engine, ids, prompt, args.iters, device)
+            rows.append({"mode": mode, "batch": b, "prompt": prompt, "ms": ms,
+                         **({"chains_eager_ms": how["chains eager"]} if "chains eager" in how else {})})
+            print(f"{mode:>6} batch {b:>4} joining prompt {prompt:>3}: {ms:8.2f} ms per step"
+                  + (f" (prompt chunks kept out of the graphs: {how['chains eager']:.2f} ms)"
+                     if "chains eager" in how else ""), flush=True)
         if args.phases and args.tp == 1:
             phases = HostPhases(engine)
             try:
@@ -365,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--features", action="store_true",
                     help="also time each step with every item asking for features (the model's default layers), "
                          "the committed rows copied to the host as the served target does: a step that feeds a draft")
+    ap.add_argument("--prompt-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    metavar="N,...", help="also time a step in which a new request's prompt of N tokens joins "
+                    "b - 1 decoding ones, with its features asked; with graphs, also with prompt chunks kept out "
+                    "of them (GraphConfig.max_chain_rows = 0)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:
@@ -399,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                                    batch_invariant=args.deterministic)
     blocks = max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
     wanted = ["eager"] if args.tiny else args.modes.split(",")
-    modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes)) if mode == "graphs" else None
+    # Node buckets up to the longest joining prompt too (the served target's go up to 64).
+    modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes + args.prompt_tokens)) if mode == "graphs"
+             else None
              for mode in wanted}
     rows = []
     if args.tp > 1 and "graphs" in modes:

@@ -13,9 +13,10 @@ to the cache's trash slot. Two graphs per bucket:
 
 A step with sampled sequences or top log-probs replays the forward graph and
 runs the tail eagerly. A graph never depends on what the previous step did, so a
-step that speculates and one that does not replay the same way; a step the
-buckets do not cover (prefill chunks, fixed chains, TP > 1, other feature
-layers) runs eagerly.
+step that speculates and one that does not replay the same way. A prompt
+chunk is a fixed chain of nodes: it replays a bucket too where the padding stays
+small (GraphConfig.max_chain_rows). A step the buckets do not cover (longer or
+heavier prompt chunks, TP > 1, other feature layers) runs eagerly.
 
 With capture=False the same padded buffers run eagerly: the CPU tests use it to
 check that padding changes nothing.
@@ -60,10 +61,16 @@ class GraphConfig:
     max_nodes: int = 64  # nodes per sequence; node buckets are 1, 2, 4, ... up to this
     max_tokens: int = 4096  # buckets with batch * nodes above this are not captured
     capture: bool = True  # False: run the padded buffers eagerly (tests on CPU)
+    # A step with a prompt chunk (or another fixed chain) pads every sequence of its bucket to the
+    # chunk's length, so it replays a graph only where the bucket has at most this many rows, or at
+    # most twice the step's own: a short prompt joining a light batch (eagerly, such a step took 15-17 ms
+    # against 5-7 ms for a decode step on the H200 scale track at 1-4 requests; its forward is launch-bound),
+    # not one joining 64 requests (the 64 x 64 bucket's 4096 rows would cost more than launching 124).
+    max_chain_rows: int = 512
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_nodes < 1 or self.max_tokens < 1:
-            raise ValueError("CUDA graph limits (max batch, nodes, tokens) must be positive")
+        if self.max_batch < 1 or self.max_nodes < 1 or self.max_tokens < 1 or self.max_chain_rows < 0:
+            raise ValueError("CUDA graph limits (max batch, nodes, tokens, chain rows) must be positive")
 
     def buckets(self) -> list[tuple[int, int]]:
         return [(b, n) for b in _pow2_upto(self.max_batch) for n in _pow2_upto(self.max_nodes)
@@ -196,13 +203,16 @@ class StepGraphs:
     def bucket_for(self, batch: StepBatch, layers: tuple[int, ...], updates: int) -> BucketGraph | None:
         if layers and tuple(layers) != tuple(self.feature_layers):
             return None
-        if batch.create.any() or (batch.num_fixed != 1).any():
-            return None  # prefill and fixed chains run eagerly
         nodes = int(batch.num_nodes.max())
         fits = [(b, n) for b, n in self.keys if b >= batch.size and n >= nodes]
         if not fits:
             return None
         key = min(fits, key=lambda bn: (bn[0] * bn[1], bn))
+        # A new sequence's block-table row and its first blocks are host facts and step updates, as
+        # any step's: the graph needs nothing else for a prompt chunk (see GraphConfig.max_chain_rows).
+        chains = batch.create.any() or (batch.num_fixed != 1).any()
+        if chains and key[0] * key[1] > max(self.cfg.max_chain_rows, 2 * len(batch.tokens)):
+            return None
         bucket = self._bucket(key)
         return bucket if updates <= bucket.shape.updates else None
 

@@ -25,11 +25,11 @@ def models(tiny_llama):
         LlamaModel(path, device=DEVICE, attention_backend="triton")
 
 
-def engines(models):
+def engines(models, **graph_limits):
     eager = TargetEngine(models[0], num_blocks=96, block_size=4)
     graphs = TargetEngine(models[1], num_blocks=96, block_size=4,
                           graphs=GraphConfig(max_batch=4, max_nodes=16, max_tokens=64,
-                                             capture=DEVICE == "cuda"))
+                                             capture=DEVICE == "cuda", **graph_limits))
     return eager, graphs
 
 
@@ -47,8 +47,9 @@ def run_both(eager, graphs, items, **kw):
 def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
     eager, graphs = engines(models)
     prompts = {f"r{i}": [(t * (i + 3)) % 97 + 1 for t in PROMPT][: 3 + 2 * i] for i in range(3)}
+    # The prompts (3, 5 and 7 tokens, new sequences) replay the 4 x 8 bucket: 32 rows, within max_chain_rows.
     first = run_both(eager, graphs, [SequenceStep.chain(r, p, create=True) for r, p in prompts.items()])
-    assert graphs.graphs.replays == 0  # prefill runs eagerly
+    assert graphs.graphs.replays == 1
     last = {r.request_id: r.tokens[-1] for r in first}
     # Four steps cover each case at least once (plain and tree items side by side, features asked, batches
     # of 2 and of 3); on CPU every step runs the Triton kernels interpreted (71 s at six steps, 2026-12-03).
@@ -66,8 +67,33 @@ def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
         items = items if step % 2 else items[:2]
         results = run_both(eager, graphs, items)
         last.update({r.request_id: r.tokens[-1] for r in results})
-    assert graphs.graphs.replays == 4
+    assert graphs.graphs.replays == 5
     for rid in prompts:  # the committed caches agree too
+        n = eager.kv.seqs[rid].length
+        assert graphs.kv.seqs[rid].length == n
+        for layer in range(len(eager.kv.k)):
+            ka, _ = eager.kv.read(layer, eager.kv.slots(rid, 0, n))
+            kb, _ = graphs.kv.read(layer, graphs.kv.slots(rid, 0, n))
+            assert torch.allclose(ka, kb, atol=1e-5)
+
+
+def test_prompt_chunks_replay_a_bucket_only_where_its_padding_stays_small(models):
+    eager, graphs = engines(models, max_chain_rows=16)
+    prompt = [(t * 5) % 97 + 1 for t in PROMPT * 3][:15]
+    # New sequences, features asked (a prompt that feeds a draft): the 2 x 8 bucket, 16 rows.
+    first = run_both(eager, graphs, [SequenceStep.chain("a", prompt[:6], create=True, return_features=True),
+                                     SequenceStep.chain("b", PROMPT[:4], create=True, return_features=True)])
+    assert graphs.graphs.replays == 1
+    # The next chunk of a's prompt (three fixed nodes, no new sequence) beside a tree for b.
+    toks, parents = tree_with_path(first[1].tokens[-1], [3, 8], {1: [5]})
+    second = run_both(eager, graphs, [SequenceStep.chain("a", prompt[6:9], return_features=True),
+                                      SequenceStep("b", tuple(toks), tuple(parents), 1, return_features=True)])
+    assert graphs.graphs.replays == 2
+    # Nine fixed nodes pad both sequences to the 2 x 16 bucket: 32 rows, over max(16, twice the step's 10).
+    run_both(eager, graphs, [SequenceStep.chain("a", prompt[9:15] + [7, 8, 9]),
+                             SequenceStep.chain("b", [second[1].tokens[-1]])])
+    assert graphs.graphs.replays == 2
+    for rid in ("a", "b"):
         n = eager.kv.seqs[rid].length
         assert graphs.kv.seqs[rid].length == n
         for layer in range(len(eager.kv.k)):
