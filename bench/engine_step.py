@@ -438,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp == 1:  # at TP > 1 every rank draws its own share
         model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device,
                                    batch_invariant=args.deterministic)
-    blocks = max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
+    # + a block per request for the joining-prompt steps' decode items, and room for one joining prompt
+    blocks = (max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
+              + (max(batches) * (len(args.prompt_tokens) * 2 * (args.iters + 3) // 16 + 1)
+                 + max(args.prompt_tokens) // 16 + 1 if args.prompt_tokens else 0))
     wanted = ["eager"] if args.tiny else args.modes.split(",")
     # Node buckets up to the longest joining prompt too (the served target's go up to 64).
     modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes + args.prompt_tokens)) if mode == "graphs"

@@ -84,7 +84,8 @@
 #            eagerly: the graph and verify tests on the GPU; bench/engine_step.py --prompt-tokens (a step of b - 1
 #            decode items and a new request's prompt, both ways in one engine); then never, always and auto at
 #            JOIN_CONCURRENCY (default 1,2,4), scale track at 0.8, on a serve with `--graph-chain-rows 0` (prompt chunks
-#            eager) and one with the default, back to back (JOIN_ROUNDS interleaved rounds, default 2)
+#            eager) and one with the default, back to back (JOIN_ROUNDS interleaved rounds, default 2; JOIN_MODES;
+#            JOIN_TESTS=0 skips the tests)
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -382,7 +383,8 @@ for stage in "$@"; do
         run "fed_${track}_report" after 60 python3 bench/auto_report.py "$OUT/fed_${track}_off"
       done ;;
     joins)
-      run jointests after 240 python3 -m pytest -q -x tests/test_target_graphs.py tests/test_target_verify.py
+      [[ ${JOIN_TESTS:-1} == 1 ]] && run jointests after 240 python3 -m pytest -q -x tests/test_target_graphs.py \
+        tests/test_target_verify.py
       run engine_join after 240 python3 bench/engine_step.py --batches 1,4,16,64 --nodes 1 --prompt-tokens 40,64 \
         --iters 10 --modes graphs --out "$OUT/engine_join.json"
       need_scale scale_track $scale
@@ -394,7 +396,7 @@ for stage in "$@"; do
           joined+=("$flag")
         done
         BENCH_ARGS="--rounds ${JOIN_ROUNDS:-2} --requests-per-slot 4" BENCH_INTERLEAVED=1 serve_bench \
-          "join_rows$rows" $((8650 + rows % 100)) "${JOIN_CONCURRENCY:-1,2,4}" never,always,auto "${joined[@]}"
+          "join_rows$rows" $((8650 + rows % 100)) "${JOIN_CONCURRENCY:-1,2,4}" "${JOIN_MODES:-never,always,auto}" "${joined[@]}"
         run "join_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/join_rows$rows"
       done ;;
     fixedtrees)
