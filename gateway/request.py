@@ -60,6 +60,10 @@ class DraftLink:
     replica: int  # index into the draft pool
     sent: int = 0  # tokens the replica has been sent (committed + pending)
     caught_up: bool = False  # the replica has applied an ingest since the last gap in what it was sent
+    # An ingest of this request has gone to the replica (not merely queued in the gateway). Until then
+    # the request may draft although not caught up: its draft call goes out right behind the queued
+    # ingest of its prompt, and the replica applies them in that order (GatewayCore._draft_ready).
+    flushed: bool = False
     pending: IngestItem | None = None  # new tokens/features held for the next draft call
     # The replica may hold state for the request (it was sent tokens, or features were pushed to it):
     # only then does the request's end need a Release call there.
