@@ -117,6 +117,13 @@ class CostModel:
     # Plain steps that fed the drafts (awake auto requests: features out, no grant), measured over
     # profiled wall time per batch bucket: what a plain step costs before its requests go dormant.
     fed_ratios: dict[int, float] = field(default_factory=dict)
+    # Per (batch bucket, tree option): the ratio learned from steps whose trees all have that budget, which
+    # prices that option in place of the bucket's tree ratio (learned from every step with trees, and what
+    # prices an option not measured alone yet). The profile's linear fit misses what a tree's shape costs
+    # beyond its tokens and expansions (the verify's nodes bucket, the tree's export and parse): on the H200
+    # scale track at one request a 5/4/8 round took 0.6 ms more than a 5/1/6 one where the fit put
+    # 0.05 ms, and a 10/1/11 chain 2.0-2.5 ms more where it put 1.8 (2026-12-04).
+    option_ratios: dict[tuple[int, DraftBudget], float] = field(default_factory=dict)
     # Measurements behind each learned ratio (keys of `ratios`, and ("fed", bucket) for `fed_ratios`):
     # _moved_ratio weighs the first three more than later ones where they read below the ratio.
     observed: dict[tuple, int] = field(default_factory=dict)
@@ -138,7 +145,13 @@ class CostModel:
 
     def step_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
         key = (batch_bucket(seqs), any(not b.empty for b in budgets))
-        return self.profiled_time(tokens, seqs, budgets) * self.ratios.get(key, 1.0)
+        return self.profiled_time(tokens, seqs, budgets) * self._ratio(key, _single_option(budgets))
+
+    def _ratio(self, key: tuple[int, bool], option: DraftBudget | None) -> float:
+        """The learned ratio of a step at this (bucket, trees?): its option's where measured alone."""
+        if option is not None and (key[0], option) in self.option_ratios:
+            return self.option_ratios[(key[0], option)]
+        return self.ratios.get(key, 1.0)
 
     def tree_step_time(self, tokens: int, seqs: int, levels: int, expansions: int) -> float:
         """step_time of a step with trees, from their deepest level and their summed expansions
@@ -146,9 +159,10 @@ class CostModel:
         base, per_token, per_expansion = self.tree_step_line(seqs, levels)
         return base + per_token * tokens + per_expansion * expansions
 
-    def tree_step_line(self, seqs: int, levels: int) -> tuple[float, float, float]:
-        """tree_step_time at this load and depth as (seconds, per token, per expansion): linear in both."""
-        ratio = self.ratios.get((batch_bucket(seqs), True), 1.0)
+    def tree_step_line(self, seqs: int, levels: int, option: DraftBudget | None = None) -> tuple[float, float, float]:
+        """tree_step_time at this load and depth as (seconds, per token, per expansion): linear in both;
+        `option`: the trees' budget, where they all share one (its own learned ratio applies)."""
+        ratio = self._ratio((batch_bucket(seqs), True), option)
         base = self.target_time(0, seqs) + self._draft_time(levels, 0)
         return base * ratio, self.target_per_token * ratio, self.draft_per_expansion * ratio
 
@@ -171,6 +185,11 @@ class CostModel:
         if predicted <= 0 or seconds <= 0:
             return
         key = (batch_bucket(seqs), any(not b.empty for b in budgets))
+        option = _single_option(budgets)
+        if option is not None:  # starts from the bucket's ratio as it stood
+            shape = (key[0], option)
+            self.option_ratios[shape] = _moved_ratio(self.option_ratios.get(shape, self.ratios.get(key, 1.0)),
+                                                     seconds / predicted, self._count(shape))
         # Starts from the profile (ratio 1).
         self.ratios[key] = _moved_ratio(self.ratios.get(key, 1.0), seconds / predicted, self._count(key))
 
@@ -179,6 +198,12 @@ class CostModel:
         seen = self.observed.get(key, 0)
         self.observed[key] = seen + 1
         return seen
+
+
+def _single_option(budgets: list[DraftBudget]) -> DraftBudget | None:
+    """The budget every tree of a step shares (None: no tree, or trees of several budgets)."""
+    live = [b for b in budgets if not b.empty]
+    return live[0] if live and all(b == live[0] for b in live) else None
 
 
 def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
@@ -510,7 +535,8 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
         ranked = [c for _, c in scored]
         committed, tokens, expansions = base_committed, base_tokens, fixed_expansions
         # = costs.step_time(tokens, base_seqs, fixed + [o] * k), in constant time per k
-        step_base, per_token, per_expansion = costs.tree_step_line(base_seqs, max(fixed_levels, o.steps))
+        # (o's own ratio even beside `always` requests' trees of another budget: the step is mostly o's)
+        step_base, per_token, per_expansion = costs.tree_step_line(base_seqs, max(fixed_levels, o.steps), o)
         nodes, tree_expansions = o.max_nodes, o.steps * o.topk
         rate = 0.0
         for k, (expected, c) in enumerate(scored, start=1):

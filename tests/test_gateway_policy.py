@@ -291,6 +291,35 @@ def test_measured_step_times_correct_a_noisy_profile():
     assert costs.step_time(40, 40, []) == costs.profiled_time(40, 40, [])
 
 
+def test_each_tree_shape_is_priced_from_the_steps_that_drafted_it_alone():
+    """The profile's fit prices a 5/4/8 round 0.05 ms above a 5/1/6 one; on the H200 scale track it took 0.6 ms
+    more. Steps whose trees all share one budget teach that budget's own ratio; an option not measured alone
+    keeps the bucket's, and steps of mixed budgets teach only the bucket's."""
+    costs = CostModel(target_base=5e-3, target_per_token=1.6e-5, target_per_seq=0.0, draft_base=1.1e-3,
+                      draft_per_level=3.5e-4, draft_per_expansion=1e-6)
+    chain, tree, deep = DraftBudget(5, 1, 6), DraftBudget(5, 4, 8), DraftBudget(10, 1, 11)
+
+    def price(option: DraftBudget, seqs: int = 1) -> float:
+        return costs.step_time(seqs * (1 + option.max_nodes), seqs, [option] * seqs)
+
+    assert price(tree) - price(chain) < 1e-4  # the fit alone
+    for _ in range(30):
+        costs.observe(1, 1, [chain], 0.0115)
+        costs.observe(1, 1, [tree], 0.0121)
+    assert price(chain) == pytest.approx(0.0115, rel=0.02) and price(tree) == pytest.approx(0.0121, rel=0.02)
+    # What search_budgets prices an option with is the same figure.
+    base, per_token, per_expansion = costs.tree_step_line(1, tree.steps, tree)
+    line = base + per_token * (1 + tree.max_nodes) + per_expansion * tree.steps * tree.topk
+    assert line == pytest.approx(price(tree))
+    # Not measured alone: the bucket's ratio, learned from every step with trees.
+    assert price(deep) == pytest.approx(costs.profiled_time(1 + deep.max_nodes, 1, [deep]) * costs.ratios[(1, True)])
+    # Mixed budgets teach the bucket's ratio alone; another load keeps the profile.
+    before = dict(costs.option_ratios)
+    costs.observe(2, 2, [chain, tree], 0.013)
+    assert costs.option_ratios == before and (2, True) in costs.ratios
+    assert price(tree, seqs=8) == costs.profiled_time(8 * (1 + tree.max_nodes), 8, [tree] * 8)
+
+
 def test_trees_that_measure_below_a_dear_profile_correct_it_as_a_mean_would_while_a_stall_moves_it_a_fifth():
     """Noise only adds time: a profile on a busy host prices trees too dear, and trees it prices out run
     only as explorations. The first three measurements below the start move the ratio as a mean of the
