@@ -352,4 +352,4 @@ def test_graph_buckets_with_controls_decide_as_the_eager_step(checkpoint):
                 items.append(SequenceStep(rid, tuple(toks), tuple(parents), 1, controls=c))
         items = items if step % 2 else items[:2]  # 3 sequences pad to a bucket of 4
         last.update({r.request_id: r.tokens[-1] for r in run_both(eager, graphs, items)})
-    assert graphs.graphs.replays == 5
+    assert graphs.graphs.replays == 6  # the prompts (a 3 x 8 chunk step, in the 4 x 8 bucket) and the five steps
