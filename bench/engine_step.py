@@ -264,18 +264,20 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
                       f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
         for prompt in args.prompt_tokens if args.tp == 1 else ():
             # The batch's last request sits out: b - 1 decode items and a joining prompt make b sequences.
-            how = {"eager": engine.graphs is None}
-            if engine.graphs is not None:  # the same engine with prompt chunks kept out of the graphs
+            chains_eager = None  # the same engine with prompt chunks kept out of the graphs
+            if engine.graphs is not None:
                 cfg = engine.graphs.cfg
                 engine.graphs.cfg = dataclasses.replace(cfg, max_chain_rows=0)
-                how["chains eager"] = time_join(engine, ids, prompt, args.iters, device)
+                chains_eager = time_join(engine, ids, prompt, args.iters, device)
                 engine.graphs.cfg = cfg
             ms = time_join(engine, ids, prompt, args.iters, device)
-            rows.append({"mode": mode, "batch": b, "prompt": prompt, "ms": ms,
-                         **({"chains_eager_ms": how["chains eager"]} if "chains eager" in how else {})})
-            print(f"{mode:>6} batch {b:>4} joining prompt {prompt:>3}: {ms:8.2f} ms per step"
-                  + (f" (prompt chunks kept out of the graphs: {how['chains eager']:.2f} ms)"
-                     if "chains eager" in how else ""), flush=True)
+            row = {"mode": mode, "batch": b, "prompt": prompt, "ms": ms}
+            note = ""
+            if chains_eager is not None:
+                row["chains_eager_ms"] = chains_eager
+                note = f" (prompt chunks kept out of the graphs: {chains_eager:.2f} ms)"
+            rows.append(row)
+            print(f"{mode:>6} batch {b:>4} joining prompt {prompt:>3}: {ms:8.2f} ms per step{note}", flush=True)
         if args.phases and args.tp == 1:
             phases = HostPhases(engine)
             try:

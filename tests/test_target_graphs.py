@@ -44,6 +44,17 @@ def run_both(eager, graphs, items, **kw):
     return a
 
 
+def assert_caches_agree(eager, graphs, rids) -> None:
+    """The committed caches of both engines agree for these sequences (length and keys, every layer)."""
+    for rid in rids:
+        n = eager.kv.seqs[rid].length
+        assert graphs.kv.seqs[rid].length == n
+        for layer in range(len(eager.kv.k)):
+            ka, _ = eager.kv.read(layer, eager.kv.slots(rid, 0, n))
+            kb, _ = graphs.kv.read(layer, graphs.kv.slots(rid, 0, n))
+            assert torch.allclose(ka, kb, atol=1e-5)
+
+
 def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
     eager, graphs = engines(models)
     prompts = {f"r{i}": [(t * (i + 3)) % 97 + 1 for t in PROMPT][: 3 + 2 * i] for i in range(3)}
@@ -68,13 +79,7 @@ def test_decode_and_verify_steps_through_graph_buffers_match_eager(models):
         results = run_both(eager, graphs, items)
         last.update({r.request_id: r.tokens[-1] for r in results})
     assert graphs.graphs.replays == 5
-    for rid in prompts:  # the committed caches agree too
-        n = eager.kv.seqs[rid].length
-        assert graphs.kv.seqs[rid].length == n
-        for layer in range(len(eager.kv.k)):
-            ka, _ = eager.kv.read(layer, eager.kv.slots(rid, 0, n))
-            kb, _ = graphs.kv.read(layer, graphs.kv.slots(rid, 0, n))
-            assert torch.allclose(ka, kb, atol=1e-5)
+    assert_caches_agree(eager, graphs, prompts)
 
 
 def test_prompt_chunks_replay_a_bucket_only_where_its_padding_stays_small(models):
@@ -93,13 +98,7 @@ def test_prompt_chunks_replay_a_bucket_only_where_its_padding_stays_small(models
     run_both(eager, graphs, [SequenceStep.chain("a", prompt[9:15] + [7, 8, 9]),
                              SequenceStep.chain("b", [second[1].tokens[-1]])])
     assert graphs.graphs.replays == 2
-    for rid in ("a", "b"):
-        n = eager.kv.seqs[rid].length
-        assert graphs.kv.seqs[rid].length == n
-        for layer in range(len(eager.kv.k)):
-            ka, _ = eager.kv.read(layer, eager.kv.slots(rid, 0, n))
-            kb, _ = graphs.kv.read(layer, graphs.kv.slots(rid, 0, n))
-            assert torch.allclose(ka, kb, atol=1e-5)
+    assert_caches_agree(eager, graphs, ("a", "b"))
 
 
 def test_steps_outside_every_bucket_run_eagerly(models):
