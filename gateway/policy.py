@@ -722,6 +722,7 @@ class Probe(NamedTuple):
     steps_left: int  # steps of that arm still to take
     reprobe: bool  # the arm had a figure before: the probe only asks whether it changed
     clear_losses: int = 0  # recorded steps in a row, the last ones, that each lost by `clear`
+    second: bool = False  # a close first verdict's second measurement: judged afresh, not against the margin
 
 
 @dataclass
@@ -731,6 +732,8 @@ class LoadGate:
     Per batch bucket it keeps the goodput of recent steps with trees and
     without. Each arm is first measured for `probe_steps` steps; then
     the better arm is chosen, and then kept unless the other measures `margin` times better;
+    where the two came within `margin`, the loser is measured once more in full
+    `stale_after` steps later and the fresh figures decide again (a second opinion);
     the losing arm is measured again now and then (see `probe_budget`), so a
     change in load mix or acceptance is noticed.
     The verdict is taken when a probe ends and held until the next one: the
@@ -786,6 +789,8 @@ class LoadGate:
     # (see spend), and what the last probe lost against the arm that won, in seconds.
     _probe_spent: dict[int, list[float]] = field(default_factory=dict)
     _probe_lost: dict[int, float] = field(default_factory=dict)
+    # bucket -> arm steps at that load since a first verdict that came within `margin` (see allow_spec).
+    _unsettled: dict[int, int] = field(default_factory=dict)
     # bucket -> the predictions of the configured tree for every auto request (Rates.configured); an
     # Arm of which only the prediction fields are used: nothing runs it under auto.
     _configured: dict[int, Arm] = field(default_factory=dict)
@@ -830,6 +835,17 @@ class LoadGate:
                 return key
         spec_wins = self._verdict.setdefault(b, self._judge(b))
         loser = plain if spec_wins else spec
+        if self._unsettled.get(b, 0) >= self.stale_after:
+            # A first verdict within `margin` rests on two probes of six recorded steps, and the margin then
+            # held it: on the H200 scale track (0.8) the probes at 16-31 sequences read trees 13% above plain
+            # where the level's decode steps came out even, and `always` delivered 0.84x `never`; trees stood
+            # for the whole level (auto 0.81 of `never`). So the loser is measured again in full once the
+            # winner has run a while, and the two fresh figures decide without the margin. Counted in steps
+            # since the verdict: plain steps the cost model chose under trees kept plain's figure fresh, and
+            # the re-probe below never came.
+            del self._unsettled[b]
+            self._probing[b] = Probe(spec=not spec_wins, steps_left=self.probe_steps, reprobe=False, second=True)
+            return not spec_wins
         if loser.since >= self._stale_after(b, spec_wins):
             self._probing[b] = Probe(not spec_wins, self.probe_steps, True)
             return not spec_wins
@@ -879,17 +895,22 @@ class LoadGate:
         """An arm's goodput at this load (or `rate`, one step of it) as delivered: its prompts' charge included."""
         return self.prompts.delivered(spec, self.arms[(b, spec)].goodput if rate is None else rate)
 
-    def _judge(self, b: int) -> bool:
-        """Speculate? A load's first verdict goes to the arm that measured better; a later one keeps
-        the standing verdict unless the other arm measured `margin` times better (no flapping on
-        noise). Keeping trees until plain decoding beat them by `margin` from the first verdict on
-        chose trees at 8-15 sequences on the H200 where plain had measured 4% better (1,620 against
-        1,556 tok/s) and `always` delivered 0.8x `never`: auto read 0.84x `never` there."""
+    def _judge(self, b: int, afresh: bool = False) -> bool:
+        """Speculate? A load's first verdict (or, `afresh`, its second opinion) goes to the arm that
+        measured better; a later one keeps the standing verdict unless the other arm measured `margin`
+        times better (no flapping on noise). Keeping trees until plain decoding beat them by `margin`
+        from the first verdict on chose trees at 8-15 sequences on the H200 where plain had measured 4%
+        better (1,620 against 1,556 tok/s) and `always` delivered 0.8x `never`: auto read 0.84x `never` there."""
         spec, plain = self._delivered(b, True), self._delivered(b, False)
-        standing = self._verdict.get(b)
+        standing = None if afresh else self._verdict.get(b)
         if standing is None:
             return spec >= plain
         return plain <= self.margin * spec if standing else spec > self.margin * plain
+
+    def _close(self, b: int) -> bool:
+        """Whether the arms' delivered figures at this load came within `margin` of each other."""
+        spec, plain = self._delivered(b, True), self._delivered(b, False)
+        return max(spec, plain) < self.margin * min(spec, plain)
 
     def probing_spec(self, seqs: int) -> bool:
         """Whether this step measures trees at this load (ask after allow_spec): then the policy drafts
@@ -945,6 +966,8 @@ class LoadGate:
         if seconds <= 0:
             return None
         b = batch_bucket(seqs)
+        if b in self._unsettled:
+            self._unsettled[b] += 1
         # Only steps of the probed arm count towards a probe: while trees are probed the cost
         # model may still choose none, and such a step says nothing about trees.
         probe = self._probing.get(b)
@@ -980,7 +1003,10 @@ class LoadGate:
         if not other.samples:
             self._drop_probe(b)
             return None
-        self._verdict[b] = self._judge(b)
+        first = b not in self._verdict
+        self._verdict[b] = self._judge(b, afresh=probe.second)
+        if first and self._close(b):
+            self._unsettled[b] = 0  # a second opinion is due (see allow_spec)
         self._end_probe(b)
         return self._verdict[b]
 
@@ -993,7 +1019,8 @@ class LoadGate:
             return "" if arm.predicted is None else f", predicted {arm.predicted:.1f}"
 
         probe = self._probing.get(b)
-        probing = "" if probe is None else f", probing {'trees' if probe.spec else 'plain'} ({probe.steps_left} left)"
+        probing = "" if probe is None else (f", probing {'trees' if probe.spec else 'plain'}"
+                                            f"{' again' if probe.second else ''} ({probe.steps_left} left)")
         charges = ""
         if self.prompts.seconds_per_token(True) or self.prompts.seconds_per_token(False):
             charges = (f", prompts add {1e6 * self.prompts.seconds_per_token(True):.0f} us a token to trees and "

@@ -786,3 +786,36 @@ def test_one_outlying_tree_step_does_not_settle_a_first_probe_of_trees():
     assert all(seen) and gate.allow_spec(4)  # the whole probe ran, and trees won
     seen, gate = probe_trees([100] * 8)
     assert seen[:4] == [True] * 4 and not any(seen[4:]) and not gate.allow_spec(4)
+
+
+def test_a_close_first_verdict_is_measured_again_in_full_and_judged_afresh():
+    """Issue 14, H200 scale track (0.8) at 16 requests: the first probes read trees 7% above plain
+    (prompts charged) where the level's decode steps came out even; the margin then held trees for the whole level,
+    and plain steps the cost model chose under trees kept plain's figure fresh, so no re-probe came:
+    auto read 0.81 of `never`. A first verdict within the margin now gets a second, full measurement
+    of the loser after `stale_after` steps, judged without the margin. A clear verdict gets none."""
+    def run(first_trees: float, trees: float, plain: float, steps: int) -> list[bool]:
+        """Trees measure `first_trees` in their first probe (the first steps) and `trees` after; under
+        trees every fourth step has none (the cost model's choice), recorded as plain."""
+        gate = LoadGate()
+        seen = []
+        for step in range(steps):
+            spec = gate.allow_spec(16)
+            if spec and not gate.probing_spec(16) and step % 4 == 0:
+                spec = False
+            seen.append(spec)
+            rate = (first_trees if step < gate.probe_steps else trees) if spec else plain
+            gate.record(16, spec, 16, 16 / rate)
+        return seen
+
+    seen = run(first_trees=107.0, trees=97.0, plain=100.0, steps=400)
+    assert seen[:16] == [True] * 8 + [False] * 8  # the first probes: trees by 7%
+    second = next(i for i in range(16, 400) if not seen[i] and not seen[i + 1])  # the model's plain steps are single
+    assert 40 <= second <= 80  # plain measured again once trees had run a while
+    # It measured 3% better than trees, and holds: trees only in re-probes (in full, as it is close),
+    # where the old verdict drafted trees in three steps of four.
+    assert sum(seen[-200:]) <= 50
+
+    seen = run(first_trees=150.0, trees=150.0, plain=100.0, steps=200)  # trees clearly better
+    assert seen[16:136].count(False) == 30  # no second opinion: plain only where the model chose it
+
