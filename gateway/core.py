@@ -988,7 +988,8 @@ class GatewayCore:
         if decodes:
             tokens = sum(len(it.tokens) for it in decodes) + sum(b.max_nodes for b in budgets)
             price = self.costs.step_time(tokens, len(decodes), budgets)
-        self.gate.prompts.observe_prompts(outcome.fed_prompt or catch_up, prompt_tokens, seconds - price)
+        self.gate.prompts.observe_prompts(outcome.fed_prompt or catch_up, prompt_tokens, seconds - price,
+                                          bucket=batch_bucket(len(outcome.items)))
 
     # --- draft state ---------------------------------------------------------------
     def _apply_reports(self) -> None:

@@ -675,46 +675,62 @@ class PromptCharges:
     per prompt token x prompt tokens per committed token). Until both arms have a charge neither is
     charged (as before): only the difference between them can turn a verdict, and one arm's charge
     alone would count the prompts' own forward against it.
+
+    The charges are kept per load (the batch bucket of the prompt-carrying step) beside all loads
+    together, and a load is charged its own where it has one for both arms, else the all-loads figure.
+    What a prompt costs trees grows with the batch (a join under trees verifies every decoding request's
+    tree beside the prompt: 128 tree rows at 16 requests), and the all-loads figure, decayed over the last
+    few prompts, still weighed the lighter load before by about half at a new load's first probes.
     """
 
-    decay: float = 0.8  # per prompt-carrying step of that arm
+    decay: float = 0.8  # per prompt-carrying step of that arm (and load)
     workload_decay: float = 0.998  # per step: about the last 500 steps
-    # arm (trees?) -> [decayed extra seconds, decayed prompt tokens]
+    # arm (trees?) -> [decayed extra seconds, decayed prompt tokens], over all loads
     extra: dict[bool, list[float]] = field(default_factory=dict)
+    # (batch bucket, arm) -> the same at that load
+    by_bucket: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     prompt_tokens: float = 0.0  # decayed, every step
     committed: float = 0.0
 
-    def observe_prompts(self, fed: bool, prompt_tokens: int, extra_seconds: float) -> None:
+    def observe_prompts(self, fed: bool, prompt_tokens: int, extra_seconds: float, bucket: int | None = None) -> None:
         """A step that carried `prompt_tokens` prompt tokens (fed to drafts or not) took `extra_seconds`
-        beyond its decode items' price. prompt_tokens 0: a round that waited on a draft taking in prompts
-        counted before (their catch-up), added to the charge without a decay of its own."""
+        beyond its decode items' price; `bucket`: its batch bucket (None: counted over all loads only).
+        prompt_tokens 0: a round that waited on a draft taking in prompts counted before (their
+        catch-up), added to the charge without a decay of its own."""
         if prompt_tokens <= 0 and extra_seconds <= 0:
             return
-        sums = self.extra.setdefault(fed, [0.0, 0.0])
         decay = self.decay if prompt_tokens > 0 else 1.0
-        sums[0] = decay * sums[0] + max(0.0, extra_seconds)
-        sums[1] = decay * sums[1] + prompt_tokens
+        sinks = [self.extra.setdefault(fed, [0.0, 0.0])]
+        if bucket is not None:
+            sinks.append(self.by_bucket.setdefault((bucket, fed), [0.0, 0.0]))
+        for sums in sinks:
+            sums[0] = decay * sums[0] + max(0.0, extra_seconds)
+            sums[1] = decay * sums[1] + prompt_tokens
 
     def observe_step(self, prompt_tokens: int, committed: int) -> None:
         self.prompt_tokens = self.workload_decay * self.prompt_tokens + prompt_tokens
         self.committed = self.workload_decay * self.committed + committed
 
-    def per_prompt_token(self, spec: bool) -> float | None:
-        sums = self.extra.get(spec)
+    def per_prompt_token(self, spec: bool, bucket: int | None = None) -> float | None:
+        """An arm's charge per prompt token at this load (None: all loads), None where it has none."""
+        sums = self.extra.get(spec) if bucket is None else self.by_bucket.get((bucket, spec))
         return None if sums is None or sums[1] <= 0 else sums[0] / sums[1]
 
-    def seconds_per_token(self, spec: bool) -> float:
-        """What prompts add to each committed token's time under this arm (0 until both arms have a charge)."""
-        own, other = self.per_prompt_token(spec), self.per_prompt_token(not spec)
+    def seconds_per_token(self, spec: bool, bucket: int | None = None) -> float:
+        """What prompts add to each committed token's time under this arm at this load (0 until both
+        arms have a charge): the load's own charges where it has both, else those of all loads."""
+        if bucket is not None and None in (self.per_prompt_token(True, bucket), self.per_prompt_token(False, bucket)):
+            bucket = None
+        own, other = self.per_prompt_token(spec, bucket), self.per_prompt_token(not spec, bucket)
         if own is None or other is None or self.committed <= 0:
             return 0.0
         return own * self.prompt_tokens / self.committed
 
-    def delivered(self, spec: bool, rate: float) -> float:
-        """A decode-step rate (tok/s) of this arm as delivered, its prompts' charge included."""
+    def delivered(self, spec: bool, rate: float, bucket: int | None = None) -> float:
+        """A decode-step rate (tok/s) of this arm at this load as delivered, its prompts' charge included."""
         if rate <= 0:
             return rate
-        return 1.0 / (1.0 / rate + self.seconds_per_token(spec))
+        return 1.0 / (1.0 / rate + self.seconds_per_token(spec, bucket))
 
 
 class Probe(NamedTuple):
@@ -893,7 +909,7 @@ class LoadGate:
 
     def _delivered(self, b: int, spec: bool, rate: float | None = None) -> float:
         """An arm's goodput at this load (or `rate`, one step of it) as delivered: its prompts' charge included."""
-        return self.prompts.delivered(spec, self.arms[(b, spec)].goodput if rate is None else rate)
+        return self.prompts.delivered(spec, self.arms[(b, spec)].goodput if rate is None else rate, b)
 
     def _judge(self, b: int, afresh: bool = False) -> bool:
         """Speculate? A load's first verdict (or, `afresh`, its second opinion) goes to the arm that
@@ -1022,8 +1038,9 @@ class LoadGate:
         probing = "" if probe is None else (f", probing {'trees' if probe.spec else 'plain'}"
                                             f"{' again' if probe.second else ''} ({probe.steps_left} left)")
         charges = ""
-        if self.prompts.seconds_per_token(True) or self.prompts.seconds_per_token(False):
-            charges = (f", prompts add {1e6 * self.prompts.seconds_per_token(True):.0f} us a token to trees and "
-                       f"{1e6 * self.prompts.seconds_per_token(False):.0f} to plain")
+        trees_charge, plain_charge = self.prompts.seconds_per_token(True, b), self.prompts.seconds_per_token(False, b)
+        if trees_charge or plain_charge:
+            charges = (f", prompts add {1e6 * trees_charge:.0f} us a token to trees and {1e6 * plain_charge:.0f}"
+                       " to plain")
         return (f"{bucket_range(b)} sequences: trees {s.goodput:.1f} tok/s ({s.samples} steps{predicted(s)}), "
                 f"plain {p.goodput:.1f} tok/s ({p.samples} steps{predicted(p)}){probing}{charges}")

@@ -854,9 +854,9 @@ def test_a_round_that_waits_on_a_replica_taking_in_a_joining_prompt_is_charged_t
         real_record(plan, outcome, round_start)
         rounds.append((plan.draft_prompt_tokens, learned[0] > before))
 
-    def charge(fed, prompt_tokens, extra_seconds):
+    def charge(fed, prompt_tokens, extra_seconds, bucket=None):
         charges.append((fed, prompt_tokens))
-        return real_charge(fed, prompt_tokens, extra_seconds)
+        return real_charge(fed, prompt_tokens, extra_seconds, bucket)
 
     core.costs.observe, core._record, core.gate.prompts.observe_prompts = observe, record, charge
     first = submit(core, "first", [3, 4, 5], max_tokens=60)

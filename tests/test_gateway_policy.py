@@ -20,6 +20,7 @@ from gateway.policy import (
     PolicyConfig,
     PromptCharges,
     Rates,
+    batch_bucket,
     chains_would_accept,
     choose_budgets,
     main_path,
@@ -819,3 +820,27 @@ def test_a_close_first_verdict_is_measured_again_in_full_and_judged_afresh():
     seen = run(first_trees=150.0, trees=150.0, plain=100.0, steps=200)  # trees clearly better
     assert seen[16:136].count(False) == 30  # no second opinion: plain only where the model chose it
 
+
+def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for_both_arms():
+    """A join under trees verifies every decoding request's tree beside the prompt, so a prompt costs
+    trees more at 16 requests than at 4. Charges over all loads, decayed over the last few prompts,
+    judged 16-31 sequences by 4-7's prompts; each load is now charged its own where it has both arms'."""
+    gate = LoadGate()
+    prompts = gate.prompts
+    prompts.observe_step(prompt_tokens=1024, committed=1024)  # a prompt token a committed token
+    b16, b4 = batch_bucket(16), batch_bucket(4)
+    prompts.observe_prompts(fed=True, prompt_tokens=64, extra_seconds=64 * 300e-6, bucket=b16)
+    prompts.observe_prompts(fed=False, prompt_tokens=64, extra_seconds=64 * 50e-6, bucket=b16)
+    for _ in range(20):  # then many joins at 4 requests, where a fed prompt costs trees little more
+        prompts.observe_prompts(fed=True, prompt_tokens=64, extra_seconds=64 * 60e-6, bucket=b4)
+        prompts.observe_prompts(fed=False, prompt_tokens=64, extra_seconds=64 * 50e-6, bucket=b4)
+    assert prompts.seconds_per_token(True, b16) == pytest.approx(300e-6)
+    assert prompts.seconds_per_token(True, b4) == pytest.approx(60e-6)
+    assert prompts.seconds_per_token(True) == pytest.approx(60e-6, rel=0.01)  # all loads: the last prompts'
+    assert prompts.seconds_per_token(True, batch_bucket(8)) == prompts.seconds_per_token(True)  # none of its own
+    prompts.observe_prompts(fed=True, prompt_tokens=64, extra_seconds=64 * 90e-6, bucket=batch_bucket(8))
+    assert prompts.seconds_per_token(True, batch_bucket(8)) == prompts.seconds_per_token(True)  # one arm is not both
+
+    # Trees 10% faster on decode steps at 16 sequences: they deliver less there, charged that load's prompts.
+    assert run_gate(gate, 16, 40, spec_rate=1100.0, plain_rate=1000.0)[-1] is False
+    assert run_gate(gate, 4, 40, spec_rate=1100.0, plain_rate=1000.0)[-1] is True
