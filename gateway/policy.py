@@ -1037,6 +1037,8 @@ class LoadGate:
         probe = self._probing.get(b)
         probing = "" if probe is None else (f", probing {'trees' if probe.spec else 'plain'}"
                                             f"{' again' if probe.second else ''} ({probe.steps_left} left)")
+        if b in self._unsettled:
+            probing += f", close: the loser measured again in {max(0, self.stale_after - self._unsettled[b])} steps"
         charges = ""
         trees_charge, plain_charge = self.prompts.seconds_per_token(True, b), self.prompts.seconds_per_token(False, b)
         if trees_charge or plain_charge:
