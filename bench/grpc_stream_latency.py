@@ -1,13 +1,15 @@
 """What one call on a bidirectional gRPC stream costs beside the server's work, as the
 gateway's step stream uses it: back to back, and after the server worked for a while.
 
-    python bench/grpc_stream_latency.py [--work-ms 0,1,7] [--calls 300]
+    python bench/grpc_stream_latency.py [--work-ms 0,1,7] [--calls 300] [--transports tcp,unix]
 
 A server process answers each StepCall with a StepReply after --work-ms of work
 (the GIL held, as a step's kernel launches hold it; --sleep: released, as while
 a GPU runs), sync (grpc.server, our services) and asyncio (grpc.aio) servers
 alike; the client is the gateway's kind (a queue-fed request iterator, blocking
-next()). Prints the median round trip minus the work. A benchmark, not a test.
+next()). Prints the median round trip minus the work. --transports: over TCP on the
+loopback, over a Unix domain socket (gRPC's unix: addresses), or each in turn. A
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -40,7 +42,16 @@ def _work(seconds: float, sleep: bool) -> None:
         pass
 
 
-def _serve(kind: str, port_file: str, seconds: float, sleep: bool) -> None:
+def _listen(server, port_file: str, transport: str) -> str:
+    """Binds the server where the transport says; returns the address a client dials."""
+    if transport == "unix":
+        address = f"unix:{Path(port_file).parent / 'echo.sock'}"
+        server.add_insecure_port(address)
+        return address
+    return f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+
+
+def _serve(kind: str, port_file: str, seconds: float, sleep: bool, transport: str) -> None:
     if kind == "sync":
         from concurrent import futures
 
@@ -52,9 +63,9 @@ def _serve(kind: str, port_file: str, seconds: float, sleep: bool) -> None:
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         target_pb2_grpc.add_TargetServiceServicer_to_server(Sync(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        address = _listen(server, port_file, transport)
         server.start()
-        Path(port_file).write_text(str(port))
+        Path(port_file).write_text(address)
         server.wait_for_termination()
         return
 
@@ -67,25 +78,25 @@ def _serve(kind: str, port_file: str, seconds: float, sleep: bool) -> None:
     async def main() -> None:
         server = grpc.aio.server()
         target_pb2_grpc.add_TargetServiceServicer_to_server(Aio(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        address = _listen(server, port_file, transport)
         await server.start()
-        Path(port_file).write_text(str(port))
+        Path(port_file).write_text(address)
         await server.wait_for_termination()
 
     asyncio.run(main())
 
 
-def _measure(kind: str, seconds: float, sleep: bool, calls: int, switch_ms: float | None) -> float:
+def _measure(kind: str, seconds: float, sleep: bool, calls: int, switch_ms: float | None, transport: str) -> float:
     port_file = Path(tempfile.mkdtemp(prefix="tandem-echo-")) / "port"
     cmd = [sys.executable, __file__, "--serve", kind, "--port-file", str(port_file), "--work-ms",
-           str(seconds * 1e3)] + (["--sleep"] if sleep else [])
+           str(seconds * 1e3), "--transports", transport] + (["--sleep"] if sleep else [])
     if switch_ms is not None:
         cmd += ["--switch-ms", str(switch_ms)]
     server = subprocess.Popen(cmd)
     try:
         while not (port_file.exists() and port_file.read_text()):
             time.sleep(0.05)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
+        channel = grpc.insecure_channel(port_file.read_text())
         calls_in: queue.Queue = queue.Queue()
         replies = target_pb2_grpc.TargetServiceStub(channel).StepStream(iter(calls_in.get, None))
         call = target_pb2.StepCall(step=target_pb2.PackedStep())
@@ -112,25 +123,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run with these GIL switch intervals (sys.setswitchinterval, ms, comma-separated; "
                          "set in the client and the server); Python's default is 5")
     ap.add_argument("--servers", default="sync,aio", help="sync, aio or both")
+    ap.add_argument("--transports", default="tcp", help="tcp, unix or both (comma-separated)")
     ap.add_argument("--serve", choices=["sync", "aio"], help=argparse.SUPPRESS)
     ap.add_argument("--port-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve and args.switch_ms:
         sys.setswitchinterval(float(args.switch_ms) / 1e3)
     if args.serve:
-        _serve(args.serve, args.port_file, float(args.work_ms) / 1e3, args.sleep)
+        _serve(args.serve, args.port_file, float(args.work_ms) / 1e3, args.sleep, args.transports)
         return 0
     switches = [None] + [float(ms) for ms in args.switch_ms.split(",") if ms]
     default_switch = sys.getswitchinterval()
-    print(f"{'switch ms':>9} {'work ms':>8} {'server':>6} {'round trip minus work, us':>26}  "
+    print(f"{'switch ms':>9} {'work ms':>8} {'server':>6} {'transport':>9} {'round trip minus work, us':>26}  "
           f"({'sleep' if args.sleep else 'GIL held'})")
     for switch_ms in switches:
         sys.setswitchinterval(default_switch if switch_ms is None else switch_ms / 1e3)
         for work in (float(w) for w in args.work_ms.split(",")):
             for kind in args.servers.split(","):
-                took = _measure(kind, work / 1e3, args.sleep, args.calls, switch_ms)
-                label = f"{1e3 * sys.getswitchinterval():g}"
-                print(f"{label:>9} {work:>8g} {kind:>6} {took:>26.1f}", flush=True)
+                for transport in args.transports.split(","):
+                    took = _measure(kind, work / 1e3, args.sleep, args.calls, switch_ms, transport)
+                    label = f"{1e3 * sys.getswitchinterval():g}"
+                    print(f"{label:>9} {work:>8g} {kind:>6} {transport:>9} {took:>26.1f}", flush=True)
     return 0
 
 
