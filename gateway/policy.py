@@ -851,19 +851,18 @@ class LoadGate:
                 return key
         spec_wins = self._verdict.setdefault(b, self._judge(b))
         loser = plain if spec_wins else spec
-        if self._unsettled.get(b, 0) >= self.stale_after:
-            # A first verdict within `margin` rests on two probes of six recorded steps, and the margin then
-            # held it: on the H200 scale track (0.8) the probes at 16-31 sequences read trees 13% above plain
-            # where the level's decode steps came out even, and `always` delivered 0.84x `never`; trees stood
-            # for the whole level (auto 0.81 of `never`). So the loser is measured again in full once the
-            # winner has run a while, and the two fresh figures decide without the margin. Counted in steps
-            # since the verdict: plain steps the cost model chose under trees kept plain's figure fresh, and
-            # the re-probe below never came.
-            del self._unsettled[b]
-            self._probing[b] = Probe(spec=not spec_wins, steps_left=self.probe_steps, reprobe=False, second=True)
-            return not spec_wins
-        if loser.since >= self._stale_after(b, spec_wins):
-            self._probing[b] = Probe(not spec_wins, self.probe_steps, True)
+        # A first verdict within `margin` rests on two probes of six recorded steps, and the margin then
+        # held it: on the H200 scale track (0.8) the probes at 16-31 sequences read trees 13% above plain
+        # where the level's decode steps came out even, and `always` delivered 0.84x `never`; trees stood
+        # for the whole level (auto 0.81 of `never`). So the loser is measured again in full once the
+        # winner has run a while, and the two fresh figures decide without the margin (a second opinion).
+        # Counted in steps since the verdict: plain steps the cost model chose under trees kept plain's
+        # figure fresh, and the re-probe never came. A re-probe due first is the second opinion.
+        second = b in self._unsettled
+        if (second and self._unsettled[b] >= self.stale_after) or loser.since >= self._stale_after(b, spec_wins):
+            self._unsettled.pop(b, None)
+            self._probing[b] = Probe(spec=not spec_wins, steps_left=self.probe_steps, reprobe=not second,
+                                     second=second)
             return not spec_wins
         return spec_wins
 

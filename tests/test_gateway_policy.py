@@ -820,6 +820,17 @@ def test_a_close_first_verdict_is_measured_again_in_full_and_judged_afresh():
     seen = run(first_trees=150.0, trees=150.0, plain=100.0, steps=200)  # trees clearly better
     assert seen[16:136].count(False) == 30  # no second opinion: plain only where the model chose it
 
+    # Plain measured first (the cost model preferred it): its re-probe falls due before the second opinion
+    # would, and is that second opinion, judged afresh: plain from then on, not a re-probe held by the
+    # margin and then a second probe of plain.
+    gate = LoadGate()
+    assert not gate.allow_spec(16, lambda: False)
+    seen = run_gate(gate, 16, 8, spec_rate=1, plain_rate=100.0)
+    seen += run_gate(gate, 16, 8, spec_rate=107.0, plain_rate=100.0)
+    seen += run_gate(gate, 16, 100, spec_rate=97.0, plain_rate=100.0)
+    plain_again = seen.index(False, 16)
+    assert plain_again < 16 + gate.stale_after and not any(seen[plain_again:plain_again + 40])
+
 
 def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for_both_arms():
     """A join under trees verifies every decoding request's tree beside the prompt, so a prompt costs
