@@ -45,8 +45,10 @@ class _PolicyAudit:
       `tandem_policy_arm_committed_tokens_total` and `tandem_policy_arm_step_seconds_total` (what
       the arm's steps committed and took: the measured goodput is the first over the second);
     - `tandem_policy_prompt_seconds_per_token{arm}` (trees or plain): what joining prompts add to each
-      committed token's time under that arm, as the gate charges it (PromptCharges; 0 until both arms
-      have a charge). A decode-step rate r delivers 1 / (1 / r + this)."""
+      committed token's time under that arm, over all loads (PromptCharges; 0 until both arms have a
+      charge). A decode-step rate r delivers 1 / (1 / r + this);
+    - `tandem_policy_load_prompt_seconds_per_token{arm, sequences}`: the same as the gate charges it at
+      that load (the load's own charges where it has both arms', else all loads')."""
 
     def __init__(self, audit: Callable[[], list[AuditRow]], prompt_charge: Callable[[bool], float] | None = None):
         self.audit = audit
@@ -66,6 +68,9 @@ class _PolicyAudit:
                                         "the load gate measured for this arm", labels=labels)
         seconds = CounterMetricFamily("tandem_policy_arm_step_seconds", "Wall time of the steps the load gate "
                                       "measured for this arm", labels=labels)
+        load_charge = GaugeMetricFamily("tandem_policy_load_prompt_seconds_per_token", "What joining prompts add "
+                                        "to each committed token's time under this arm at this load, as the load "
+                                        "gate charges it", labels=labels)
         for row in self.audit():
             key = [str(row.arm), row.sequences]
             for figure, value in (("predicted", row.predicted), ("measured", row.measured)):
@@ -75,7 +80,9 @@ class _PolicyAudit:
             predicted.add_metric(key, row.predicted_sum)
             committed.add_metric(key, row.committed_total)
             seconds.add_metric(key, row.seconds_total)
-        yield from (now, predictions, predicted, committed, seconds)
+            if row.prompt_charge is not None:
+                load_charge.add_metric(key, row.prompt_charge)
+        yield from (now, predictions, predicted, committed, seconds, load_charge)
         if self.prompt_charge is not None:
             charge = GaugeMetricFamily("tandem_policy_prompt_seconds_per_token", "What joining prompts add to "
                                        "each committed token's time under this arm, as the load gate charges it",

@@ -653,6 +653,9 @@ class AuditRow(NamedTuple):
     predictions: int
     committed_total: int
     seconds_total: float
+    # What prompts add to each committed token's time under this arm at this load, as the gate charges it
+    # (PromptCharges.seconds_per_token); None for the configured tree, which the gate does not judge.
+    prompt_charge: float | None = None
 
 
 @dataclass
@@ -953,7 +956,7 @@ class LoadGate:
         arms = list(self.arms.items())  # one snapshot: the loop thread adds arms while a scrape reads
         rows = [AuditRow(bucket_range(b), AuditArm.TREES if spec else AuditArm.PLAIN, arm.predicted,
                          arm.goodput if arm.samples else None, arm.predicted_sum, arm.predictions,
-                         arm.committed_total, arm.seconds_total)
+                         arm.committed_total, arm.seconds_total, self.prompts.seconds_per_token(spec, b))
                 for (b, spec), arm in sorted(arms)]
         configured = list(self._configured.items())
         return rows + [AuditRow(bucket_range(b), AuditArm.CONFIGURED_TREE, arm.predicted, None, arm.predicted_sum,

@@ -923,6 +923,11 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
     charges = {s.labels["arm"]: s.value for family in core.metrics.registry.collect()
                if family.name == "tandem_policy_prompt_seconds_per_token" for s in family.samples}
     assert charges["trees"] > 0 and charges["plain"] > 0
+    # Per load, as the gate judges that load: 4-7 has no plain charge of its own, so all loads' figures.
+    at_load = {(s.labels["arm"], s.labels["sequences"]): s.value for family in core.metrics.registry.collect()
+               if family.name == "tandem_policy_load_prompt_seconds_per_token" for s in family.samples}
+    assert at_load[("trees", "4-7")] == pytest.approx(charges["trees"])
+    assert at_load[("plain", "4-7")] == pytest.approx(charges["plain"])
 
 
 def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(tokenizer):
