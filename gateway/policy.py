@@ -857,8 +857,9 @@ class LoadGate:
         # A first verdict within `margin` rests on two probes of six recorded steps, and the margin then
         # held it: on the H200 scale track (0.8) the probes at 16-31 sequences read trees 13% above plain
         # on decode steps (7% with prompts charged) where the level's decode steps came out even, and
-        # `always` delivered 0.84x `never`; trees stood for the whole level (auto 0.81 of `never`). So the loser is measured again in full once the
-        # winner has run a while, and the two fresh figures decide without the margin (a second opinion).
+        # `always` delivered 0.84x `never`; trees stood for the whole level (auto 0.81 of `never`). So the
+        # loser is measured again in full once the winner has run a while, and the two fresh figures
+        # decide without the margin (a second opinion).
         # Counted in steps since the verdict: plain steps the cost model chose under trees kept plain's
         # figure fresh, and the re-probe never came. A re-probe due first is the second opinion.
         second = b in self._unsettled
