@@ -72,7 +72,8 @@
 #            BENCH_INTERLEAVED=1 BENCH_ARGS="--rounds 3" runs the modes in turn at each level, three rounds, in
 #            one bench (serve_and_bench.sh), and the report gives each round's auto / max and the medians
 #            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh),
-#            and bench/step_log.py --budgets then tabulates the trees chosen (auto_scale_RATE_budgets.log)
+#            and bench/step_log.py --budgets --levels then tabulates the trees chosen and each level's step time
+#            by kind (auto_scale_RATE_budgets.log)
 #   fedgrants after only: `auto` with fed grants (`--gateway-args=--fed-grants`: awake auto requests decode plainly
 #            in grants that push each step's features to the drafts) against without (the default), each on a fresh
 #            serve, demo track (bf16) then scale track (0.8), FED_CONCURRENCY (default 1,2,4); `never` (and, without
@@ -357,9 +358,13 @@ for stage in "$@"; do
             "$OUT/auto_scale_$acceptance$suffix"
           # The trees each plan chose and what they delivered (every mode's trees: AUTO_MODES=auto for auto's alone).
           # (An `if`, not `[[ ]] &&`: as the stage's last command a false test made the whole script exit 1.)
+          # With each level's split of its step time by kind (decode steps with and without trees, fed steps,
+          # steps with prompt chunks): what the gate must charge an arm beyond its decode steps.
           if [[ ${SERVE_LOG_LEVEL:-} == DEBUG ]]; then
+            levels=()
+            for bench_json in "$OUT/auto_scale_$acceptance$suffix"/*/bench.json; do levels+=(--levels "$bench_json"); done
             run "auto_scale_${acceptance}${suffix}_budgets" after 60 \
-              python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets
+              python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets "${levels[@]}"
           fi
         done
       done ;;

@@ -1,6 +1,7 @@
 """Where a serve's steps went, from the gateway's DEBUG log (a line per target step).
 
     python bench/step_log.py GATEWAY_LOG[.gz] [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs] [--budgets]
+                             [--levels BENCH_JSON]
 
 Groups the `step N done: ...` lines (SERVE_LOG_LEVEL=DEBUG in bench/serve_and_run.sh) by kind: trees or
 plain, granted or one call, fed to the draft or not, and prints per kind the steps, their summed
@@ -9,20 +10,28 @@ steps of one kind (and batch size) with its quiet count, in order. A level's win
 timestamps (a level starts where the previous one's last request ended). --budgets also prints, per
 set of draft budgets a plan chose (its `step N: ... trees [...]` line, whose step is `step N+1 done`),
 the tree steps, their milliseconds and committed tokens, tokens per step and tok/s: which trees auto
-chose and what each delivered.
+chose and what each delivered. --levels also prints, per level of the `tandem bench` run whose bench.json
+it is given (each level's window: its started_at and ended_at), where the level's step time went: decode
+steps with trees, plain decode steps that fed no draft, plain steps that fed the drafts, and steps that
+carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
+the load gate must charge an arm beyond its decode steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import re
 import sys
+from datetime import datetime
 from pathlib import Path
 
 STEP = re.compile(r"(\d\d:\d\d:\d\d,\d+) gateway DEBUG step (\d+) done: (\d+) seqs, (\d+) trees, granted (\d+), "
                   r"fed draft (\w+), decode (\w+), (\d+) committed, ([\d.]+) ms, quiet (\d+)")
 PLAN = re.compile(r"gateway DEBUG step (\d+): \d+ items, \d+ tokens, trees \[([^\]]*)\]")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # the logging module's asctime
+STEP_KINDS = ("trees", "plain", "fed", "prompt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", default="99:99:99,999")
     ap.add_argument("--runs", action="store_true", help="print each run of steps of one kind")
     ap.add_argument("--budgets", action="store_true", help="print what each set of draft budgets delivered")
+    ap.add_argument("--levels", type=Path, action="append", default=[], metavar="BENCH_JSON",
+                    help="print where each level of this tandem bench run spent its step time (repeatable: one "
+                         "serve's benches, one bench.json each)")
     args = ap.parse_args(argv)
     text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
     rows = [m.groups() for m in map(STEP.search, text.splitlines()) if m]
@@ -64,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{', '.join(what):<32} {steps:>6} {ms:>9.1f} {committed:>9} {ms / steps:>8.2f}")
     if args.budgets:
         print_budgets(text, rows)
+    if args.levels:
+        return print_levels(text, args.levels)
     return 0
 
 
@@ -86,6 +100,52 @@ def print_budgets(text: str, rows: list[tuple[str, ...]]) -> None:
     for budgets, (steps, ms, committed) in sorted(by_budgets.items(), key=lambda item: -item[1][0]):
         print(f"{budgets:<32} {steps:>6} {ms:>9.1f} {committed:>9} {committed / steps:>8.2f} "
               f"{1000 * committed / ms:>8.1f}")
+
+
+def step_kind(trees: str, fed: str, decode: str) -> str:
+    """One of STEP_KINDS for a `step N done` line's fields."""
+    if decode != "True":
+        return "prompt"  # a prompt chunk rode in it (or it was all prefill)
+    if trees != "0":
+        return "trees"
+    return "fed" if fed == "True" else "plain"
+
+
+def print_levels(text: str, bench_jsons: list[Path]) -> int:
+    """Per level of these bench.json files, the step lines inside its window by kind (see the module's doc)."""
+    results = []
+    for path in bench_jsons:
+        try:
+            results += json.loads(path.read_text())["results"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"cannot read the levels of {path}: {e}", file=sys.stderr)
+            return 1
+    steps = []  # (epoch seconds, kind, committed, ms)
+    for line in text.splitlines():
+        stamp, step = STAMP.match(line), STEP.search(line)
+        if stamp and step:
+            when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            row = step.groups()
+            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8])))
+    levels = sorted((r for r in results if r.get("started_at") is not None and r.get("ended_at") is not None),
+                    key=lambda r: r["started_at"])
+    if not levels:
+        print("no level windows in those files (a tandem bench older than started_at/ended_at)", file=sys.stderr)
+        return 1
+    shares = " ".join(f"{kind + ' %':>8}" for kind in STEP_KINDS)
+    print(f"\n{'mode':<7} {'conc':>5} {'round':>5} {'steps':>6} {'ms':>9} {shares} {'committed':>9} "
+          f"{'tok/s':>8} {'decode tok/s':>12}")
+    for level in levels:
+        inside = [s for s in steps if level["started_at"] <= s[0] <= level["ended_at"]]
+        ms = {kind: sum(s[3] for s in inside if s[1] == kind) for kind in STEP_KINDS}
+        committed = {kind: sum(s[2] for s in inside if s[1] == kind) for kind in STEP_KINDS}
+        total_ms, decode_ms = sum(ms.values()), ms["trees"] + ms["plain"]
+        share = " ".join(f"{100 * ms[kind] / total_ms if total_ms else 0.0:>8.1f}" for kind in STEP_KINDS)
+        rate = 1000 * sum(committed.values()) / total_ms if total_ms else 0.0
+        decode_rate = 1000 * (committed["trees"] + committed["plain"]) / decode_ms if decode_ms else 0.0
+        print(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {len(inside):>6} "
+              f"{total_ms:>9.1f} {share} {sum(committed.values()):>9} {rate:>8.1f} {decode_rate:>12.1f}")
+    return 0
 
 
 if __name__ == "__main__":

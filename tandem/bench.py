@@ -76,6 +76,10 @@ class LevelResult:
     # chunks of joining requests left out (decode_tok_s waits on them). None when /metrics was unread.
     decode_steps_tok_s: float | None = None
     round: int = 1  # which of --rounds this level was, from 1
+    # Wall-clock (UNIX) seconds when the level's first request went out and its last reply ended: the
+    # window of the gateway's step log that is this level's (bench/step_log.py --levels).
+    started_at: float | None = None
+    ended_at: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -160,10 +164,10 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
             i = queue.pop()
             results.append(await one_request(client, url, prompts[i % len(prompts)], mode, max_tokens))
 
-    t0 = time.perf_counter()
+    started_at, t0 = time.time(), time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    wall, ended_at = time.perf_counter() - t0, time.time()
     tokens = sum(r.tokens for r in results)
     verify = sum(r.verify_steps for r in results)
     decoding = [(r.tokens - 1) / (r.seconds - r.ttft) for r in results if r.tokens > 1 and r.seconds > r.ttft]
@@ -174,7 +178,7 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
         percentile([g for r in results for g in r.gaps], 0.5),
         percentile([g for r in results for g in r.gaps], 0.99),
         (sum(r.accepted for r in results) + verify) / verify if verify else None,
-        concurrency * statistics.mean(decoding) if decoding else 0.0)
+        concurrency * statistics.mean(decoding) if decoding else 0.0, started_at=started_at, ended_at=ended_at)
 
 
 # The gateway's running sums of auto's audit (gateway/metrics.py, _PolicyAudit), and of every mode's

@@ -36,3 +36,42 @@ def test_budgets_table_joins_each_plan_to_the_step_it_made(tmp_path):
     assert rows == {"3/1/4": ["2", "100.0", "4", "2.00", "40.0"],
                     "5/4/8": ["1", "100.0", "5", "5.00", "50.0"],
                     "3/1/4 x2, 5/4/8": ["1", "50.0", "9", "9.00", "180.0"]}
+
+
+def test_levels_table_splits_each_bench_levels_step_time_by_kind(tmp_path):
+    """--levels: each level of a bench.json takes the step lines inside its window (its started_at and
+    ended_at, against the log's own date and time), and says where its step time went."""
+    import json
+    from datetime import datetime
+
+    start = datetime(2026, 12, 4, 10, 0, 0).timestamp()
+
+    def line(at: float, seqs: int, trees: int, granted: int, fed: bool, decode: bool, committed: int,
+             ms: float) -> str:
+        stamp = datetime.fromtimestamp(start + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        return (f"{stamp} gateway DEBUG step 1 done: {seqs} seqs, {trees} trees, granted {granted}, fed draft {fed}, "
+                f"decode {decode}, {committed} committed, {ms:.2f} ms, quiet 0, ingests queued 0")
+
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join([
+        line(0.5, 4, 0, 1, False, True, 4, 10.0),  # never: granted plain steps and a joining prompt
+        line(0.6, 4, 0, 1, False, True, 4, 10.0),
+        line(0.7, 4, 0, 0, False, False, 3, 20.0),
+        line(2.5, 4, 4, 0, True, True, 12, 30.0),  # always: trees, a fed plain step, a fed prompt
+        line(2.6, 4, 0, 0, True, True, 4, 15.0),
+        line(2.7, 4, 0, 0, True, False, 3, 35.0),
+        line(9.0, 4, 0, 1, False, True, 4, 10.0),  # after the last level: in no window
+    ]))
+    levels = [{"mode": "never", "concurrency": 4, "round": 1, "started_at": start, "ended_at": start + 1},
+              {"mode": "always", "concurrency": 4, "round": 1, "started_at": start + 2, "ended_at": start + 3}]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"meta": {}, "results": levels}))
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("\n\n")[-1].splitlines()
+    assert table[0].split() == ["mode", "conc", "round", "steps", "ms", "trees", "%", "plain", "%", "fed", "%",
+                                "prompt", "%", "committed", "tok/s", "decode", "tok/s"]
+    assert table[1].split() == ["never", "4", "1", "3", "40.0", "0.0", "50.0", "0.0", "50.0", "11", "275.0", "400.0"]
+    assert table[2].split() == ["always", "4", "1", "3", "80.0", "37.5", "0.0", "18.8", "43.8", "19", "237.5",
+                                "400.0"]
