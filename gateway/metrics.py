@@ -85,8 +85,8 @@ class _PolicyAudit:
         yield from (now, predictions, predicted, committed, seconds, load_charge)
         if self.prompt_charge is not None:
             charge = GaugeMetricFamily("tandem_policy_prompt_seconds_per_token", "What joining prompts add to "
-                                       "each committed token's time under this arm, as the load gate charges it",
-                                       labels=["arm"])
+                                       "each committed token's time under this arm, over all loads (the load gate "
+                                       "charges each load its own where it has both arms')", labels=["arm"])
             for arm, spec in ((AuditArm.TREES, True), (AuditArm.PLAIN, False)):
                 charge.add_metric([str(arm)], self.prompt_charge(spec))
             yield charge
