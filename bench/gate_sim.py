@@ -1,0 +1,81 @@
+"""The load gate alone, at one load, against simulated steps: what share of the better arm's rate it delivers.
+
+    python bench/gate_sim.py [--seeds 300] [--first-bias 1.12] [--ratios 0.8,0.9,...] [--tree DIR]
+
+A model, not a measurement: each step of plain decoding commits one token a sequence at PLAIN tok/s with
+--plain-cv noise; each tree step commits --tokens-per-round a sequence at PLAIN x ratio tok/s with --trees-cv
+noise, and the first --probe-steps tree steps read --first-bias higher (on the H200 scale track at 16
+requests, 0.8, the first probes read trees 13% above plain where the level's decode steps tied). Under
+trees, --incidental of the steps carry no tree (the cost model's choice) and are recorded as plain, as the
+gateway records them. Per ratio of the trees' rate to plain's, over --seeds levels of --steps steps: the
+mean, tenth percentile and minimum of tokens over seconds divided by the better arm's rate. --tree runs the
+gate of another checkout (a `git worktree` or archive of an earlier commit) for a before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def level(args: argparse.Namespace, gate_type: type, ratio: float, seed: int) -> float:
+    """One level at one load; delivered tok/s over the better arm's."""
+    rng = random.Random(seed)
+    gate = gate_type()
+    committed = seconds = 0.0
+    tree_steps = 0
+    for _ in range(args.steps):
+        spec = gate.allow_spec(args.seqs)
+        if spec and not gate.probing_spec(args.seqs) and rng.random() < args.incidental:
+            spec = False
+        if spec:
+            bias = args.first_bias if tree_steps < gate.probe_steps else 1.0
+            tree_steps += 1
+            rate = args.plain * ratio * bias * max(0.3, rng.gauss(1, args.trees_cv))
+        else:
+            rate = args.plain * max(0.3, rng.gauss(1, args.plain_cv))
+        tokens = args.seqs * (args.tokens_per_round if spec else 1.0)
+        step = tokens / rate
+        gate.spend(args.seqs, int(tokens), step)
+        gate.record(args.seqs, spec, int(tokens), step)
+        committed += tokens
+        seconds += step
+    return committed / seconds / (args.plain * max(1.0, ratio))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=300, help="levels per ratio")
+    ap.add_argument("--steps", type=int, default=600, help="arm steps a level")
+    ap.add_argument("--seqs", type=int, default=16, help="sequences a step (the load)")
+    ap.add_argument("--plain", type=float, default=3000.0, help="plain decoding's rate, tok/s")
+    ap.add_argument("--plain-cv", type=float, default=0.03)
+    ap.add_argument("--trees-cv", type=float, default=0.12)
+    ap.add_argument("--tokens-per-round", type=float, default=3.6)
+    ap.add_argument("--incidental", type=float, default=0.25)
+    ap.add_argument("--first-bias", type=float, default=1.0)
+    ap.add_argument("--ratios", default="0.8,0.9,0.95,1.0,1.05,1.1,1.2,1.4", help="trees' rate over plain's")
+    ap.add_argument("--tree", type=Path, default=REPO, help="the checkout whose gate to run (default: this one)")
+    args = ap.parse_args(argv)
+    if args.seeds < 1 or args.steps < 1 or args.seqs < 1 or args.plain <= 0:
+        raise SystemExit("error: --seeds, --steps and --seqs need positive integers, --plain a positive rate")
+    if not (args.tree / "gateway" / "policy.py").exists():
+        raise SystemExit(f"error: {args.tree} has no gateway/policy.py")
+    sys.path.insert(0, str(args.tree.resolve()))
+    from gateway.policy import LoadGate
+    print(f"{'trees/plain':>11} {'mean':>6} {'p10':>6} {'min':>6}   delivered / the better arm's rate, "
+          f"{args.seeds} levels each, first probe of trees x{args.first_bias}, gate of {args.tree}")
+    for ratio in (float(r) for r in args.ratios.split(",")):
+        runs = sorted(level(args, LoadGate, ratio, seed) for seed in range(args.seeds))
+        print(f"{ratio:>11.2f} {statistics.mean(runs):>6.3f} {runs[len(runs) // 10]:>6.3f} {runs[0]:>6.3f}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
