@@ -836,6 +836,35 @@ def test_a_close_first_verdict_is_measured_again_in_full_and_judged_afresh():
     assert plain_steps == gate.probe_steps  # after one probe of plain decoding
 
 
+def test_a_close_first_verdict_for_plain_decoding_gets_no_second_probe_of_trees():
+    """H200 scale track (0.8) at 16 requests, 2026-12-04: plain decoding won the first verdict by 9% and
+    `never` then delivered 1.16x `always`, yet the second opinion probed trees again 48 steps later. A probe
+    of trees after plain steps is the dear one (every draft catches up on the tokens it slept through), so
+    only a close win for trees is measured again; plain's stands until the regular re-probe, which the
+    first probe's measured cost puts off."""
+    def run(plain_rate: float) -> list[bool]:
+        """Plain measured first (the cost model preferred it); trees at 100 tok/s, their first step after
+        plain steps ten times dearer (the drafts' catch-up)."""
+        gate = LoadGate()
+        seen, spec = [], gate.allow_spec(16, lambda: False)
+        for _ in range(400):
+            seconds = 16 / (100.0 if spec else plain_rate)
+            if spec and seen and not seen[-1]:
+                seconds *= 10
+            seen.append(spec)
+            gate.spend(16, 16, seconds)
+            gate.record(16, spec, 16, seconds)
+            spec = gate.allow_spec(16)
+        return seen
+
+    seen = run(plain_rate=108.0)
+    assert seen[:16] == [False] * 8 + [True] * 8
+    assert not any(seen[16:])  # no second probe of trees
+    seen = run(plain_rate=92.0)  # trees win as close: plain decoding is measured again
+    assert seen[:16] == [False] * 8 + [True] * 8
+    assert not all(seen[16:16 + 2 * LoadGate.stale_after])
+
+
 def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for_both_arms():
     """A join under trees verifies every decoding request's tree beside the prompt, so a prompt costs
     trees more at 16 requests than at 4. Charges over all loads, decayed over the last few prompts,
