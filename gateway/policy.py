@@ -714,6 +714,15 @@ class PromptCharges:
         self.prompt_tokens = self.workload_decay * self.prompt_tokens + prompt_tokens
         self.committed = self.workload_decay * self.committed + committed
 
+    def mix(self) -> float | None:
+        """The workload's prompt tokens per committed token, decayed over steps (None before any commit)."""
+        return self.prompt_tokens / self.committed if self.committed > 0 else None
+
+    def forget(self, bucket: int) -> None:
+        """Drops a load's own charges: it is charged the all-loads figure until it has both arms' again."""
+        for spec in (True, False):
+            self.by_bucket.pop((bucket, spec), None)
+
     def per_prompt_token(self, spec: bool, bucket: int | None = None) -> float | None:
         """An arm's charge per prompt token at this load (None: all loads), None where it has none."""
         sums = self.extra.get(spec) if bucket is None else self.by_bucket.get((bucket, spec))
@@ -801,6 +810,15 @@ class LoadGate:
     clear_steps: int = 2
     probe_budget: float = 0.01
     max_stale_factor: float = 64.0
+    # A verdict holds for the workload it was measured under. Where the workload's prompt tokens per
+    # committed token (PromptCharges.mix) has since moved by this factor either way, the load is measured
+    # afresh, as if met for the first time: on the H200 scale track (0.8, 2026-12-04) `tandem bench`'s
+    # warm-up (16-token requests behind 1024-token prompts, 64 prompt tokens a committed token) settled
+    # 4-7 sequences for plain decoding on two tree steps at 440 tok/s, charged 2.7 ms a token for
+    # prompts; the levels then ran 128-token requests (8 a token), where `always` beat `never` by 16% at
+    # 4 requests, and plain's verdict stood through all three rounds (auto 0.87 of `always`): a re-probe
+    # of trees after plain steps is dear, so the gate spaces them far apart.
+    mix_shift: float = 2.0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
@@ -813,6 +831,7 @@ class LoadGate:
     # bucket -> the predictions of the configured tree for every auto request (Rates.configured); an
     # Arm of which only the prediction fields are used: nothing runs it under auto.
     _configured: dict[int, Arm] = field(default_factory=dict)
+    _verdict_mix: dict[int, float] = field(default_factory=dict)  # bucket -> PromptCharges.mix at its verdict
     prompts: PromptCharges = field(default_factory=PromptCharges)
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
@@ -820,6 +839,7 @@ class LoadGate:
         any request a tree at this step, asked only when a bucket is met for the first time."""
         if seqs < self.min_batch:
             return True
+        self._forget_moved_loads()
         b = batch_bucket(seqs)
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
@@ -852,7 +872,9 @@ class LoadGate:
             if arm.samples == 0:
                 self._probing[b] = Probe(key, self.probe_steps, False)
                 return key
-        spec_wins = self._verdict.setdefault(b, self._judge(b))
+        if b not in self._verdict:
+            self._set_verdict(b, self._judge(b))
+        spec_wins = self._verdict[b]
         loser = plain if spec_wins else spec
         # A first verdict within `margin` rests on two probes of six recorded steps, and the margin then
         # held it: on the H200 scale track (0.8) the probes at 16-31 sequences read trees 13% above plain
@@ -876,11 +898,38 @@ class LoadGate:
         prefill feeds the drafts only where trees may be chosen once they decode."""
         if seqs < self.min_batch:
             return True
+        self._forget_moved_loads()
         b = batch_bucket(seqs)
         if self._trees_need_no_probe(b):
             return False
         probe = self._probing.get(b)
         return probe.spec if probe is not None else self._verdict.get(b, True)
+
+    def _set_verdict(self, b: int, spec: bool) -> None:
+        self._verdict[b] = spec
+        mix = self.prompts.mix()
+        if mix is not None:
+            self._verdict_mix[b] = mix
+
+    def _forget_moved_loads(self) -> None:
+        """Loads whose verdict was taken under a workload mix that has since moved by `mix_shift` are
+        measured afresh (see mix_shift): their verdicts, arm figures and own prompt charges are dropped,
+        the audit's running sums kept."""
+        now = self.prompts.mix()
+        if now is None:
+            return
+        moved = [b for b, then in self._verdict_mix.items()
+                 if max(then, now) > self.mix_shift * min(then, now)]
+        for b in moved:
+            for spec in (True, False):
+                arm = self.arms.get((b, spec))
+                if arm is not None:
+                    arm.goodput, arm.seconds, arm.samples, arm.since = 0.0, 0.0, 0, 0
+            for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost):
+                state.pop(b, None)
+            if b in self._probing:
+                self._drop_probe(b)
+            self.prompts.forget(b)
 
     def _trees_need_no_probe(self, b: int) -> bool:
         """Trees are unmeasured at this load and plain decoding won at a lighter one."""
@@ -1023,7 +1072,7 @@ class LoadGate:
             self._drop_probe(b)
             return None
         first = b not in self._verdict
-        self._verdict[b] = self._judge(b, afresh=probe.second)
+        self._set_verdict(b, self._judge(b, afresh=probe.second))
         # A second opinion is due (see allow_spec) where trees won a close first verdict, not where plain
         # decoding did: measuring plain again costs a few plain steps, while measuring trees again after
         # plain steps first has every request's draft catch up on the tokens it slept through. On the H200

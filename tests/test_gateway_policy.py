@@ -865,6 +865,34 @@ def test_a_close_first_verdict_for_plain_decoding_gets_no_second_probe_of_trees(
     assert not all(seen[16:16 + 2 * LoadGate.stale_after])
 
 
+def test_a_load_is_measured_afresh_once_the_workload_mix_it_was_judged_under_has_moved():
+    """H200 scale track (0.8), 2026-12-04: `tandem bench`'s warm-up (16-token requests behind 1024-token
+    prompts) settled 4-7 sequences for plain decoding, and the levels' 128-token requests, where trees won
+    by 16% at 4 requests, never saw trees there (auto 0.87 of `always`). A verdict is for the mix of prompt
+    to generated tokens it was measured under: where that has moved by `mix_shift`, the load is new again;
+    while it holds, so does the verdict. The audit's running sums survive."""
+    gate = LoadGate()
+
+    def workload(prompt_per_token: float, steps: int = 600) -> None:
+        for _ in range(steps):
+            gate.prompts.observe_step(prompt_tokens=round(16 * prompt_per_token), committed=16)
+
+    workload(64.0)
+    assert run_gate(gate, 4, 16, spec_rate=50.0, plain_rate=100.0) == [True] * 8 + [False] * 8
+    committed = gate.arms[(batch_bucket(4), True)].committed_total
+    workload(48.0)  # moved, but by less than mix_shift: the verdict stands
+    assert not any(run_gate(gate, 4, 40, spec_rate=150.0, plain_rate=100.0))
+    workload(8.0)
+    seen = run_gate(gate, 4, 16, spec_rate=130.0, plain_rate=100.0)
+    assert seen == [True] * 8 + [False] * 8  # both arms measured again, trees first as for a new load
+    assert gate.allow_spec(4) and gate.arms[(batch_bucket(4), True)].committed_total > committed
+    # A heavier load above the stale plain verdict is not denied its probe of trees either.
+    gate = LoadGate()
+    workload(64.0)
+    run_gate(gate, 4, 16, spec_rate=50.0, plain_rate=100.0)
+    workload(8.0)
+    assert run_gate(gate, 8, 16, spec_rate=150.0, plain_rate=100.0)[:8] == [True] * 8
+
 def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for_both_arms():
     """A join under trees verifies every decoding request's tree beside the prompt, so a prompt costs
     trees more at 16 requests than at 4. Charges over all loads, decayed over the last few prompts,
