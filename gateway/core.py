@@ -474,6 +474,10 @@ class GatewayCore:
         gate_open = (self.gate.allow_spec(len(plan.items), lambda: search.best is not None) if could_draft
                      else self.gate.would_allow_spec(len(plan.items)))
         self._gate_plain = not gate_open
+        while self.gate.remeasured:
+            bucket, then, now = self.gate.remeasured.pop()
+            log.info("load gate, %s sequences: the workload moved from %.1f to %.1f prompt tokens a committed token "
+                     "since its verdict: measured afresh", bucket_range(bucket), then, now)
         probing_trees = gate_open and self.gate.probing_spec(len(plan.items))
         self._gate_probing_trees = could_draft and probing_trees
         if self._gate_plain:

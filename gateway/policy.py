@@ -832,6 +832,8 @@ class LoadGate:
     # Arm of which only the prediction fields are used: nothing runs it under auto.
     _configured: dict[int, Arm] = field(default_factory=dict)
     _verdict_mix: dict[int, float] = field(default_factory=dict)  # bucket -> PromptCharges.mix at its verdict
+    # (bucket, mix at its verdict, mix now) of each load measured afresh since the caller last took them (for logs)
+    remeasured: list[tuple[int, float, float]] = field(default_factory=list)
     prompts: PromptCharges = field(default_factory=PromptCharges)
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
@@ -921,6 +923,7 @@ class LoadGate:
         moved = [b for b, then in self._verdict_mix.items()
                  if max(then, now) > self.mix_shift * min(then, now)]
         for b in moved:
+            self.remeasured.append((b, self._verdict_mix[b], now))
             for spec in (True, False):
                 arm = self.arms.get((b, spec))
                 if arm is not None:

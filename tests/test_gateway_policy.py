@@ -885,6 +885,8 @@ def test_a_load_is_measured_afresh_once_the_workload_mix_it_was_judged_under_has
     workload(8.0)
     seen = run_gate(gate, 4, 16, spec_rate=130.0, plain_rate=100.0)
     assert seen == [True] * 8 + [False] * 8  # both arms measured again, trees first as for a new load
+    (bucket, then, now), = gate.remeasured  # for the gateway's log: once, as the mix passed 32
+    assert bucket == batch_bucket(4) and round(then) == 64 and now < 32
     assert gate.allow_spec(4) and gate.arms[(batch_bucket(4), True)].committed_total > committed
     # A heavier load above the stale plain verdict is not denied its probe of trees either.
     gate = LoadGate()
