@@ -130,6 +130,11 @@ def warmup_levels(modes: list[str], levels: list[int], per_slot: int,
     return [(mode, conc, per_slot * conc, min(max_tokens, WARMUP_TOKENS)) for mode in modes for conc in levels]
 
 
+def level_requests(concurrency: int, per_slot: int, per_level: int = 0, minimum: int = 4) -> int:
+    """Requests in one level: `per_level` where given, else `per_slot` per client and at least `minimum`."""
+    return per_level or max(minimum, per_slot * concurrency)
+
+
 def level_schedule(levels: list[int], modes: list[str], rounds: int) -> list[tuple[int, int, str]]:
     """(concurrency, round, mode) of the counted levels, in the order they run: at each concurrency the
     modes take turns, round after round, so that drift in the server lands on every mode alike."""
@@ -409,7 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated (default never,always,auto)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--requests-per-level", type=int, default=0,
-                   help="requests per level (default: --requests-per-slot x concurrency, at least 4)")
+                   help="requests per level (default: --requests-per-slot x concurrency, at least "
+                   "--min-requests-per-level)")
+    p.add_argument("--min-requests-per-level", type=int, default=4, metavar="N",
+                   help="the fewest requests a level runs where --requests-per-level is not given (default 4). "
+                   "Light levels are short: on the H200 scale track 4 requests of 128 tokens at one client took "
+                   "about 2.5 s, and auto / max(never, always) moved between 0.88 and 1.15 from round to round "
+                   "of one serve; a floor of 16 makes levels of 1-2 clients four times as long, the rest as they were")
     p.add_argument("--requests-per-slot", type=int, default=2, metavar="N",
                    help="requests per level per concurrent client (default 2). Short levels weigh a ragged end: "
                    "with trees, requests finish at different times and the last ones run at a small batch "
@@ -441,10 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         raise SystemExit("error: --concurrency takes comma-separated integers") from None
     if (not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1
-            or args.warmup < 0 or args.requests_per_slot < 1 or args.requests_per_level < 0 or args.rounds < 1):
+            or args.warmup < 0 or args.requests_per_slot < 1 or args.requests_per_level < 0 or args.rounds < 1
+            or args.min_requests_per_level < 1):
         raise SystemExit("error: --concurrency needs positive integers, --modes a subset of never,always,auto, "
                          "--max-tokens a positive integer, --warmup 0 or more, --requests-per-slot at least 1, "
-                         "--rounds at least 1")
+                         "--min-requests-per-level at least 1, --rounds at least 1")
     if args.url and (args.target_args or args.draft_args or args.model or args.draft):
         raise SystemExit("error: --model, --draft, --target-args and --draft-args configure the stack bench "
                          "starts; with --url, configure the running stack instead")
@@ -461,13 +473,14 @@ def main(argv: list[str] | None = None) -> int:
                 "model": args.model or ("demo/target" if started else None),
                 "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
                 "warmup": args.warmup, "rounds": args.rounds, "requests_per_slot": args.requests_per_slot,
-                "requests_per_level": args.requests_per_level or None, "date": time.strftime("%Y-%m-%d"),
+                "requests_per_level": args.requests_per_level or None,
+                "min_requests_per_level": args.min_requests_per_level, "date": time.strftime("%Y-%m-%d"),
                 "track": ("demo" if not args.model else "custom") if started else None,
                 "target_args": args.target_args, "draft_args": args.draft_args}
         schedule = level_schedule(levels, modes, args.rounds)
         with tqdm(total=len(schedule), desc="bench", unit="level") as bar:
             for conc, round_number, mode in schedule:
-                n = args.requests_per_level or max(4, args.requests_per_slot * conc)
+                n = level_requests(conc, args.requests_per_slot, args.requests_per_level, args.min_requests_per_level)
                 bar.set_postfix(mode=mode, concurrency=conc, round=round_number)
                 before = read_level_sums(url, level_bucket(conc))
                 rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))

@@ -131,7 +131,16 @@ def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_
     assert warmup_levels(["never"], [8], 0, 64) == []
 
 
-@pytest.mark.parametrize("flags", [["--requests-per-slot", "0"], ["--requests-per-level", "-1"], ["--warmup", "-1"]])
+def test_a_floor_on_requests_lengthens_the_light_levels_and_leaves_the_heavy_ones_as_they_were():
+    from tandem.bench import level_requests
+
+    assert [level_requests(conc, 4) for conc in (1, 2, 4, 64)] == [4, 8, 16, 256]
+    assert [level_requests(conc, 4, minimum=16) for conc in (1, 2, 4, 64)] == [16, 16, 16, 256]
+    assert level_requests(64, 4, per_level=10, minimum=16) == 10  # an explicit level size wins
+
+
+@pytest.mark.parametrize("flags", [["--requests-per-slot", "0"], ["--requests-per-level", "-1"], ["--warmup", "-1"],
+                                   ["--min-requests-per-level", "0"]])
 def test_bench_refuses_a_bad_level_size_with_a_clear_error_before_starting_anything(flags):
     from tandem.bench import main
 
