@@ -897,7 +897,8 @@ class LoadGate:
     def would_allow_spec(self, seqs: int) -> bool:
         """allow_spec's standing answer at this load, without starting or dropping a probe: for a
         step in which no auto request could draft (all still take in their prompts), so that their
-        prefill feeds the drafts only where trees may be chosen once they decode."""
+        prefill feeds the drafts only where trees may be chosen once they decode. Loads whose workload
+        mix moved are forgotten here too (see mix_shift): a stale plain verdict would keep prompts unfed."""
         if seqs < self.min_batch:
             return True
         self._forget_moved_loads()
