@@ -841,8 +841,8 @@ class LoadGate:
         any request a tree at this step, asked only when a bucket is met for the first time."""
         if seqs < self.min_batch:
             return True
-        self._forget_moved_loads()
         b = batch_bucket(seqs)
+        self._forget_if_moved(b)
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
         probe = self._probing.get(b)
@@ -897,12 +897,12 @@ class LoadGate:
     def would_allow_spec(self, seqs: int) -> bool:
         """allow_spec's standing answer at this load, without starting or dropping a probe: for a
         step in which no auto request could draft (all still take in their prompts), so that their
-        prefill feeds the drafts only where trees may be chosen once they decode. Loads whose workload
-        mix moved are forgotten here too (see mix_shift): a stale plain verdict would keep prompts unfed."""
+        prefill feeds the drafts only where trees may be chosen once they decode. A load whose workload
+        mix moved is forgotten here too (see mix_shift): a stale plain verdict would keep prompts unfed."""
         if seqs < self.min_batch:
             return True
-        self._forget_moved_loads()
         b = batch_bucket(seqs)
+        self._forget_if_moved(b)
         if self._trees_need_no_probe(b):
             return False
         probe = self._probing.get(b)
@@ -914,26 +914,27 @@ class LoadGate:
         if mix is not None:
             self._verdict_mix[b] = mix
 
-    def _forget_moved_loads(self) -> None:
-        """Loads whose verdict was taken under a workload mix that has since moved by `mix_shift` are
-        measured afresh (see mix_shift): their verdicts, arm figures and own prompt charges are dropped,
-        the audit's running sums kept."""
-        now = self.prompts.mix()
-        if now is None:
+    def _forget_if_moved(self, b: int) -> None:
+        """This load is measured afresh where its verdict was taken under a workload mix that has since
+        moved by `mix_shift` (see there): its verdict, arm figures and own prompt charges are dropped, the
+        audit's running sums kept. Only the load asked about: a stale plain verdict at a lighter load still
+        spares a heavier one its probe of trees (trees only cost more as the batch grows, whatever the
+        mix), and where that lighter load, met again, finds trees winning, the heavier one is new again.
+        Forgetting every load at once would have a server busy at 64 requests probe trees there, its
+        dearest probe, the moment its traffic changed."""
+        then, now = self._verdict_mix.get(b), self.prompts.mix()
+        if then is None or now is None or max(then, now) <= self.mix_shift * min(then, now):
             return
-        moved = [b for b, then in self._verdict_mix.items()
-                 if max(then, now) > self.mix_shift * min(then, now)]
-        for b in moved:
-            self.remeasured.append((b, self._verdict_mix[b], now))
-            for spec in (True, False):
-                arm = self.arms.get((b, spec))
-                if arm is not None:
-                    arm.goodput, arm.seconds, arm.samples, arm.since = 0.0, 0.0, 0, 0
-            for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost):
-                state.pop(b, None)
-            if b in self._probing:
-                self._drop_probe(b)
-            self.prompts.forget(b)
+        self.remeasured.append((b, then, now))
+        for spec in (True, False):
+            arm = self.arms.get((b, spec))
+            if arm is not None:
+                arm.goodput, arm.seconds, arm.samples, arm.since = 0.0, 0.0, 0, 0
+        for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost):
+            state.pop(b, None)
+        if b in self._probing:
+            self._drop_probe(b)
+        self.prompts.forget(b)
 
     def _trees_need_no_probe(self, b: int) -> bool:
         """Trees are unmeasured at this load and plain decoding won at a lighter one."""

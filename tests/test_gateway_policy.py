@@ -869,8 +869,8 @@ def test_a_load_is_measured_afresh_once_the_workload_mix_it_was_judged_under_has
     """H200 scale track (0.8), 2026-12-04: `tandem bench`'s warm-up (16-token requests behind 1024-token
     prompts) settled 4-7 sequences for plain decoding, and the levels' 128-token requests, where trees won
     by 16% at 4 requests, never saw trees there (auto 0.87 of `always`). A verdict is for the mix of prompt
-    to generated tokens it was measured under: where that has moved by `mix_shift`, the load is new again;
-    while it holds, so does the verdict. The audit's running sums survive."""
+    to generated tokens it was measured under: where that has moved by `mix_shift`, the load is new again
+    when next met; while it holds, so does the verdict. The audit's running sums survive."""
     gate = LoadGate()
 
     def workload(prompt_per_token: float, steps: int = 600) -> None:
@@ -888,12 +888,17 @@ def test_a_load_is_measured_afresh_once_the_workload_mix_it_was_judged_under_has
     (bucket, then, now), = gate.remeasured  # for the gateway's log: once, as the mix passed 32
     assert bucket == batch_bucket(4) and round(then) == 64 and now < 32
     assert gate.allow_spec(4) and gate.arms[(batch_bucket(4), True)].committed_total > committed
-    # A heavier load above the stale plain verdict is not denied its probe of trees either.
+    # Only the load asked about is forgotten: a stale plain verdict at 4-7 still spares 8-15 a probe of
+    # trees (at 64 requests such a probe is the dearest), until 4-7, met again, finds trees winning.
     gate = LoadGate()
     workload(64.0)
     run_gate(gate, 4, 16, spec_rate=50.0, plain_rate=100.0)
     workload(8.0)
-    assert run_gate(gate, 8, 16, spec_rate=150.0, plain_rate=100.0)[:8] == [True] * 8
+    assert not any(run_gate(gate, 8, 16, spec_rate=150.0, plain_rate=100.0))
+    assert [b for b, _, _ in gate.remeasured] == []
+    run_gate(gate, 4, 16, spec_rate=130.0, plain_rate=100.0)
+    assert [b for b, _, _ in gate.remeasured] == [batch_bucket(4)] and gate.allow_spec(4)
+    assert run_gate(gate, 8, 8, spec_rate=150.0, plain_rate=100.0) == [True] * 8
 
 def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for_both_arms():
     """A join under trees verifies every decoding request's tree beside the prompt, so a prompt costs
