@@ -900,6 +900,7 @@ def test_a_load_is_measured_afresh_once_the_workload_mix_it_was_judged_under_has
     assert [b for b, _, _ in gate.remeasured] == [batch_bucket(4)] and gate.allow_spec(4)
     assert run_gate(gate, 8, 8, spec_rate=150.0, plain_rate=100.0) == [True] * 8
 
+
 def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for_both_arms():
     """A join under trees verifies every decoding request's tree beside the prompt, so a prompt costs
     trees more at 16 requests than at 4. Charges over all loads, decayed over the last few prompts,
