@@ -51,7 +51,7 @@
 #   tp       after only, on nvidia-h200-x2: TP=1 against TP=2 (CUDA graphs at both): greedy texts
 #            (bench/greedy_equality.py --against; demo pair float32, scale track bf16), `never` at 1 and
 #            64 requests (scale track), `always` at TP=2 (forced acceptance 0.8); TP_SCALE_EQUALITY=0 skips the
-#            scale track's texts, TP_STACK="2" benches TP=2 only
+#            scale track's texts, TP_DEMO_EQUALITY=0 the demo pair's, TP_STACK="2" benches TP=2 only
 #   allreduce  after only, on nvidia-h200-x2 (or more GPUs: ALLREDUCE_WORLD): bench/allreduce_cost.py, one
 #            all-reduce of 1..128 rows x 4096 bf16, NCCL against torch's symmetric-memory one-shot and
 #            two-shot, eager and inside a CUDA graph of 64; and bench/tp_control.py (a step's command to
@@ -59,12 +59,15 @@
 #   tpengine after only, on nvidia-h200-x2: bench/engine_step.py at --tp 1 then --tp 2, back to back (CUDA
 #            graphs, batch 1/8/64, decode and verify 8, and grants of 16 plain steps): a whole target step at
 #            TP=2 (the served ParallelEngine, rank 0's time) against TP=1, without the serving path around it
+#            (TPENGINE_TP="2" runs one degree; TPENGINE_PROFILE=1 also profiles rank 0's decode steps at batch 1 by
+#            kernel, tpengine_tpN_profile_b1.txt)
 #   tp8      after only, on nvidia-h200-x8 (issue 20): 8B scale track at TP=1, 2, 4 and 8 (`never` at 1 and
 #            64 requests, greedy texts against TP=1), then the 70B-shaped scale track at TP=8 (recorded at
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
 #   auto     never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
 #            and 0.6 (AUTO_CONCURRENCY, AUTO_ACCEPTANCES and AUTO_MODES override the levels, rates and
-#            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before); tandem bench
+#            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before; AUTO_TP=N serves the
+#            target at --tp N, as auto_scale_RATE_tpN); tandem bench
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
 #            and each mode's metrics are scraped after it; bench/auto_report.py then prints the modes side by
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
@@ -318,17 +321,24 @@ for stage in "$@"; do
         --out "$OUT/allreduce.json"
       run tp_control after 60 python3 bench/tp_control.py ;;
     tpengine)  # after only: whole engine steps at TP=1 then TP=2, no server around them
-      for tp in 1 2; do
-        run "tpengine_tp$tp" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
-          --modes graphs --grant 16 --tp $tp --out "$OUT/tpengine_tp$tp.json"
+      for tp in ${TPENGINE_TP:-1 2}; do
+        if [[ ${TPENGINE_PROFILE:-0} == 1 ]]; then  # batch 1 last: its decode steps are the ones profiled
+          run "tpengine_tp$tp" after 300 python3 bench/engine_step.py --batches 64,8,1 --nodes 8,1 --iters 20 \
+            --modes graphs --grant 16 --tp $tp --out "$OUT/tpengine_tp$tp.json" \
+            --profile "$OUT/tpengine_tp${tp}_profile_b1.txt"
+        else
+          run "tpengine_tp$tp" after 300 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
+            --modes graphs --grant 16 --tp $tp --out "$OUT/tpengine_tp$tp.json"
+        fi
       done ;;
     tp)
       need_scale scale_track $scale
       scale_serve $scale 0.8
       for tp in 1 2; do
         against=""; [[ $tp == 2 ]] && against=1
-        equality "tp_equal_demo_$tp" $((8600 + 30 * tp)) 32 "${against:+tp_equal_demo_1}" \
-          --device cuda --dtype float32 --tp $tp
+        [[ ${TP_DEMO_EQUALITY:-1} == 1 ]] &&
+          equality "tp_equal_demo_$tp" $((8600 + 30 * tp)) 32 "${against:+tp_equal_demo_1}" \
+            --device cuda --dtype float32 --tp $tp
         [[ ${TP_SCALE_EQUALITY:-1} == 1 ]] &&
           equality "tp_equal_scale_$tp" $((8610 + 30 * tp)) 32 "${against:+tp_equal_scale_1}" "${serve[@]}" --tp $tp
         [[ " ${TP_STACK:-1 2} " == *" $tp "* ]] &&
@@ -350,8 +360,10 @@ for stage in "$@"; do
       need_scale scale_track $scale
       for acceptance in ${AUTO_ACCEPTANCES:-0.8 0.6}; do
         scale_serve $scale $acceptance
+        [[ -n ${AUTO_TP:-} ]] && serve+=(--tp "$AUTO_TP")
         for tree in ${AUTO_TREES:-after}; do
           suffix=""; [[ $tree == before ]] && suffix=_before
+          [[ -n ${AUTO_TP:-} ]] && suffix+=_tp$AUTO_TP
           SERVE_TREE=$tree serve_bench "auto_scale_$acceptance$suffix" $((8700 + ${acceptance#0.})) \
             "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "${AUTO_MODES:-never,always,auto}" "${serve[@]}"
           run "auto_scale_${acceptance}${suffix}_report" after 60 python3 bench/auto_report.py \
