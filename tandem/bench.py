@@ -19,8 +19,10 @@ step's goodput compares with, prefill left out), the rate of its decode steps
 alone as the gateway timed them at the level's batch bucket (steps that carry a
 joining request's prompt chunk left out too), and, for `auto`, the policy's
 audit over the level at that bucket: what its cost model predicted for trees
-and for plain decoding, and what the load gate measured each arm's steps
-deliver, read from the gateway's /metrics before and after the level.
+and for plain decoding, the same as delivered (with what the load gate charges
+each arm for joining prompts at that load), and what the load gate measured
+each arm's steps deliver, read from the gateway's /metrics before and after the
+level.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ class LevelResult:
     itl_p99_s: float
     acceptance_length: float | None
     decode_tok_s: float = 0.0  # concurrency x mean of (tokens - 1) / (seconds - ttft): prefill left out
-    # auto's audit over the level (read_level_sums): per arm ("trees", "plain"), the mean predicted
-    # and the measured goodput in tok/s (None where there were none); None when /metrics was unread.
+    # auto's audit over the level (read_level_sums): per arm ("trees", "plain", "configured_tree"), the mean
+    # predicted, the measured and the predicted-as-delivered goodput in tok/s (level_audit; None where there were
+    # none); None when /metrics was unread.
     audit: dict[str, dict[str, float | None]] | None = None
     # The level's decode steps alone, as the gateway timed them at the level's batch bucket (tokens they
     # committed over their seconds, any arm): the rate the audit's predictions are for, with the prompt
@@ -194,7 +197,10 @@ COMMITTED = "tandem_policy_arm_committed_tokens_total"
 SECONDS = "tandem_policy_arm_step_seconds_total"
 DECODE_COMMITTED = "tandem_decode_step_committed_tokens_total"
 DECODE_SECONDS = "tandem_decode_step_seconds_total"
-LEVEL_SUMS = (PREDICTIONS, PREDICTED, COMMITTED, SECONDS, DECODE_COMMITTED, DECODE_SECONDS)
+# Not a sum: what the load gate charges each arm's committed tokens for joining prompts at this load, read
+# as the level ends (PromptCharges.seconds_per_token).
+PROMPT_CHARGE = "tandem_policy_load_prompt_seconds_per_token"
+LEVEL_SUMS = (PREDICTIONS, PREDICTED, COMMITTED, SECONDS, DECODE_COMMITTED, DECODE_SECONDS, PROMPT_CHARGE)
 
 
 def level_bucket(concurrency: int) -> str:
@@ -235,14 +241,21 @@ def level_sums(exposition: str, sequences: str) -> dict[tuple[str, str], float]:
 
 def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[str, str], float] | None
                 ) -> dict[str, dict[str, float | None]] | None:
-    """Per arm, the mean prediction over the level's steps and the goodput its measured steps delivered."""
+    """Per arm, the mean prediction over the level's steps, the goodput its measured steps delivered, and the
+    prediction as delivered: with what the load gate charges that arm's tokens for joining prompts at this load
+    as the level ends (the configured tree is charged as trees). The predictions are for decode steps, while
+    `always` and `never` also wait on the prompt chunks of joining requests; the gate judges its arms with
+    these charges, so the delivered figure is the one it acted on."""
     if before is None or after is None:
         return None
     out = {}
     for arm in ("trees", "plain", "configured_tree"):  # the last: predicted only (what `always` would do)
         predictions, seconds = _grown(before, after, PREDICTIONS, arm), _grown(before, after, SECONDS, arm)
-        out[arm] = {"predicted": _grown(before, after, PREDICTED, arm) / predictions if predictions > 0 else None,
-                    "measured": _grown(before, after, COMMITTED, arm) / seconds if seconds > 0 else None}
+        predicted = _grown(before, after, PREDICTED, arm) / predictions if predictions > 0 else None
+        charge = after.get((PROMPT_CHARGE, "trees" if arm == "configured_tree" else arm))
+        out[arm] = {"predicted": predicted,
+                    "measured": _grown(before, after, COMMITTED, arm) / seconds if seconds > 0 else None,
+                    "delivered": 1.0 / (1.0 / predicted + charge) if predicted and charge is not None else None}
     return out
 
 
@@ -306,16 +319,20 @@ def print_audit(rows: list[LevelResult]) -> None:
           "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token)"
           "\nand its decode steps alone as the gateway timed them ('steps': no prompt chunk of a joining request,"
           "\nas the predictions assume); 'cfg pred': the configured tree for every auto request, as `always` drafts"
-          "\nit (set it beside `always`)")
-    print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'cfg pred':>10} {'always':>10} "
-          f"{'steps':>10} {'plain pred':>10} {'plain meas':>10} {'never':>10} {'steps':>10} {'auto':>10}")
+          "\nit (set it beside `always`); 'dlv': the prediction as delivered, with what the load gate charges the"
+          "\narm for joining prompts at that load (set it beside the mode's decode rate)")
+    print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'cfg pred':>10} {'cfg dlv':>10} "
+          f"{'always':>10} {'steps':>10} {'plain pred':>10} {'plain dlv':>10} {'plain meas':>10} {'never':>10} "
+          f"{'steps':>10} {'auto':>10}")
     for r in audited:
         trees, plain = r.audit["trees"], r.audit["plain"]
-        configured = r.audit.get("configured_tree", {}).get("predicted")  # absent in runs before it existed
+        configured = r.audit.get("configured_tree", {})  # absent in runs before it existed
         level = (r.concurrency, r.round)
+        # 'delivered' is absent in runs before it existed.
         print(f"{r.concurrency:>5} {r.round:>5} {cell(trees['predicted'])} {cell(trees['measured'])} "
-              f"{cell(configured)} {cell(decode.get(('always', *level)))} {cell(steps.get(('always', *level)))} "
-              f"{cell(plain['predicted'])} {cell(plain['measured'])} "
+              f"{cell(configured.get('predicted'))} {cell(configured.get('delivered'))} "
+              f"{cell(decode.get(('always', *level)))} {cell(steps.get(('always', *level)))} "
+              f"{cell(plain['predicted'])} {cell(plain.get('delivered'))} {cell(plain['measured'])} "
               f"{cell(decode.get(('never', *level)))} {cell(steps.get(('never', *level)))} {cell(r.decode_tok_s)}")
 
 
