@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted per verify step (default 2)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--grow-only", action="store_true", help="calls that ingest nothing: the tree growth alone")
+    ap.add_argument("--fused-tree-levels", action="store_true",
+                    help="each growth level's bookkeeping in one Triton launch (tandem draft --fused-tree-levels)")
     ap.add_argument("--out", type=Path, help="also write JSON")
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="also profile a few calls of the first batch and budget (torch.profiler) and write the "
@@ -157,10 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
         model = Eagle3Draft(draft_dir, target_dir, dtype, device)
     blocks = max(batches) * (prefix + 64 * (args.iters + 2) * (args.accepted + 1)) // 16 + 64
-    engine = DraftEngine(model, num_blocks=blocks, block_size=16)
+    if args.fused_tree_levels and model.attention.name == "triton":
+        from kernels.tree_level import warm_up
+        warm_up(model.device, max(b.topk for b in budgets))
+    engine = DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=args.fused_tree_levels)
     track = "tiny random" if args.tiny else "8B-shaped random weights"
+    fused = "; growth levels fused" if engine.fused_levels else ""
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; "
-          f"{args.accepted + 1} tokens ingested per request per call; median ms per Draft call")
+          f"{args.accepted + 1} tokens ingested per request per call{fused}; median ms per Draft call")
     print(f"{'batch':>6} " + " ".join(f"{f'{b.steps}/{b.topk}/{b.num_draft_tokens}':>10}" for b in budgets))
     rows = []
     for batch in batches:
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{batch:>6} " + " ".join(f"{m:>10.2f}" for m in ms))
     if args.out:
         args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
-                                        "rows": rows}, indent=2))
+                                        "fused_levels": engine.fused_levels, "rows": rows}, indent=2))
     if args.profile:
         profile_calls(engine, batches[0], prefix, budgets[0], args.accepted, device, args.grow_only, args.profile)
     return 0

@@ -26,6 +26,8 @@
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #            (DRAFT_GROW=0 skips the growth alone); DRAFT_REPEATS="1 2" alternates the pair twice, DRAFT_BATCHES,
 #            DRAFT_BUDGETS and DRAFT_ITERS override the shapes and iterations
+#   fusedlevels  after only: bench/draft_step.py without and with --fused-tree-levels (each growth level's
+#            bookkeeping in one Triton launch, kernels/tree_level.py), alternated FUSED_REPEATS="1 2" times
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -234,7 +236,7 @@ for stage in "$@"; do
         --modes graphs --phases --out "$OUT/engine_phases.json" ;;
     drafttests)
       run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py \
-        tests/test_topk.py ;;
+        tests/test_topk.py tests/test_tree_level.py ;;
     draft)
       for rep in ${DRAFT_REPEATS:-1}; do
         for tree in before after; do
@@ -245,6 +247,15 @@ for stage in "$@"; do
       done
       [[ ${DRAFT_GROW:-1} == 1 ]] && run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 \
         --budgets "3,1,4;5,4,8;6,8,16" --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
+    fusedlevels)  # after only: the draft call with each growth level's bookkeeping in one launch, off and on,
+                  # alternated FUSED_REPEATS times (default "1 2"), each in a process of its own
+      for rep in ${FUSED_REPEATS:-1 2}; do
+        for fused in off on; do
+          run "draft_fused_${fused}_$rep" after 200 python3 bench/draft_step.py --batches "${DRAFT_BATCHES:-1,8,64}" \
+            --budgets "${DRAFT_BUDGETS:-3,1,4;5,4,8;6,8,16}" --iters "${DRAFT_ITERS:-20}" \
+            $([[ $fused == on ]] && echo --fused-tree-levels) --out "$OUT/draft_fused_${fused}_$rep.json"
+        done
+      done ;;
     featurepush)
       run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
         --out "$OUT/feature_push.json" ;;

@@ -33,6 +33,7 @@ from draft_service.staging import StagedInput
 from draft_service.types import DraftBudget
 from kernels.topk import top_k_ranked
 from kernels.tree_attention import StepLayout
+from kernels.tree_level import Candidates, grow_level
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.graph_capture import capture_graphs
 
@@ -74,8 +75,9 @@ class GrowthShape:
 class BatchTreeGrowth:
     """The static buffers and (on CUDA) the graph of one (batch, budget)."""
 
-    def __init__(self, model, kv, shape: GrowthShape, capture: bool):
+    def __init__(self, model, kv, shape: GrowthShape, capture: bool, *, fused_levels: bool = False):
         self.model, self.kv, self.shape = model, kv, shape
+        self.fused_levels = fused_levels  # grow_level's Triton launch (DraftEngine's fused_levels)
         dev, B, R, K = model.device, shape.batch, shape.slots, shape.k
         group = model.num_heads // model.num_kv_heads
         self.block_m = choose_block_m(K, group)
@@ -95,7 +97,7 @@ class BatchTreeGrowth:
         # Constants of the growth, made once (in a graph each would be kernels every replay): every slot's
         # own ancestor bit, and level 0's frontier.
         self.own_words = (1 << torch.arange(R, device=dev)).repeat(B)[:, None].contiguous()
-        self.first_frontier = torch.arange(K, device=dev).expand(B, K)
+        self.first_frontier = torch.arange(K, device=dev).repeat(B, 1)
         self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_seconds = 0.0
@@ -165,26 +167,22 @@ class BatchTreeGrowth:
         model, shape = self.model, self.shape
         B, K, R, runs, C = shape.batch, shape.k, shape.slots, shape.runs, shape.candidates
         dev = model.device
-        d2t = model.d2t
         heads, kv_heads, dim = model.num_heads, model.num_kv_heads, model.head_dim
         lengths = self.ints[: SEQ_INFO_FIELDS * B].view(B, SEQ_INFO_FIELDS)[:, 0].long()  # padding: 0
         # Every candidate, in creation order: [B, C] each, written level by level (each column once).
-        cand_token = torch.empty(B, C, dtype=torch.long, device=dev)
-        cand_parent = torch.empty(B, C, dtype=torch.long, device=dev)
-        cand_level = torch.empty(B, C, dtype=torch.long, device=dev)
-        cand_lp = torch.empty(B, C, dtype=torch.float32, device=dev)
-        cand_score = torch.empty(B, C, dtype=torch.float64, device=dev)
-        # Level 0: the root's children.
+        cand = Candidates(*(torch.empty(B, C, dtype=dtype, device=dev)
+                            for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.float64)))
+        # Level 0: the root's children, the first run's frontier.
         lp, ids = self._top_k(model.logprobs(self.root_h), K)  # [B, K]
-        cand_token[:, :K] = ids
-        cand_parent[:, :K] = -1
-        cand_level[:, :K] = 0
-        cand_lp[:, :K] = lp
-        cand_score[:, :K] = lp
-        frontier = self.first_frontier  # candidate indices, ascending
-        frontier_parent_slot = None  # level 0's parent is the root, which has no slot
+        cand.token[:, :K] = ids
+        cand.parent[:, :K] = -1
+        cand.level[:, :K] = 0
+        cand.lp[:, :K] = lp
+        cand.score[:, :K] = lp
+        frontier, token = self.first_frontier, model.d2t[ids]
+        positions = lengths[:, None].expand(B, K)
         g = self.root_h[:, None, :].expand(B, K, -1)
-        self.words.copy_(self.own_words)
+        self.words.copy_(self.own_words)  # the first run's words: their own bits (the root has no slot)
         # A run's rows of every request: slots run * K .. run * K + K - 1 of each request's R.
         q_rows = self.q.view(B, R, heads, dim)
         k_rows = self.k_scratch.view(B, R, kv_heads, dim)
@@ -192,13 +190,6 @@ class BatchTreeGrowth:
         created = K
         for run in range(runs):
             slots = slice(run * K, (run + 1) * K)
-            token = d2t[cand_token.gather(1, frontier)]
-            positions = lengths[:, None] + cand_level.gather(1, frontier)
-            own = self.own_words[slots, 0]
-            if frontier_parent_slot is None:
-                self.words.view(B, R)[:, slots] = own
-            else:
-                self.words.view(B, R)[:, slots] = self.words.view(B, R).gather(1, frontier_parent_slot) | own
             q, k, v = model.attention_inputs(token.reshape(-1), g.reshape(B * K, -1), positions.reshape(-1))
             q_rows[:, slots] = q.view(B, K, heads, dim)
             k_rows[:, slots] = k.view(B, K, kv_heads, dim)
@@ -208,23 +199,13 @@ class BatchTreeGrowth:
             h = model.finish(attn.view(B, R, heads, dim)[:, slots].reshape(B * K, heads, dim),
                              g.reshape(B * K, -1))  # [B*K, H]
             child_lp, child_ids = self._top_k(model.logprobs(h), K)  # [B*K, K]
-            # float64 scores: the float32 log-prob is promoted inside the add.
-            child_score = (cand_score.gather(1, frontier)[:, :, None] + child_lp.view(B, K, K)).reshape(B, K * K)
-            new = slice(created, created + K * K)
-            cand_token[:, new] = child_ids.view(B, K * K)
-            cand_parent[:, new] = frontier[:, :, None].expand(B, K, K).reshape(B, K * K)
-            cand_level[:, new] = run + 1
-            cand_lp[:, new] = child_lp.view(B, K * K)
-            cand_score[:, new] = child_score
-            # The next frontier: the best k new candidates (a stable sort of k*k: ties to the earlier),
-            # in creation order, and where their parents ran.
-            best = torch.sort(child_score, dim=-1, descending=True, stable=True).indices[:, :K].sort(-1).values
-            frontier = created + best
-            parent = best // K
-            frontier_parent_slot = run * K + parent
+            # The children become candidates; the best k of them, the next run (its words written here).
+            frontier, parent, token, positions = grow_level(
+                cand, frontier, child_lp, child_ids, created, run, model.d2t, lengths, self.words.view(B, R),
+                has_next=run + 1 < runs, use_triton=self.fused_levels)
             g = h.view(B, K, -1).gather(1, parent[:, :, None].expand(B, K, h.shape[-1]))
             created += K * K
-        self._select(cand_token, cand_parent, cand_level, cand_lp, cand_score)
+        self._select(*cand)
 
     def _select(self, token, parent, level, lp, score) -> None:
         """The kept nodes (best scores, creation order), each with its parent's index among them."""

@@ -82,8 +82,11 @@ LONG_GAP = 8
 
 
 class DraftEngine:
-    def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16):
+    def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16, *, fused_levels: bool = False):
+        """fused_levels: the device growth's bookkeeping between levels in one Triton launch a level
+        (kernels.tree_level) where attention runs on Triton; off, the same rule in torch ops."""
         self.model = model
+        self.fused_levels = fused_levels and model.attention.name == "triton"
         self.kv = model.new_kv_cache(num_blocks, block_size)
         # Tree growth reads each request's blocks from a device table (device_tree).
         self.table = self.kv.keep_block_table(min(num_blocks, MAX_REQUESTS), model.max_position)
@@ -387,7 +390,8 @@ class DraftEngine:
         growth = self._growths.get(shape)
         if growth is None:
             self.table.flush()
-            growth = self._growths[shape] = BatchTreeGrowth(self.model, self.kv, shape, self.capture_graphs)
+            growth = self._growths[shape] = BatchTreeGrowth(self.model, self.kv, shape, self.capture_graphs,
+                                                            fused_levels=self.fused_levels)
             self.graphs_captured += self.capture_graphs
         return growth
 

@@ -31,6 +31,7 @@ from draft_service.types import (
 from kernels.compile_watch import CompileWatch
 from kernels.topk import warm_up as warm_up_top_k
 from kernels.tree_attention import warm_up
+from kernels.tree_level import warm_up as warm_up_tree_level
 from tandem import telemetry, timeline
 from tandem.errors import Unavailable
 from tandem.gc_pauses import GcWatch
@@ -259,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_RING_BYTES >> 20}")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
+    p.add_argument("--fused-tree-levels", action="store_true",
+                   help="grow trees with each level's bookkeeping (the new candidates, the next frontier, its "
+                        "tokens, positions and ancestor masks) in one Triton launch instead of about twenty torch "
+                        "ops; Triton attention only (a GPU). Off by default until measured on a GPU")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -284,7 +289,11 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
         t0 = time.perf_counter()
         n = warm_up_top_k(model.device, model.cfg.draft_vocab_size)
         log.info("compiled the tree growth's top-k variants (%d launches) in %.1f s", n, time.perf_counter() - t0)
-    return DraftEngine(model, num_blocks, args.block_size)
+        if args.fused_tree_levels:
+            t0 = time.perf_counter()
+            n = warm_up_tree_level(model.device, MAX_TOPK)
+            log.info("compiled the tree growth's level kernel (%d variants) in %.1f s", n, time.perf_counter() - t0)
+    return DraftEngine(model, num_blocks, args.block_size, fused_levels=args.fused_tree_levels)
 
 
 def main(argv: list[str] | None = None) -> int:

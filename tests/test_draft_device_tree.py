@@ -30,10 +30,10 @@ def pair(tiny_llama, tmp_path_factory):
     return target, make_tiny_eagle3(tmp_path_factory.mktemp("dev") / "d", target, draft_vocab_size=40, seed=31)
 
 
-def drafted(model: Eagle3Draft, on_device: bool, monkeypatch) -> list:
+def drafted(model: Eagle3Draft, on_device: bool, monkeypatch, fused_levels: bool = False) -> list:
     grows_on_device = (lambda budget: not budget.empty) if on_device else (lambda budget: False)
     monkeypatch.setattr(draft_engine, "fits", grows_on_device)
-    engine = DraftEngine(model, num_blocks=96, block_size=4)
+    engine = DraftEngine(model, num_blocks=96, block_size=4, fused_levels=fused_levels)
     rng = random.Random(7)
     for i in range(6):
         n = rng.randint(2, 19)
@@ -48,13 +48,14 @@ def drafted(model: Eagle3Draft, on_device: bool, monkeypatch) -> list:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_device_growth_gives_the_host_rules_trees(pair, backend, monkeypatch):
-    """On a GPU with triton the device growth replays a captured CUDA graph."""
+@pytest.mark.parametrize("backend,fused_levels", [("torch", False), ("triton", False), ("triton", True)])
+def test_device_growth_gives_the_host_rules_trees(pair, backend, fused_levels, monkeypatch):
+    """On a GPU with triton the device growth replays a captured CUDA graph; fused_levels: each level's
+    bookkeeping in one launch (kernels.tree_level)."""
     target, draft = pair
     model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
     host = drafted(model, on_device=False, monkeypatch=monkeypatch)
-    device = drafted(model, on_device=True, monkeypatch=monkeypatch)
+    device = drafted(model, on_device=True, monkeypatch=monkeypatch, fused_levels=fused_levels)
     assert sum(len(t) for t in host) > 20
     for a, b in zip(host, device, strict=True):
         assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths), a.request_id
@@ -118,3 +119,11 @@ def test_a_replica_full_of_requests_refuses_more_as_out_of_capacity(pair):
     assert "one-too-many" not in engine.requests
     engine.release(["r0"])
     engine.ingest([IngestItem("one-too-many", 0, (1, 2))])
+
+
+def test_fused_growth_levels_are_taken_only_where_attention_runs_on_triton(pair):
+    target, draft = pair
+    for backend, fused in (("torch", False), ("triton", True)):
+        model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
+        assert DraftEngine(model, num_blocks=8, block_size=4, fused_levels=True).fused_levels is fused
+        assert DraftEngine(model, num_blocks=8, block_size=4).fused_levels is False  # off by default
