@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         model = Eagle3Draft(draft_dir, target_dir, dtype, device)
     blocks = max(batches) * (prefix + 64 * (args.iters + 2) * (args.accepted + 1)) // 16 + 64
     if args.fused_tree_levels and model.attention.name == "triton":
+        from draft_service.device_tree import GrowthShape
         from kernels.tree_level import warm_up
-        warm_up(model.device, max(b.topk for b in budgets))
+        warm_up(model.device, max(b.topk for b in budgets), max(GrowthShape(1, b).candidates for b in budgets))
     engine = DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=args.fused_tree_levels)
     track = "tiny random" if args.tiny else "8B-shaped random weights"
     fused = "; growth levels fused" if engine.fused_levels else ""

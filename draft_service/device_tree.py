@@ -33,7 +33,7 @@ from draft_service.staging import StagedInput
 from draft_service.types import DraftBudget
 from kernels.topk import top_k_ranked
 from kernels.tree_attention import StepLayout
-from kernels.tree_level import Candidates, grow_level
+from kernels.tree_level import Candidates, grow_level, select_reference, select_triton
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.graph_capture import capture_graphs
 
@@ -205,23 +205,17 @@ class BatchTreeGrowth:
                 has_next=run + 1 < runs, use_triton=self.fused_levels)
             g = h.view(B, K, -1).gather(1, parent[:, :, None].expand(B, K, h.shape[-1]))
             created += K * K
-        self._select(*cand)
+        self._select(cand)
 
-    def _select(self, token, parent, level, lp, score) -> None:
-        """The kept nodes (best scores, creation order), each with its parent's index among them."""
-        B, C, n = token.shape[0], token.shape[1], self.shape.kept
+    def _select(self, cand: Candidates) -> None:
+        """The kept nodes into self.out (kernels.tree_level.select_reference's layout)."""
+        n = self.shape.kept
         if n <= 0:
             return
-        chosen = self._top_k(score, n)[1].sort(-1).values  # [B, n] candidate indices, ascending
-        index_of = torch.full((B, C + 1), -1, dtype=torch.long, device=token.device)
-        index_of.scatter_(1, chosen, torch.arange(n, device=token.device).expand(B, n))
-        parent_index = index_of.gather(1, torch.where(parent.gather(1, chosen) >= 0, parent.gather(1, chosen), C))
-        out = self.out.view(B, 5, n)  # int32: each copy below converts as it writes
-        out[:, 0] = self.model.d2t[token.gather(1, chosen)]
-        out[:, 1] = parent_index
-        out[:, 2] = level.gather(1, chosen) + 1
-        out[:, 3] = lp.gather(1, chosen).view(torch.int32)
-        out[:, 4] = score.gather(1, chosen).float().view(torch.int32)
+        if self.fused_levels:
+            select_triton(cand, n, self.model.d2t, self.out)
+        else:
+            select_reference(cand, n, self.model.d2t, self.out, top_k=self._top_k)
 
     def _capture(self) -> None:
         t0 = time.perf_counter()

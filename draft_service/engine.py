@@ -83,8 +83,9 @@ LONG_GAP = 8
 
 class DraftEngine:
     def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16, *, fused_levels: bool = False):
-        """fused_levels: the device growth's bookkeeping between levels in one Triton launch a level
-        (kernels.tree_level) where attention runs on Triton; off, the same rule in torch ops."""
+        """fused_levels: the device growth's bookkeeping between levels, and its selection of the kept
+        nodes, in one Triton launch each (kernels.tree_level) where attention runs on Triton; off, the
+        same rules in torch ops."""
         self.model = model
         self.fused_levels = fused_levels and model.attention.name == "triton"
         self.kv = model.new_kv_cache(num_blocks, block_size)

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from draft_service.device_tree import MAX_SLOTS
 from draft_service.engine import DraftEngine
 from draft_service.forcing import ForcedProposals, ForcingConfig, load_records
 from draft_service.metrics import DraftMetrics
@@ -263,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-tree-levels", action="store_true",
                    help="grow trees with each level's bookkeeping (the new candidates, the next frontier, its "
                         "tokens, positions and ancestor masks) in one Triton launch instead of about twenty torch "
-                        "ops; Triton attention only (a GPU). Off by default until measured on a GPU")
+                        "ops, and the kept nodes' selection in one instead of about fifteen; Triton attention "
+                        "only (a GPU). Off by default until measured on a GPU")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -291,8 +293,9 @@ def build_engine(args: argparse.Namespace) -> DraftEngine:
         log.info("compiled the tree growth's top-k variants (%d launches) in %.1f s", n, time.perf_counter() - t0)
         if args.fused_tree_levels:
             t0 = time.perf_counter()
-            n = warm_up_tree_level(model.device, MAX_TOPK)
-            log.info("compiled the tree growth's level kernel (%d variants) in %.1f s", n, time.perf_counter() - t0)
+            n = warm_up_tree_level(model.device, MAX_TOPK, MAX_TOPK * (1 + MAX_SLOTS))
+            log.info("compiled the tree growth's level and selection kernels (%d variants) in %.1f s", n,
+                     time.perf_counter() - t0)
     return DraftEngine(model, num_blocks, args.block_size, fused_levels=args.fused_tree_levels)
 
 

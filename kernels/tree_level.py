@@ -8,19 +8,22 @@ sets up the next level's run: its tokens (target ids through d2t), positions, an
 node's word is its parent's plus its own bit). In torch ops that is about twenty launches a level
 (gathers, scatters, two sorts): on the H200, at batch 1, most of a level's small kernels, each a
 launch of 1-3 us for a few hundred bytes (BENCHMARKS.md, "The draft call in fewer launches"). Here
-one program per request does it all.
+one program per request does it all. The same goes for the growth's last step, the selection of the
+kept nodes (about fifteen launches: a top-k, a sort, a scatter, gathers).
 
-`grow_level_reference` is the torch rule (device_tree's loop body before this kernel); the tests hold
-the two equal, ties included.
+`grow_level_reference` and `select_reference` are the torch rules (device_tree's code before these
+kernels); the tests hold each kernel equal to its rule, ties included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from kernels._triton import tl, triton
+from kernels.topk import top_k_ranked_reference
 
 MIN_BLOCK = 16  # lanes for a level's k*k children: k <= 4 share one variant
 
@@ -113,6 +116,71 @@ def _grow_level_kernel(ChildLp, ChildIds, Frontier, CandToken, CandParent, CandL
             tl.store(Words + b * R + slot, word | (tl.full([], 1, tl.int64) << slot))
 
 
+def select_reference(cand: Candidates, n: int, d2t: torch.Tensor, out: torch.Tensor,
+                     top_k: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = top_k_ranked_reference
+                     ) -> None:
+    """The tree's kept nodes: the n best scores (ties to the earlier candidate), in creation order,
+    into out [B, 5 * n] int32: each request's target ids, parents' indices among the kept (-1: the
+    root), depths (from 1), and the float32 bits of log-probs and scores. top_k: top_k_ranked's
+    contract (its Triton launches where the growth's other top-k run on Triton)."""
+    B, C = cand.token.shape
+    chosen = top_k(cand.score, n)[1].sort(-1).values  # [B, n] candidate indices, ascending
+    index_of = torch.full((B, C + 1), -1, dtype=torch.long, device=cand.token.device)
+    index_of.scatter_(1, chosen, torch.arange(n, device=cand.token.device).expand(B, n))
+    parents = cand.parent.gather(1, chosen)
+    rows = out.view(B, 5, n)  # int32: each copy below converts as it writes
+    rows[:, 0] = d2t[cand.token.gather(1, chosen)]
+    rows[:, 1] = index_of.gather(1, torch.where(parents >= 0, parents, C))
+    rows[:, 2] = cand.level.gather(1, chosen) + 1
+    rows[:, 3] = cand.lp.gather(1, chosen).view(torch.int32)
+    rows[:, 4] = cand.score.gather(1, chosen).float().view(torch.int32)
+
+
+@triton.jit(do_not_specialize=["C", "n"])
+def _select_kernel(CandToken, CandParent, CandLevel, CandLp, CandScore, D2t, Out, C, n, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    valid = lanes < C
+    score = tl.load(CandScore + b * C + lanes, mask=valid, other=float("-inf"))
+    # The n best (rounds of the largest untaken score, then its lowest lane), as in _grow_level_kernel.
+    alive = valid
+    kept = lanes < 0
+    for _ in range(n):
+        best = tl.max(tl.where(alive, score, float("-inf")), 0)
+        at = tl.min(tl.where(alive & (score == best), lanes, BLOCK), 0)
+        kept = kept | (lanes == at)
+        alive = alive & (lanes != at)
+    left = kept
+    row = Out + b * 5 * n
+    for j in range(n):  # the kept in creation order
+        at = tl.min(tl.where(left, lanes, BLOCK), 0)
+        left = left & (lanes != at)
+        parent = tl.load(CandParent + b * C + at)
+        # A parent's index among the kept is how many kept candidates precede it (-1: the root, or a
+        # parent not kept, which a tree's scores never give: a child scores at most its parent).
+        parent_kept = tl.sum((kept & (lanes == parent)).to(tl.int32), 0) > 0
+        parent_index = tl.where((parent >= 0) & parent_kept, tl.sum((kept & (lanes < parent)).to(tl.int32), 0), -1)
+        tl.store(row + j, tl.load(D2t + tl.load(CandToken + b * C + at)).to(tl.int32))
+        tl.store(row + n + j, parent_index)
+        tl.store(row + 2 * n + j, (tl.load(CandLevel + b * C + at) + 1).to(tl.int32))
+        tl.store(row + 3 * n + j, tl.load(CandLp + b * C + at).to(tl.int32, bitcast=True))
+        chosen_score = tl.sum(tl.where(lanes == at, score, 0.0), 0)
+        tl.store(row + 4 * n + j, chosen_score.to(tl.float32).to(tl.int32, bitcast=True))
+
+
+def select_triton(cand: Candidates, n: int, d2t: torch.Tensor, out: torch.Tensor) -> None:
+    """select_reference in one launch (every tensor contiguous)."""
+    B, C = cand.token.shape
+    if B and n:
+        block = _select_block(C)
+        _select_kernel[(B,)](cand.token, cand.parent, cand.level, cand.lp, cand.score, d2t, out, C, n,
+                             BLOCK=block, num_warps=1 if block <= 256 else 4)
+
+
+def _select_block(candidates: int) -> int:
+    return max(MIN_BLOCK, triton.next_power_of_2(candidates))
+
+
 def _block(k: int) -> int:
     return max(MIN_BLOCK, triton.next_power_of_2(k * k))
 
@@ -140,20 +208,33 @@ def grow_level(cand: Candidates, frontier: torch.Tensor, child_lp: torch.Tensor,
     return grow(cand, frontier, child_lp, child_ids, created, run, d2t, lengths, words, has_next)
 
 
-def warm_up(device: torch.device | str, max_topk: int) -> int:
+def _zeros(C: int, device: torch.device | str) -> Candidates:
+    return Candidates(*(torch.zeros(1, C, dtype=dtype, device=device)
+                        for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.float64)))
+
+
+def warm_up(device: torch.device | str, max_topk: int, max_candidates: int) -> int:
     """Compile every variant grow_level_triton can launch for k up to max_topk (one per block of
-    lanes), so that no served call waits for Triton. Returns the number of launches run."""
-    runs, seen = 0, set()
+    lanes) and select_triton for trees of up to max_candidates candidates, so that no served call
+    waits for Triton. Returns the number of launches run."""
+    runs = 0
+    block = MIN_BLOCK
+    while True:  # a tree of `block` candidates (or of all there may be) takes that block
+        select_triton(_zeros(min(block, max_candidates), device), 1, torch.zeros(1, dtype=torch.long, device=device),
+                      torch.zeros(1, 5, dtype=torch.int32, device=device))
+        runs += 1
+        if block >= max_candidates:
+            break
+        block *= 2
+    ints = {"dtype": torch.long, "device": device}
+    blocks = set()
     for k in range(1, max_topk + 1):
-        if _block(k) in seen:
+        if _block(k) in blocks:
             continue
-        seen.add(_block(k))
-        B, C = 1, k + k * k
-        cand = Candidates(*(torch.zeros(B, C, dtype=dtype, device=device)
-                            for dtype in (torch.long, torch.long, torch.long, torch.float32, torch.float64)))
-        frontier = torch.arange(k, device=device).expand(B, k).contiguous()
-        ints = {"dtype": torch.long, "device": device}
-        grow_level_triton(cand, frontier, torch.zeros(B * k, k, device=device), torch.zeros(B * k, k, **ints), k, 0,
-                          torch.zeros(1, **ints), torch.zeros(B, **ints), torch.zeros(B, 2 * k, **ints), True)
+        blocks.add(_block(k))
+        frontier = torch.arange(k, device=device)[None].contiguous()
+        grow_level_triton(_zeros(k + k * k, device), frontier, torch.zeros(k, k, device=device),
+                          torch.zeros(k, k, **ints), k, 0, torch.zeros(1, **ints), torch.zeros(1, **ints),
+                          torch.zeros(1, 2 * k, **ints), True)
         runs += 1
     return runs

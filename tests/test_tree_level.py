@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tree_level import Candidates, grow_level_reference, grow_level_triton, warm_up
+from kernels.topk import top_k_ranked_reference
+from kernels.tree_level import (
+    Candidates,
+    grow_level_reference,
+    grow_level_triton,
+    select_reference,
+    select_triton,
+    warm_up,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,4 +84,37 @@ def test_the_next_frontier_is_in_creation_order_and_ties_go_to_the_earlier_child
 
 
 def test_warm_up_compiles_one_variant_per_block_of_lanes():
-    assert warm_up(DEVICE, 8) == 3  # 16 lanes (k <= 4), 32 (k = 5), 64 (k = 6..8)
+    # The selection: blocks of 16, 32, 64 and 128 candidates (up to 5/4/8's 68); a level: 16 lanes
+    # (k <= 4), 32 (k = 5), 64 (k = 6..8).
+    assert warm_up(DEVICE, 8, 68) == 4 + 3
+    assert warm_up(DEVICE, 1, 5) == 1 + 1
+
+
+@pytest.mark.parametrize("k,runs,kept", [(1, 3, 4), (4, 4, 8), (8, 5, 16), (3, 1, 2), (2, 3, 12)])
+def test_one_launch_keeps_the_nodes_the_torch_rule_keeps(k, runs, kept):
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(1000 * k + seed)
+        C, batch = k + runs * k * k, 3
+        # A grown tree's candidates: level 0's children of the root, then each run's k*k children of k
+        # parents among the run before's, scores their parents' plus a log-prob from few values (ties).
+        parent = torch.full((batch, C), -1)
+        level = torch.zeros(batch, C, dtype=torch.long)
+        lp = torch.tensor([0.0, -0.5, -2.0])[torch.randint(0, 3, (batch, C), generator=gen)]
+        score = lp.double().clone()
+        for run in range(runs):
+            lo = 0 if run == 0 else k + (run - 1) * k * k
+            hi = k + run * k * k
+            for b in range(batch):
+                parents = lo + torch.randperm(hi - lo, generator=gen)[:k].sort().values
+                for i, node in enumerate(range(hi, hi + k * k)):
+                    parent[b, node] = parents[i // k]
+                    level[b, node] = run + 1
+                    score[b, node] = score[b, parents[i // k]] + lp[b, node].double()
+        cand = Candidates(torch.randint(0, 50, (batch, C), generator=gen), parent, level, lp, score)
+        d2t = torch.randperm(1000, generator=gen)[:50]
+        want = torch.zeros(batch, 5 * kept, dtype=torch.int32)
+        select_reference(cand, kept, d2t, want, top_k=top_k_ranked_reference)
+        got = torch.zeros(batch, 5 * kept, dtype=torch.int32, device=DEVICE)
+        select_triton(Candidates(*(t.to(DEVICE) for t in cand)), kept, d2t.to(DEVICE), got)
+        assert torch.equal(want, got.cpu()), (k, runs, kept, seed)
+        assert bool((want.view(batch, 5, kept)[:, 1] < torch.arange(kept)).all())  # parents come first
