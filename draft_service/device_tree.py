@@ -202,7 +202,7 @@ class BatchTreeGrowth:
             # The children become candidates; the best k of them, the next run (its words written here).
             frontier, parent, token, positions = grow_level(
                 cand, frontier, child_lp, child_ids, created, run, model.d2t, lengths, self.words.view(B, R),
-                has_next=run + 1 < runs, use_triton=self.fused_levels)
+                has_next=run + 1 < runs, use_triton=self.fused_levels, own_words=self.own_words[:R, 0])
             g = h.view(B, K, -1).gather(1, parent[:, :, None].expand(B, K, h.shape[-1]))
             created += K * K
         self._select(cand)

@@ -49,10 +49,11 @@ class NextLevel(NamedTuple):
 
 def grow_level_reference(cand: Candidates, frontier: torch.Tensor, child_lp: torch.Tensor, child_ids: torch.Tensor,
                          created: int, run: int, d2t: torch.Tensor, lengths: torch.Tensor, words: torch.Tensor,
-                         has_next: bool) -> NextLevel:
+                         has_next: bool, own_words: torch.Tensor | None = None) -> NextLevel:
     """Records run `run`'s children as candidates created .. created + k*k - 1 and picks the next
     frontier. frontier [B, k]: this run's nodes; child_lp, child_ids [B * k, k]; lengths [B]; words
-    [B, R] (each request's run slots; with has_next, run + 1's slots are written)."""
+    [B, R] (each request's run slots; with has_next, run + 1's slots are written); own_words [R]: each
+    slot's own bit, made once by the caller (None: made here, two launches more inside a graph)."""
     B, K = frontier.shape
     child_score = (cand.score.gather(1, frontier)[:, :, None] + child_lp.view(B, K, K)).reshape(B, K * K)
     new = slice(created, created + K * K)
@@ -65,7 +66,8 @@ def grow_level_reference(cand: Candidates, frontier: torch.Tensor, child_lp: tor
     parent = best // K
     if has_next:
         slots = slice((run + 1) * K, (run + 2) * K)
-        own = 1 << torch.arange((run + 1) * K, (run + 2) * K, device=words.device)
+        own = (own_words[slots] if own_words is not None
+               else 1 << torch.arange((run + 1) * K, (run + 2) * K, device=words.device))
         words[:, slots] = words.gather(1, run * K + parent) | own
     token = d2t[child_ids.view(B, K * K).gather(1, best)]
     positions = (lengths[:, None] + (run + 1)).expand(B, K)
@@ -202,10 +204,12 @@ def grow_level_triton(cand: Candidates, frontier: torch.Tensor, child_lp: torch.
 
 def grow_level(cand: Candidates, frontier: torch.Tensor, child_lp: torch.Tensor, child_ids: torch.Tensor,
                created: int, run: int, d2t: torch.Tensor, lengths: torch.Tensor, words: torch.Tensor,
-               has_next: bool, use_triton: bool) -> NextLevel:
+               has_next: bool, use_triton: bool, own_words: torch.Tensor | None = None) -> NextLevel:
     """grow_level_reference's result: with use_triton one Triton launch (interpreted on a CPU), else torch ops."""
-    grow = grow_level_triton if use_triton else grow_level_reference
-    return grow(cand, frontier, child_lp, child_ids, created, run, d2t, lengths, words, has_next)
+    if use_triton:
+        return grow_level_triton(cand, frontier, child_lp, child_ids, created, run, d2t, lengths, words, has_next)
+    return grow_level_reference(cand, frontier, child_lp, child_ids, created, run, d2t, lengths, words, has_next,
+                                own_words)
 
 
 def _zeros(C: int, device: torch.device | str) -> Candidates:
