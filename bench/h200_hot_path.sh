@@ -163,11 +163,14 @@ need_scale() {  # need_scale NAME DIR [scale_track.py flags...]: build a scale t
 }
 
 scale_serve() {  # scale_serve DIR [ACCEPTANCE]: tandem serve flags for a scale track, into the array `serve`;
-                 # with ACCEPTANCE the draft's main paths are forced to the record at that rate
+                 # with ACCEPTANCE the draft's main paths are forced to the record at that rate; DRAFT_EXTRA adds
+                 # flags to the draft's (one --draft-args: a second would replace the first)
   serve=(--model "$1/target" --draft "$1/draft" --device cuda --max-model-len 4096 --kv-cache-gb 24
          --target-args=--random-weights)
-  if [[ -n ${2:-} ]]; then
-    serve+=("--draft-args=--force-record $1/record.jsonl --force-acceptance $2")
+  local draft_args=${DRAFT_EXTRA:-}
+  [[ -n ${2:-} ]] && draft_args="--force-record $1/record.jsonl --force-acceptance $2${draft_args:+ $draft_args}"
+  if [[ -n $draft_args ]]; then
+    serve+=("--draft-args=$draft_args")
   fi
 }
 
@@ -268,12 +271,17 @@ for stage in "$@"; do
       run draft_profile_after_b64 after 150 python3 bench/draft_step.py --batches 64 --budgets "5,4,8" \
         --iters 3 --profile "$OUT/draft_profile_after_b64.txt" ;;
     spec)  # always against never on the scale track (forced acceptance 0.8) and the demo track (bf16);
-           # SPEC_TREES="before after" runs .before/ first, as spec_*_before
-      [[ ${SPEC_SCALE:-1} == 1 ]] && need_scale scale_track $scale && scale_serve $scale 0.8
+           # SPEC_TREES="before after" runs .before/ first, as spec_*_before; SPEC_FUSED="off on" also serves the
+           # scale track with the draft's fused growth levels (tandem draft --fused-tree-levels), as spec_scale_fused
+      [[ ${SPEC_SCALE:-1} == 1 ]] && need_scale scale_track $scale
       for tree in ${SPEC_TREES:-after}; do
         suffix=""; [[ $tree == before ]] && suffix=_before
-        [[ ${SPEC_SCALE:-1} == 1 ]] &&
-          SERVE_TREE=$tree serve_bench "spec_scale$suffix" 8200 "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
+        for fused in ${SPEC_FUSED:-off}; do
+          [[ ${SPEC_SCALE:-1} == 1 ]] || break
+          DRAFT_EXTRA=$([[ $fused == on ]] && echo --fused-tree-levels) scale_serve $scale 0.8
+          SERVE_TREE=$tree serve_bench "spec_scale$suffix$([[ $fused == on ]] && echo _fused)" 8200 \
+            "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
+        done
         [[ ${SPEC_DEMO:-1} == 1 ]] &&
           SERVE_TREE=$tree serve_bench "spec_demo$suffix" 8300 "${SPEC_DEMO_CONCURRENCY:-1,4}" never,always \
             --device cuda --dtype bfloat16
