@@ -98,6 +98,10 @@ class BatchTreeGrowth:
         # own ancestor bit, and level 0's frontier.
         self.own_words = (1 << torch.arange(R, device=dev)).repeat(B)[:, None].contiguous()
         self.first_frontier = torch.arange(K, device=dev).repeat(B, 1)
+        # Each run's rows of q and the K/V scratch, request by request (fused levels write them straight there).
+        run_start = torch.arange(shape.runs, device=dev)[:, None, None] * K
+        request_start = torch.arange(B, device=dev)[None, :, None] * R
+        self.run_rows = (run_start + request_start + torch.arange(K, device=dev)).reshape(shape.runs, B * K)
         self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_seconds = 0.0
@@ -190,10 +194,14 @@ class BatchTreeGrowth:
         created = K
         for run in range(runs):
             slots = slice(run * K, (run + 1) * K)
-            q, k, v = model.attention_inputs(token.reshape(-1), g.reshape(B * K, -1), positions.reshape(-1))
-            q_rows[:, slots] = q.view(B, K, heads, dim)
-            k_rows[:, slots] = k.view(B, K, kv_heads, dim)
-            v_rows[:, slots] = v.view(B, K, kv_heads, dim)
+            if self.fused_levels:  # RoPE and the three writes into the run's slots: one kernel
+                model.attention_inputs_into(token.reshape(-1), g.reshape(B * K, -1), positions.reshape(-1), self.q,
+                                            self.k_scratch, self.v_scratch, self.run_rows[run])
+            else:
+                q, k, v = model.attention_inputs(token.reshape(-1), g.reshape(B * K, -1), positions.reshape(-1))
+                q_rows[:, slots] = q.view(B, K, heads, dim)
+                k_rows[:, slots] = k.view(B, K, kv_heads, dim)
+                v_rows[:, slots] = v.view(B, K, kv_heads, dim)
             attn = model.attention(self.q, self.k_scratch, self.v_scratch, self.kv.k[0], self.kv.v[0],
                                    self._plan(run), model.scale)
             h = model.finish(attn.view(B, R, heads, dim)[:, slots].reshape(B * K, heads, dim),

@@ -23,7 +23,7 @@ from draft_service.types import MAX_STEPS
 from kernels.activation import silu_mul_triton
 from kernels.backend import get_attention_backend
 from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
-from kernels.rope import rope_triton
+from kernels.rope import rope_qkv_triton, rope_triton
 from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.layers import Rotary, SafetensorsDir, rms_norm
@@ -147,17 +147,29 @@ class Eagle3Draft:
             return rope_triton(x, positions, self.rotary.cos, self.rotary.sin)
         return self.rotary.apply(x, positions)
 
+    def _qkv(self, next_tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v projection before RoPE: [T, (heads + 2 kv_heads) * D]. next_tokens are target ids."""
+        e = F.embedding(next_tokens, self.embed)
+        return F.linear(torch.cat((self._norm(e, self.input_norm), self._norm(g, self.hidden_norm)), -1), self.qkv)
+
     def attention_inputs(self, next_tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, D], k and v [T, kv_heads, D] after RoPE. next_tokens are target ids."""
         T, D = next_tokens.shape[0], self.head_dim
-        e = F.embedding(next_tokens, self.embed)
-        x = torch.cat((self._norm(e, self.input_norm), self._norm(g, self.hidden_norm)), -1)
-        q, k, v = F.linear(x, self.qkv).split(
+        q, k, v = self._qkv(next_tokens, g).split(
             [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         q = self._rope(q.reshape(T, self.num_heads, D), positions)
         k = self._rope(k.reshape(T, self.num_kv_heads, D), positions)
         return q, k, v.reshape(T, self.num_kv_heads, D)
+
+    def attention_inputs_into(self, next_tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor,
+                              q_out: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                              rows: torch.Tensor) -> None:
+        """attention_inputs' q, k and v, token t's written to row rows[t] of q_out [N, heads, D], k_out and
+        v_out [N, kv_heads, D]: RoPE and the three writes in one Triton kernel (the tree growth's fused
+        levels: a level's nodes go straight to their slots)."""
+        rope_qkv_triton(self._qkv(next_tokens, g), positions, self.rotary.cos, self.rotary.sin, self.num_heads,
+                        self.num_kv_heads, k_out, v_out, q_out=q_out, rows=rows)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: StepLayout,
                kv: PagedKVCache) -> torch.Tensor:

@@ -264,8 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-tree-levels", action="store_true",
                    help="grow trees with each level's bookkeeping (the new candidates, the next frontier, its "
                         "tokens, positions and ancestor masks) in one Triton launch instead of about twenty torch "
-                        "ops, and the kept nodes' selection in one instead of about fifteen; Triton attention "
-                        "only (a GPU). Off by default until measured on a GPU")
+                        "ops, each level's q, k and v written into their slots by the RoPE kernel, and the kept "
+                        "nodes' selection in one launch instead of about fifteen; Triton attention only (a GPU). "
+                        "Off by default until measured on a GPU")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 

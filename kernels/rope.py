@@ -80,14 +80,16 @@ def rope_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
 
 
 @triton.jit
-def _rope_qkv_kernel(QKV, Pos, Cos, Sin, QOut, KOut, VOut, s_qkv, s_q, s_k, s_v, sc, ss,
+def _rope_qkv_kernel(QKV, Pos, Cos, Sin, QOut, KOut, VOut, Rows, s_qkv, s_q, s_k, s_v, sc, ss,
                      QH: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_ROWS: tl.constexpr):
     # Program (t, g): token t; g = 0 rotates the query heads, 1 the key heads and copies
     # the value heads. Head h of a group sits at column h * 2 * HALF of its part of qkv.
+    # HAS_ROWS: token t's outputs go to row Rows[t] of QOut, KOut and VOut (else row t).
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     pos = tl.load(Pos + t).to(tl.int64)
+    dest = tl.load(Rows + t).to(tl.int64) if HAS_ROWS else t
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_ok = d < HALF
@@ -100,41 +102,54 @@ def _rope_qkv_kernel(QKV, Pos, Cos, Sin, QOut, KOut, VOut, s_qkv, s_q, s_k, s_v,
     out1 = out1.to(QOut.dtype.element_ty)
     out2 = out2.to(QOut.dtype.element_ty)
     if g == 0:
-        tl.store(QOut + t * s_q + h * 2 * HALF + d, out1, mask=mask)
-        tl.store(QOut + t * s_q + h * 2 * HALF + HALF + d, out2, mask=mask)
+        tl.store(QOut + dest * s_q + h * 2 * HALF + d, out1, mask=mask)
+        tl.store(QOut + dest * s_q + h * 2 * HALF + HALF + d, out2, mask=mask)
     else:
-        tl.store(KOut + t * s_k + h * 2 * HALF + d, out1, mask=mask)
-        tl.store(KOut + t * s_k + h * 2 * HALF + HALF + d, out2, mask=mask)
+        tl.store(KOut + dest * s_k + h * 2 * HALF + d, out1, mask=mask)
+        tl.store(KOut + dest * s_k + h * 2 * HALF + HALF + d, out2, mask=mask)
         vsrc = QKV + t * s_qkv + (QH + KVH) * 2 * HALF + h * 2 * HALF
         v1 = tl.load(vsrc + d, mask=mask, other=0.0)
         v2 = tl.load(vsrc + HALF + d, mask=mask, other=0.0)
-        tl.store(VOut + t * s_v + h * 2 * HALF + d, v1, mask=mask)
-        tl.store(VOut + t * s_v + h * 2 * HALF + HALF + d, v2, mask=mask)
+        tl.store(VOut + dest * s_v + h * 2 * HALF + d, v1, mask=mask)
+        tl.store(VOut + dest * s_v + h * 2 * HALF + HALF + d, v2, mask=mask)
 
 
 def rope_qkv_triton(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     q_heads: int, kv_heads: int, k_out: torch.Tensor | None = None,
-                    v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    v_out: torch.Tensor | None = None, *, q_out: torch.Tensor | None = None,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as rope_qkv_reference, in one kernel. k_out / v_out ([T, kv_heads, D],
     contiguous), when given, receive k and v: the target writes them straight into the
-    step's K/V scratch, from which the accepted rows are committed to the cache."""
+    step's K/V scratch, from which the accepted rows are committed to the cache. With `rows`
+    ([T] row indices), q_out, k_out and v_out (contiguous [N, heads, D] each, all given) receive
+    token t's q, k and v at row rows[t]: the draft's tree growth writes a level's nodes straight
+    into their slots, which are not contiguous across requests."""
     if qkv.dim() != 2 or qkv.stride(-1) != 1:
         raise ValueError("qkv must be 2-D with a contiguous last dim")
     T, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     if dim * (q_heads + 2 * kv_heads) != width or dim % 2:
         raise ValueError(f"qkv width {width} does not split into {q_heads}+2x{kv_heads} even heads")
-    q = torch.empty(T, q_heads, dim, dtype=qkv.dtype, device=qkv.device)
-    for name, t in (("k_out", k_out), ("v_out", v_out)):
-        if t is not None and (t.shape != (T, kv_heads, dim) or t.dtype != qkv.dtype or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous {qkv.dtype} tensor of shape {(T, kv_heads, dim)}")
+    outs = {"q_out": (q_out, q_heads), "k_out": (k_out, kv_heads), "v_out": (v_out, kv_heads)}
+    if rows is not None:
+        if rows.shape != (T,) or any(t is None for t, _ in outs.values()):
+            raise ValueError("rows must be [T] and comes with q_out, k_out and v_out")
+        for name, (t, heads) in outs.items():
+            if t.dim() != 3 or t.shape[1:] != (heads, dim) or t.dtype != qkv.dtype or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {qkv.dtype} tensor of shape [N, {heads}, {dim}]")
+    else:
+        for name, (t, heads) in outs.items():
+            if t is not None and (t.shape != (T, heads, dim) or t.dtype != qkv.dtype or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {qkv.dtype} tensor of shape {(T, heads, dim)}")
+    q = q_out if q_out is not None else torch.empty(T, q_heads, dim, dtype=qkv.dtype, device=qkv.device)
     k = k_out if k_out is not None else torch.empty(T, kv_heads, dim, dtype=qkv.dtype, device=qkv.device)
     v = v_out if v_out is not None else torch.empty(T, kv_heads, dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     if T:
-        _rope_qkv_kernel[(T, 2)](qkv, positions.contiguous(), cos, sin, q, k, v, qkv.stride(0), q.stride(0),
-                                 k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
+        positions = positions.contiguous()
+        _rope_qkv_kernel[(T, 2)](qkv, positions, cos, sin, q, k, v, rows if rows is not None else positions,
+                                 qkv.stride(0), q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
                                  QH=q_heads, KVH=kv_heads, HALF=dim // 2,
                                  BLOCK_H=triton.next_power_of_2(max(q_heads, kv_heads)),
-                                 BLOCK_HALF=triton.next_power_of_2(dim // 2), num_warps=4)
+                                 BLOCK_HALF=triton.next_power_of_2(dim // 2), HAS_ROWS=rows is not None, num_warps=4)
     return q, k, v

@@ -338,6 +338,32 @@ def test_rope_qkv_rotates_q_and_k_and_lands_k_v_in_scratch(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_qkv_lands_each_tokens_q_k_and_v_in_the_row_it_is_given(device, dtype):
+    """The draft's tree growth: a level's nodes go to their slots, which are not contiguous across requests."""
+    d = SHAPES[device].head_dim if ON_GPU else 24
+    heads, kv_heads = (32, 8) if ON_GPU else (4, 2)
+    rope = RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, original_max_position=64)
+    rotary = Rotary(d, rope, 4096 if ON_GPU else 200, torch.device(device))
+    g = torch.Generator().manual_seed(19)
+    T, N = 6, 16  # 3 requests x 2 nodes, into slots 2..3 of each request's 5 (rows 2, 3, 7, 8, 12, 13)
+    rows = torch.tensor([b * 5 + 2 + j for b in range(3) for j in range(2)], device=device)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g).to(device, dtype)
+    positions = torch.randint(0, rotary.cos.shape[0], (T,), generator=g).to(device)
+    q_out = torch.full((N, heads, d), float("nan"), dtype=dtype, device=device)
+    k_out = torch.full((N, kv_heads, d), float("nan"), dtype=dtype, device=device)
+    v_out = torch.full_like(k_out, float("nan"))
+    rope_qkv_triton(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, k_out, v_out, q_out=q_out, rows=rows)
+    eq, ek, ev = rope_qkv_triton(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads)
+    assert torch.equal(q_out[rows], eq) and torch.equal(k_out[rows], ek) and torch.equal(v_out[rows], ev)
+    others = torch.ones(N, dtype=torch.bool, device=device)
+    others[rows] = False
+    assert q_out[others].isnan().all() and k_out[others].isnan().all() and v_out[others].isnan().all()
+    with pytest.raises(ValueError, match="rows must be"):
+        rope_qkv_triton(qkv, positions, rotary.cos, rotary.sin, heads, kv_heads, k_out, v_out, rows=rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_equals_an_add_then_the_norm(device, dtype):
     hidden = 4096 if ON_GPU else 48
     g = torch.Generator().manual_seed(18)
