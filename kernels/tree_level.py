@@ -74,6 +74,19 @@ def grow_level_reference(cand: Candidates, frontier: torch.Tensor, child_lp: tor
     return NextLevel(created + best, parent, token, positions)
 
 
+@triton.jit
+def _best_lanes(score, alive, lanes, count, BLOCK: tl.constexpr):
+    """The `count` alive lanes of largest score as a mask: rounds of the largest score left, then the lowest
+    lane holding it (a stable descending sort's first `count`)."""
+    taken = lanes < 0
+    for _ in range(count):
+        best = tl.max(tl.where(alive, score, float("-inf")), 0)
+        at = tl.min(tl.where(alive & (score == best), lanes, BLOCK), 0)
+        taken = taken | (lanes == at)
+        alive = alive & (lanes != at)
+    return taken
+
+
 @triton.jit(do_not_specialize=["C", "R", "K", "created", "run", "has_next"])
 def _grow_level_kernel(ChildLp, ChildIds, Frontier, CandToken, CandParent, CandLevel, CandLp, CandScore, D2t,
                        Lengths, Words, OutFrontier, OutParent, OutToken, OutPositions,
@@ -93,15 +106,8 @@ def _grow_level_kernel(ChildLp, ChildIds, Frontier, CandToken, CandParent, CandL
     tl.store(CandLevel + row, tl.zeros_like(ids) + run + 1, mask=valid)
     tl.store(CandLp + row, lp, mask=valid)
     tl.store(CandScore + row, score, mask=valid)
-    # The k best: k rounds of the largest untaken score, then the lowest lane holding it (a stable
-    # descending sort's first k); then the taken lanes in ascending order, k rounds of the lowest.
-    alive = valid
-    taken = lanes < 0
-    for _ in range(K):
-        best = tl.max(tl.where(alive, score, float("-inf")), 0)
-        at = tl.min(tl.where(alive & (score == best), lanes, BLOCK), 0)
-        taken = taken | (lanes == at)
-        alive = alive & (lanes != at)
+    # The k best, then taken in ascending order: k rounds of the lowest taken lane.
+    taken = _best_lanes(score, valid, lanes, K, BLOCK)
     length = tl.load(Lengths + b)
     for j in range(K):
         at = tl.min(tl.where(taken, lanes, BLOCK), 0)
@@ -144,14 +150,7 @@ def _select_kernel(CandToken, CandParent, CandLevel, CandLp, CandScore, D2t, Out
     lanes = tl.arange(0, BLOCK)
     valid = lanes < C
     score = tl.load(CandScore + b * C + lanes, mask=valid, other=float("-inf"))
-    # The n best (rounds of the largest untaken score, then its lowest lane), as in _grow_level_kernel.
-    alive = valid
-    kept = lanes < 0
-    for _ in range(n):
-        best = tl.max(tl.where(alive, score, float("-inf")), 0)
-        at = tl.min(tl.where(alive & (score == best), lanes, BLOCK), 0)
-        kept = kept | (lanes == at)
-        alive = alive & (lanes != at)
+    kept = _best_lanes(score, valid, lanes, n, BLOCK)
     left = kept
     row = Out + b * 5 * n
     for j in range(n):  # the kept in creation order
