@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import grpc
 import httpx
@@ -119,7 +120,10 @@ def assert_well_formed(r: httpx.Response, streamed: bool) -> None:
         body = r.json()
         assert body["choices"] and "usage" in body and "spec_stats" in body, body
         return
-    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    # Server-sent events end lines with \r\n, \n or \r only: str.splitlines() would also cut a chunk at a
+    # U+0085 or U+2028 the generated text holds (valid, unescaped, inside a JSON string).
+    lines = re.split(r"\r\n|\r|\n", r.text)
+    data = [line[6:] for line in lines if line.startswith("data: ")]
     assert data and data[-1] == "[DONE]", r.text
     chunks = [json.loads(d) for d in data[:-1]]
     assert all("error" not in c for c in chunks), r.text  # an in-band error is a failure mid-stream
