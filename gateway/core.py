@@ -34,6 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy import (
     NO_SPEC,
     AcceptanceBook,
+    BudgetSearch,
     Candidate,
     CostModel,
     LoadGate,
@@ -457,6 +458,21 @@ class GatewayCore:
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
                                 other_committed=ending - len(cands),
                                 plain_extra_seconds=self._plain_extra_seconds(plan, cands))
+        faded: BudgetSearch | None = None
+        if search.best is None and search.auto and (
+                self._plain_extra_seconds(plan, cands, spell_breaks=True)
+                > self._plain_extra_seconds(plan, cands)):
+            # The figures decline trees; if they would choose them again once plain steps have faded the
+            # requests' own acceptance into the book's, the plain spell ends there, still awake: each of
+            # its steps feeds the draft ungranted at the full fed price, with no granted steps to spread it
+            # over. On the H200 scale track at one request and acceptance 0.6 (a tie of the two arms), a
+            # lone request left its trees after a few that accepted little, took 14 fed steps (8.5 ms
+            # against 5.0 granted) and drafted again or slept: auto 0.91-0.95x the better arm.
+            faded = self._faded_search(plan, cands, ending)
+            if faded.best is not None:
+                search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
+                                        other_committed=ending - len(cands),
+                                        plain_extra_seconds=self._plain_extra_seconds(plan, cands, spell_breaks=True))
         # The audit: what the figures predict for each arm, at steps that only decode, as the gate measures
         # its arms (a step carrying a prompt's chunk priced the chunk into both arms: at 64 requests on the
         # H200 the mean predictions read 0.3x what `never` and `always` delivered, 2026-12-03).
@@ -492,10 +508,7 @@ class GatewayCore:
                 not budgets.get(c.key, NO_SPEC).empty for c in search.auto):
             # Each plain step fades a request's own figures into the book's; a grant must not outlast a
             # choice that fading would flip, so it is made only where the faded figures decline trees too.
-            faded = [Candidate(c.key, dict.fromkeys(c.own_stats), c.mode) for c in cands]
-            if search_budgets(self.cfg.policy, self.costs, self.book, faded, *_other_work(plan, faded),
-                              other_committed=ending - len(faded),
-                              plain_extra_seconds=self._plain_extra_seconds(plan, faded)).best is None:
+            if (faded or self._faded_search(plan, cands, ending)).best is None:
                 self._plain_holds = frozenset(c.key for c in search.auto)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
@@ -595,14 +608,23 @@ class GatewayCore:
                                  other_committed=ending - len(everyone))
         self.gate.predict(len(plan.items), what_if.rates)
 
-    def _plain_extra_seconds(self, plan: StepPlan, cands: list[Candidate]) -> float:
+    def _faded_search(self, plan: StepPlan, cands: list[Candidate], ending: int) -> BudgetSearch:
+        """The search with every candidate's own acceptance faded into the book's: what the policy
+        chooses once plain steps (each fades it, _record) have run long enough."""
+        faded = [Candidate(c.key, dict.fromkeys(c.own_stats), c.mode) for c in cands]
+        return search_budgets(self.cfg.policy, self.costs, self.book, faded, *_other_work(plan, faded),
+                              other_committed=ending - len(faded),
+                              plain_extra_seconds=self._plain_extra_seconds(plan, faded))
+
+    def _plain_extra_seconds(self, plan: StepPlan, cands: list[Candidate], *, spell_breaks: bool = False) -> float:
         """What a plain step costs on top of a granted one, averaged over the plain spell it would
         start. Awake auto requests keep feeding their drafts, ungranted, until QUIET_STEPS quiet steps
         make them dormant; only then are plain steps granted. On the H200 scale track at one request
         a fed step took 9 ms against 5 for a granted one, and a lone request at acceptance 0.8 that
         left its trees for a step whenever a few had accepted little spent 22 of its 128 steps in such
         interludes (auto 0.83-0.87x `always`). The spell is as long as what the auto requests have
-        left to generate, at most WAKE_EVERY steps (a wake-up then feeds them again)."""
+        left to generate, at most WAKE_EVERY steps (a wake-up then feeds them again). `spell_breaks`:
+        the spell ends before dormancy (trees again), so every step of it pays the whole difference."""
         auto = {c.key for c in cands if c.mode == SpecMode.AUTO}
         if not auto:
             return 0.0
@@ -611,6 +633,8 @@ class GatewayCore:
             return 0.0
         granted = self.costs.step_time(plan.num_tokens, len(plan.items), [])
         awake_left = max(0, self.QUIET_STEPS - (self._dormancy.quiet - self._dormancy.spell_start))
+        if spell_breaks:
+            return max(0.0, fed - granted) if awake_left else 0.0
         left = [it.request.params.max_tokens - len(it.request.output) for it in plan.items
                 if it.request.request_id in auto]
         spell = max(1.0, min(sum(left) / len(left), float(self.WAKE_EVERY)))

@@ -896,6 +896,34 @@ def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_bef
     assert core._plain_extra_seconds(plan, [Candidate("solo", {}, SpecMode.ALWAYS)]) == 0.0
 
 
+def test_a_lone_request_whose_first_trees_miss_drafts_on_where_the_book_says_trees_pay(tokenizer):
+    """Issue 14: a request's own first trees accept nothing, but the acceptance book (40 earlier trees, all
+    accepted) says trees pay. Its own figures decline trees; faded into the book's, as plain steps fade
+    them, they would choose trees again before the request goes dormant, so the plain steps between would
+    each feed the draft, ungranted, and are priced at that whole cost (here 1.3x a granted step): the
+    request drafts on. Priced spread over a spell of granted steps, it took 7 such steps between its trees
+    (on the H200 at one request and acceptance 0.6: runs of 14, auto 0.91-0.95x the better arm)."""
+    def shape(fed_ratio: float | None) -> str:
+        core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+        drafts[0].wrong_trees = 3
+        price_as_the_emulated_ci_track(core)
+        core.costs.observe_fed = lambda *args: None  # the fake's timings must not move the prices
+        if fed_ratio is not None:
+            core.costs.fed_ratios[batch_bucket(1)] = fed_ratio * core.costs.ratios.get((1, False), 1.0)
+        fixed = core.cfg.policy.fixed_budget
+        for _ in range(40):
+            core.book.record(fixed, fixed.steps)
+        out = submit(core, "solo", [4, 5, 6], max_tokens=300)
+        run_settled(core)
+        assert tokens_of(out) == expected([4, 5, 6], 300)
+        return "".join("T" if len(step[0].tokens) > 1 else "F" if step[0].return_features else "."
+                       for step in target.steps)
+
+    unpriced, priced = shape(None), shape(1.3)
+    assert "F" in unpriced.lstrip("F").rstrip("F.")  # the test's premise: the misses stop its trees a while
+    assert priced.count("T") > 30 and "F" not in priced.lstrip("F").rstrip("F."), priced
+
+
 def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(tokenizer):
     core, _, _ = new_core(tokenizer, mode="auto")
     for i in range(6):  # from the gate's min_batch on, the arms are measured too
