@@ -69,7 +69,7 @@
 #   auto     never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
 #            and 0.6 (AUTO_CONCURRENCY, AUTO_ACCEPTANCES and AUTO_MODES override the levels, rates and
 #            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before; AUTO_TP=N serves the
-#            target at --tp N, as auto_scale_RATE_tpN); tandem bench
+#            target at --tp N, as auto_scale_RATE_tpN; AUTO_GATEWAY_ARGS="--fed-grants" adds gateway flags); tandem bench
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
 #            and each mode's metrics are scraped after it; bench/auto_report.py then prints the modes side by
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
@@ -380,6 +380,7 @@ for stage in "$@"; do
       for acceptance in ${AUTO_ACCEPTANCES:-0.8 0.6}; do
         scale_serve $scale $acceptance
         [[ -n ${AUTO_TP:-} ]] && serve+=(--tp "$AUTO_TP")
+        [[ -n ${AUTO_GATEWAY_ARGS:-} ]] && serve+=("--gateway-args=$AUTO_GATEWAY_ARGS")
         for tree in ${AUTO_TREES:-after}; do
           suffix=""; [[ $tree == before ]] && suffix=_before
           [[ -n ${AUTO_TP:-} ]] && suffix+=_tp$AUTO_TP
@@ -451,7 +452,8 @@ for stage in "$@"; do
       for tree in ${AUTO_TREES:-after}; do
         suffix=""; [[ $tree == before ]] && suffix=_before
         SERVE_TREE=$tree serve_bench "auto_demo$suffix" 8360 "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" \
-          "${AUTO_MODES:-never,always,auto}" --device cuda --dtype bfloat16
+          "${AUTO_MODES:-never,always,auto}" --device cuda --dtype bfloat16 \
+          ${AUTO_GATEWAY_ARGS:+"--gateway-args=$AUTO_GATEWAY_ARGS"}
         run "auto_demo${suffix}_report" after 60 python3 bench/auto_report.py "$OUT/auto_demo$suffix"
       done ;;
     deterministic)
