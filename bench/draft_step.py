@@ -2,6 +2,7 @@
 
     python bench/draft_step.py                 # Llama-3.1-8B-shaped EAGLE-3 head, random weights, cuda bf16
     python bench/draft_step.py --tiny          # CPU smoke run of the same code
+    python bench/draft_step.py --ab-fused 8    # without and with --fused-tree-levels, alternated in one process
 
 (with the package installed, `pip install -e .`, or PYTHONPATH set to the repo root).
 
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -144,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grow-only", action="store_true", help="calls that ingest nothing: the tree growth alone")
     ap.add_argument("--fused-tree-levels", action="store_true",
                     help="each growth level's bookkeeping in one Triton launch (tandem draft --fused-tree-levels)")
+    ap.add_argument("--ab-fused", type=int, default=0, metavar="N",
+                    help="time each shape without and with --fused-tree-levels, two engines on one model in one "
+                         "process, alternated N times (--iters calls each time): between processes the same "
+                         "setting's median moved by 10-20%% on the H200, as much as the effect")
     ap.add_argument("--out", type=Path, help="also write JSON")
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="also profile a few calls of the first batch and budget (torch.profiler) and write the "
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
         model = Eagle3Draft(draft_dir, target_dir, dtype, device)
     blocks = max(batches) * (prefix + 64 * (args.iters + 2) * (args.accepted + 1)) // 16 + 64
+    if args.ab_fused:
+        return ab_fused(model, blocks, batches, budgets, prefix, args, device, dtype, shape)
     if args.fused_tree_levels and model.attention.name == "triton":
         from draft_service.device_tree import GrowthShape
         from kernels.tree_level import warm_up
@@ -181,6 +189,44 @@ def main(argv: list[str] | None = None) -> int:
                                         "fused_levels": engine.fused_levels, "rows": rows}, indent=2))
     if args.profile:
         profile_calls(engine, batches[0], prefix, budgets[0], args.accepted, device, args.grow_only, args.profile)
+    return 0
+
+
+def ab_fused(model: Eagle3Draft, blocks: int, batches: list[int], budgets: list[DraftBudget], prefix: int,
+             args: argparse.Namespace, device: str, dtype: torch.dtype, shape: str) -> int:
+    """Each (batch, budget) timed on an engine without fused levels and one with them, in turn, args.ab_fused
+    times: what separates the two is the setting, not the process. Prints the median of each side's
+    per-turn medians and their ratio."""
+    if model.attention.name != "triton":
+        print(f"--ab-fused: the fused levels need Triton attention; this model runs {model.attention.name}: "
+              f"both sides would be the same code", file=sys.stderr)
+    from draft_service.device_tree import GrowthShape
+    from kernels.tree_level import warm_up
+    if model.attention.name == "triton":
+        warm_up(model.device, max(b.topk for b in budgets), max(GrowthShape(1, b).candidates for b in budgets))
+    engines = {fused: DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=fused)
+               for fused in (False, True)}
+    print(f"track: {'tiny random' if shape == 'tiny' else '8B-shaped random weights'}; {device} "
+          f"{str(dtype).removeprefix('torch.')}; prefix {prefix}; {args.accepted + 1} tokens ingested per request "
+          f"per call; ms per Draft call, median of {args.ab_fused} turns (each the median of {args.iters} calls)")
+    print(f"{'batch':>6} {'budget':>8} {'off':>8} {'on':>8} {'on/off':>7}  turns off / on")
+    rows = []
+    for batch in batches:
+        for budget in budgets:
+            turns: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.ab_fused):
+                for fused, engine in engines.items():
+                    turns[fused].append(1000 * time_calls(engine, batch, prefix, budget, args.accepted, args.iters,
+                                                          device, args.grow_only))
+            off, on = statistics.median(turns[False]), statistics.median(turns[True])
+            name = f"{budget.steps}/{budget.topk}/{budget.num_draft_tokens}"
+            rows.append({"batch": batch, "budget": name, "off_ms": off, "on_ms": on,
+                         "off_turns": turns[False], "on_turns": turns[True]})
+            spread = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(turns[False], turns[True]))
+            print(f"{batch:>6} {name:>8} {off:>8.2f} {on:>8.2f} {on / off:>7.3f}  {spread}")
+    if args.out:
+        args.out.write_text(json.dumps({"track": shape, "device": device, "dtype": str(dtype), "prefix": prefix,
+                                        "ab": "fused_levels", "rows": rows}, indent=2))
     return 0
 
 

@@ -28,6 +28,8 @@
 #            DRAFT_BUDGETS and DRAFT_ITERS override the shapes and iterations
 #   fusedlevels  after only: bench/draft_step.py without and with --fused-tree-levels (each growth level's
 #            bookkeeping in one Triton launch, kernels/tree_level.py), alternated FUSED_REPEATS="1 2" times
+#   fusedab  after only: bench/draft_step.py --ab-fused, the fused levels off against on inside one process (two
+#            engines on one model, alternated FUSED_TURNS="6" times per shape): the process-to-process spread out
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -259,6 +261,10 @@ for stage in "$@"; do
             $([[ $fused == on ]] && echo --fused-tree-levels) --out "$OUT/draft_fused_${fused}_$rep.json"
         done
       done ;;
+    fusedab)  # after only: the same comparison inside one process, two engines alternated FUSED_TURNS times a shape
+      run draft_fused_ab after 300 python3 bench/draft_step.py --batches "${DRAFT_BATCHES:-1,8,64}" \
+        --budgets "${DRAFT_BUDGETS:-3,1,4;5,4,8}" --iters "${DRAFT_ITERS:-20}" --ab-fused "${FUSED_TURNS:-6}" \
+        --out "$OUT/draft_fused_ab.json" ;;
     featurepush)
       run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
         --out "$OUT/feature_push.json" ;;
