@@ -95,6 +95,9 @@ class CoreConfig:
     # in 26% of its steps (68-94% in seven other runs here), under the test's 50%. Not established why;
     # one candidate: fed steps that cost less price plain decoding higher while requests are awake.
     fed_grants: bool = False
+    # Recorded steps by which a close first probe of trees is lengthened, judged on its mean (LoadGate's
+    # close_probe_steps; 0: off, the default until the H200 has measured it).
+    gate_close_probe_steps: int = 0
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 
@@ -105,6 +108,8 @@ class CoreConfig:
             raise ValueError(f"grant steps must be >= 1, got {self.grant_steps}")
         if self.max_queue < 1:
             raise ValueError(f"max queue must be >= 1, got {self.max_queue}")
+        if self.gate_close_probe_steps < 0:
+            raise ValueError(f"gate close-probe steps must be >= 0, got {self.gate_close_probe_steps}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -163,7 +168,7 @@ class GatewayCore:
         self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set())
         self.costs = CostModel()
         self.book = AcceptanceBook()
-        self.gate = LoadGate()
+        self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps)
         self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "features while the policy declines trees): the target pushes each granted step's "
                         "features to the drafts, up to the policy's next choice. Off by default: not shown to "
                         "pay on the H200 (BENCHMARKS.md, \"Fed grants\")")
+    p.add_argument("--gate-close-probe-steps", type=int, default=0, metavar="N",
+                   help="where the load gate's first probe of trees at a load ends within its margin of plain "
+                        "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
+                        "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off "
+                        "(default), until measured on a GPU (BENCHMARKS.md, \"Where `auto` lost at a tie\")")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -153,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --max-request-bytes must be positive")
     if not args.target_wait >= 0:
         raise SystemExit("error: --target-wait must be >= 0 seconds")
+    if args.gate_close_probe_steps < 0:
+        raise SystemExit("error: --gate-close-probe-steps must be >= 0")
 
     setup_tracing(args.otlp_endpoint)
     collections = GcWatch(log)
@@ -179,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
-        grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait)
+        grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
+        gate_close_probe_steps=args.gate_close_probe_steps)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

@@ -751,6 +751,11 @@ class Probe(NamedTuple):
     reprobe: bool  # the arm had a figure before: the probe only asks whether it changed
     clear_losses: int = 0  # recorded steps in a row, the last ones, that each lost by `clear`
     second: bool = False  # a close first verdict's second measurement: judged afresh, not against the margin
+    # The recorded steps' committed tokens and seconds so far, and whether the probe was lengthened
+    # (LoadGate.close_probe_steps).
+    committed: float = 0.0
+    seconds: float = 0.0
+    lengthened: bool = False
 
 
 @dataclass
@@ -819,6 +824,13 @@ class LoadGate:
     # 4 requests, and plain's verdict stood through all three rounds (auto 0.87 of `always`): a re-probe
     # of trees after plain steps is dear, so the gate spaces them far apart.
     mix_shift: float = 2.0
+    # A first probe of trees that would end within `margin` of plain decoding runs this many recorded steps
+    # more, and a first probe's arm is judged on the mean of all its recorded steps, not the decayed mean
+    # (0: neither; `tandem gateway --gate-close-probe-steps`). On the H200 scale track (0.8, 4-7 sequences,
+    # 2026-12-04) six recorded tree steps that committed 4 to 19 tokens each settled a verdict 1.6% apart
+    # after the prompts' charges, for plain decoding, where `always` then delivered 1.12x `never`: a step's
+    # acceptance varies that much, so six steps cannot tell arms a few percent apart.
+    close_probe_steps: int = 0
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
@@ -1045,7 +1057,7 @@ class LoadGate:
         # model may still choose none, and such a step says nothing about trees.
         probe = self._probing.get(b)
         probing = probe is not None and probe.spec == spec
-        recorded = not probing or probe.steps_left <= self.probe_steps - self.probe_steps // 4
+        recorded = not probing or probe.lengthened or probe.steps_left <= self.probe_steps - self.probe_steps // 4
         rate = committed / seconds
         this = self.arms.setdefault((b, spec), Arm())
         other = self.arms.setdefault((b, not spec), Arm())
@@ -1059,6 +1071,11 @@ class LoadGate:
         other.since += 1
         if not probing:
             return None
+        first_probe = not probe.reprobe and not probe.second
+        if recorded:
+            probe = probe._replace(committed=probe.committed + committed, seconds=probe.seconds + seconds)
+            if self.close_probe_steps and first_probe:
+                this.goodput = probe.committed / probe.seconds  # see close_probe_steps
         # Clearly losing on fresh figures settles it early (judging on the stale figure that started
         # the probe would end every probe at once, and re-probe on every step): a re-probe after one
         # recorded step, a first probe after `clear_steps` in a row.
@@ -1075,6 +1092,10 @@ class LoadGate:
             return None
         if not other.samples:
             self._drop_probe(b)
+            return None
+        if (self.close_probe_steps and spec and first_probe and not probe.lengthened and not settled
+                and self._close(b)):
+            self._probing[b] = probe._replace(steps_left=self.close_probe_steps, clear_losses=losses, lengthened=True)
             return None
         first = b not in self._verdict
         self._set_verdict(b, self._judge(b, afresh=probe.second))

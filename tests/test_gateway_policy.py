@@ -380,6 +380,33 @@ def test_a_probe_of_speculation_counts_only_steps_that_had_trees():
     assert gate.allow_spec(32)  # measured: trees pay here
 
 
+def test_a_close_first_probe_of_trees_runs_longer_and_is_judged_on_its_mean_where_asked():
+    """Issue 14: six recorded tree steps whose commits fall from 19 to 6 tokens (one step's acceptance
+    varies that much) read 786 tok/s decayed against plain's 800, so the gate settles for plain decoding.
+    With close_probe_steps the probe is judged on its mean (857 tok/s, within the margin), runs 16 steps
+    more, and trees at 1000 tok/s win on the mean of all 22. A probe that is not close is not lengthened."""
+    def probe(close_probe_steps: int, tree_commits: list[int]) -> tuple[LoadGate, int]:
+        gate = LoadGate(close_probe_steps=close_probe_steps)
+        for _ in range(gate.probe_steps):  # plain first (the cost model prefers it): 800 tok/s
+            assert not gate.allow_spec(4, lambda: False)
+            gate.record(4, False, committed=4, seconds=0.005)
+        steps = 0
+        for committed in tree_commits:
+            if not (gate.allow_spec(4) and gate.probing_spec(4)):
+                break
+            gate.record(4, True, committed=committed, seconds=0.014)
+            steps += 1
+        return gate, steps
+
+    falling = [14, 14, 19, 16, 12, 10, 6, 9]  # the first two are not recorded
+    gate, steps = probe(0, falling + [14] * 16)
+    assert steps == 8 and not gate.allow_spec(4)  # plain decoding, on the decayed mean
+    gate, steps = probe(16, falling + [14] * 16)
+    assert steps == 24 and gate.allow_spec(4) and not gate.probing_spec(4)  # trees, on 22 steps
+    gate, steps = probe(16, [28] * 24)  # 2000 tok/s: clear after 8 steps
+    assert steps == 8 and gate.allow_spec(4) and not gate.probing_spec(4)
+
+
 def test_the_gate_holds_its_verdict_between_probes():
     gate = LoadGate(stale_after=6, probe_steps=2)
     for spec, rate in ((True, 400), (True, 400), (False, 300), (False, 300)):  # the first probes
