@@ -167,10 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = max(batches) * (prefix + 64 * (args.iters + 2) * (args.accepted + 1)) // 16 + 64
     if args.ab_fused:
         return ab_fused(model, blocks, batches, budgets, prefix, args, device, dtype, shape)
-    if args.fused_tree_levels and model.attention.name == "triton":
-        from draft_service.device_tree import GrowthShape
-        from kernels.tree_level import warm_up
-        warm_up(model.device, max(b.topk for b in budgets), max(GrowthShape(1, b).candidates for b in budgets))
+    if args.fused_tree_levels:
+        warm_up_fused_levels(model, budgets)
     engine = DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=args.fused_tree_levels)
     track = "tiny random" if args.tiny else "8B-shaped random weights"
     fused = "; growth levels fused" if engine.fused_levels else ""
@@ -192,6 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def warm_up_fused_levels(model: Eagle3Draft, budgets: list[DraftBudget]) -> None:
+    """Compile the fused levels' kernels for these budgets before any call is timed (Triton attention only)."""
+    if model.attention.name != "triton":
+        return
+    from draft_service.device_tree import GrowthShape
+    from kernels.tree_level import warm_up
+    warm_up(model.device, max(b.topk for b in budgets), max(GrowthShape(1, b).candidates for b in budgets))
+
+
 def ab_fused(model: Eagle3Draft, blocks: int, batches: list[int], budgets: list[DraftBudget], prefix: int,
              args: argparse.Namespace, device: str, dtype: torch.dtype, shape: str) -> int:
     """Each (batch, budget) timed on an engine without fused levels and one with them, in turn, args.ab_fused
@@ -200,10 +207,7 @@ def ab_fused(model: Eagle3Draft, blocks: int, batches: list[int], budgets: list[
     if model.attention.name != "triton":
         print(f"--ab-fused: the fused levels need Triton attention; this model runs {model.attention.name}: "
               f"both sides would be the same code", file=sys.stderr)
-    from draft_service.device_tree import GrowthShape
-    from kernels.tree_level import warm_up
-    if model.attention.name == "triton":
-        warm_up(model.device, max(b.topk for b in budgets), max(GrowthShape(1, b).candidates for b in budgets))
+    warm_up_fused_levels(model, budgets)
     engines = {fused: DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=fused)
                for fused in (False, True)}
     print(f"track: {'tiny random' if shape == 'tiny' else '8B-shaped random weights'}; {device} "

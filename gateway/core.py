@@ -460,24 +460,22 @@ class GatewayCore:
 
         # One search of the figures per step: the audit's prediction, the gate's first guess at a new
         # load and the budgets all read it (unless the gate takes the auto requests out).
+        spread_extra = self._plain_extra_seconds(plan, cands)
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
-                                other_committed=ending - len(cands),
-                                plain_extra_seconds=self._plain_extra_seconds(plan, cands))
+                                other_committed=ending - len(cands), plain_extra_seconds=spread_extra)
         faded: BudgetSearch | None = None
         if search.best is None and search.auto and (
-                self._plain_extra_seconds(plan, cands, spell_breaks=True)
-                > self._plain_extra_seconds(plan, cands)):
+                whole_extra := self._plain_extra_seconds(plan, cands, spell_breaks=True)) > spread_extra:
             # The figures decline trees; if they would choose them again once plain steps have faded the
             # requests' own acceptance into the book's, the plain spell ends there, still awake: each of
             # its steps feeds the draft ungranted at the full fed price, with no granted steps to spread it
             # over. On the H200 scale track at one request and acceptance 0.6 (a tie of the two arms), a
             # lone request left its trees after a few that accepted little, took 14 fed steps (8.5 ms
             # against 5.0 granted) and drafted again or slept: auto 0.91-0.95x the better arm.
-            faded = self._faded_search(plan, cands, ending)
+            faded = self._faded_search(plan, cands, ending, spread_extra)
             if faded.best is not None:
                 search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
-                                        other_committed=ending - len(cands),
-                                        plain_extra_seconds=self._plain_extra_seconds(plan, cands, spell_breaks=True))
+                                        other_committed=ending - len(cands), plain_extra_seconds=whole_extra)
         # The audit: what the figures predict for each arm, at steps that only decode, as the gate measures
         # its arms (a step carrying a prompt's chunk priced the chunk into both arms: at 64 requests on the
         # H200 the mean predictions read 0.3x what `never` and `always` delivered, 2026-12-03).
@@ -513,7 +511,7 @@ class GatewayCore:
                 not budgets.get(c.key, NO_SPEC).empty for c in search.auto):
             # Each plain step fades a request's own figures into the book's; a grant must not outlast a
             # choice that fading would flip, so it is made only where the faded figures decline trees too.
-            if (faded or self._faded_search(plan, cands, ending)).best is None:
+            if (faded or self._faded_search(plan, cands, ending, spread_extra)).best is None:
                 self._plain_holds = frozenset(c.key for c in search.auto)
         # Never draft past the model's length or the request's max_tokens.
         by_id = {it.request.request_id: it.request for it in plan.items}
@@ -613,13 +611,14 @@ class GatewayCore:
                                  other_committed=ending - len(everyone))
         self.gate.predict(len(plan.items), what_if.rates)
 
-    def _faded_search(self, plan: StepPlan, cands: list[Candidate], ending: int) -> BudgetSearch:
+    def _faded_search(self, plan: StepPlan, cands: list[Candidate], ending: int,
+                      plain_extra_seconds: float) -> BudgetSearch:
         """The search with every candidate's own acceptance faded into the book's: what the policy
-        chooses once plain steps (each fades it, _record) have run long enough."""
+        chooses once plain steps (each fades it, _record) have run long enough. plain_extra_seconds:
+        _plain_extra_seconds of these candidates (fading leaves their keys and modes as they are)."""
         faded = [Candidate(c.key, dict.fromkeys(c.own_stats), c.mode) for c in cands]
         return search_budgets(self.cfg.policy, self.costs, self.book, faded, *_other_work(plan, faded),
-                              other_committed=ending - len(faded),
-                              plain_extra_seconds=self._plain_extra_seconds(plan, faded))
+                              other_committed=ending - len(faded), plain_extra_seconds=plain_extra_seconds)
 
     def _plain_extra_seconds(self, plan: StepPlan, cands: list[Candidate], *, spell_breaks: bool = False) -> float:
         """What a plain step costs on top of a granted one, averaged over the plain spell it would

@@ -313,13 +313,18 @@ def test_rope(device, dtype):
     assert_matches_rounding(out, expect)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_qkv_rotates_q_and_k_and_lands_k_v_in_scratch(device, dtype):
+def _rope_qkv_case(device: str) -> tuple[int, int, int, Rotary]:
+    """The fused q/k/v RoPE tests' shapes (head dim, heads, kv heads) and llama3-scaled rotary table."""
     d = SHAPES[device].head_dim if ON_GPU else 24
     heads, kv_heads = (32, 8) if ON_GPU else (4, 2)
     rope = RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, original_max_position=64)
-    rotary = Rotary(d, rope, 4096 if ON_GPU else 200, torch.device(device))
+    return d, heads, kv_heads, Rotary(d, rope, 4096 if ON_GPU else 200, torch.device(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_qkv_rotates_q_and_k_and_lands_k_v_in_scratch(device, dtype):
+    d, heads, kv_heads, rotary = _rope_qkv_case(device)
     g = torch.Generator().manual_seed(17)
     T = 33 if ON_GPU else 5
     qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g).to(device, dtype)
@@ -340,10 +345,7 @@ def test_rope_qkv_rotates_q_and_k_and_lands_k_v_in_scratch(device, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_qkv_lands_each_tokens_q_k_and_v_in_the_row_it_is_given(device, dtype):
     """The draft's tree growth: a level's nodes go to their slots, which are not contiguous across requests."""
-    d = SHAPES[device].head_dim if ON_GPU else 24
-    heads, kv_heads = (32, 8) if ON_GPU else (4, 2)
-    rope = RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, original_max_position=64)
-    rotary = Rotary(d, rope, 4096 if ON_GPU else 200, torch.device(device))
+    d, heads, kv_heads, rotary = _rope_qkv_case(device)
     g = torch.Generator().manual_seed(19)
     T, N = 6, 16  # 3 requests x 2 nodes, into slots 2..3 of each request's 5 (rows 2, 3, 7, 8, 12, 13)
     rows = torch.tensor([b * 5 + 2 + j for b in range(3) for j in range(2)], device=device)
