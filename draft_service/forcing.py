@@ -9,6 +9,14 @@ to a wrong token. Greedy verification then accepts a run of length k with
 probability acceptance^k (1 - acceptance), as a draft with that per-token
 acceptance would.
 
+A run's draw depends on the record and the tree's root position only, not on the
+request: two requests on one prompt, in two modes or two rounds of a benchmark,
+meet the same run wherever they draft from the same position (common random
+numbers). Why: seeded per request, the draws alone moved a level's committed
+tokens per step by 3-7% between `always` and `auto` drafting the same 5/4/8 tree
+(H200 scale track at 0.6, one request, 16 requests a level: 2.34-2.47 for `always`,
+2.26-2.46 for `auto`, against 2.30 expected), as much as the gap issue 14 measures.
+
 The record is a JSONL file, one {"tokens": [...]} per prompt: the prompt's ids
 followed by the target's greedy continuation. A request is matched to the
 record that starts with its known tokens; one that matches none, or that left
@@ -62,14 +70,15 @@ class ForcedProposals:
         self.forced = 0  # trees rewritten
         self.unmatched = 0  # trees left as drafted (no record, or off it)
 
-    def _record_for(self, request_id: str, known: list[int]) -> list[int] | None:
+    def _record_for(self, request_id: str, known: list[int]) -> int | None:
+        """The index of the record the request follows (None: it follows none)."""
         i = self._match.get(request_id)
         if i is not None and self.records[i][: len(known)] == known:
-            return self.records[i]
+            return i
         for i, rec in enumerate(self.records):
             if len(rec) > len(known) and rec[: len(known)] == known:
                 self._match[request_id] = i
-                return rec
+                return i
         self._match.pop(request_id, None)
         return None
 
@@ -79,12 +88,12 @@ class ForcedProposals:
 
     def rewrite(self, tree: DraftTree, known: list[int]) -> DraftTree:
         """`known`: the request's tokens, committed then the pending root token."""
-        record = self._record_for(tree.request_id, known)
-        if record is None or not tree.tokens:
+        index = self._record_for(tree.request_id, known)
+        if index is None or not tree.tokens:
             self.unmatched += bool(tree.tokens)
             return tree
-        truth = record[len(known):]  # truth[d - 1] is the right token at depth d
-        rng = random.Random(f"{self.cfg.seed}:{tree.request_id}:{tree.root_position}")
+        truth = self.records[index][len(known):]  # truth[d - 1] is the right token at depth d
+        rng = random.Random(f"{self.cfg.seed}:{index}:{tree.root_position}")
         run = 0
         while run < len(truth) and rng.random() < self.cfg.acceptance:
             run += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -71,6 +72,22 @@ def test_mean_run_matches_the_geometric_law(record):
     expected = sum(rate ** k for k in range(1, depth + 1))
     assert abs(sum(runs) / len(runs) - expected) < 0.1
     assert forcing.forced == 2000 and forcing.unmatched == 0
+
+
+def test_requests_on_one_record_meet_the_same_runs_whatever_their_ids(record):
+    """Common random numbers: `always` and `auto` (two requests, two ids) drafting from the same
+    position of one prompt are forced to the same run, so a comparison of modes is not one of draws."""
+    rate = 0.5
+    known = PROMPT + CONTINUATION[:1]
+    runs = {}
+    for request_id in ("always-7", "auto-42"):
+        forcing = forced(record, rate)
+        runs[request_id] = []
+        for position in range(len(known) - 1, len(known) + 29):
+            tree = replace(wide_tree(position), request_id=request_id)
+            runs[request_id].append(accepted_by_target(forcing.rewrite(tree, known), CONTINUATION[1:]))
+    assert runs["always-7"] == runs["auto-42"]
+    assert len(set(runs["always-7"])) > 1  # the draws still vary with the position
 
 
 def test_requests_off_their_record_keep_the_drafted_tokens(record):
