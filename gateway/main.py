@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-topk", type=int, default=4, help="children per node for `always` (default 4)")
     p.add_argument("--spec-draft-tokens", type=int, default=8,
                    help="tree size for `always`, root included (default 8)")
+    p.add_argument("--spec-option-margin", type=float, default=0.0, metavar="SHARE",
+                   help="`auto` drafts a tree other than the configured one (a chain, a deeper chain, a wider "
+                        "tree) only where its predicted goodput beats the configured tree's by this share, e.g. "
+                        "0.05; 0 = the best prediction wins (default), until measured on a GPU (BENCHMARKS.md, "
+                        "\"Common draws\")")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on REST /v1/* and on gRPC tandem.v1.Generation "
                         "(metadata authorization); health and metrics stay open")
@@ -160,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --target-wait must be >= 0 seconds")
     if args.gate_close_probe_steps < 0:
         raise SystemExit("error: --gate-close-probe-steps must be >= 0")
+    try:
+        policy = PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens,
+                              option_margin=args.spec_option_margin)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
     setup_tracing(args.otlp_endpoint)
     collections = GcWatch(log)
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     make_draft_client = functools.partial(DraftClient, tls=service_tls)
     drafts = [make_draft_client(a) for a in addresses]
     cfg = CoreConfig(
-        policy=PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens),
+        policy=policy,
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,

@@ -31,12 +31,22 @@ class PolicyConfig:
     steps: int = 5
     topk: int = 4
     draft_tokens: int = 8
+    # `auto` drafts an option other than the configured tree only where its predicted goodput beats the
+    # configured tree's by this share (0: the best prediction wins). Why: the options' predictions are
+    # noisy, and the highest of several noisy figures is the likeliest to be too high. On the H200 scale
+    # track (2026-12-04, 0.8, 2 and 8 requests) auto switched among 5/4/8, 5/1/6, 6/8/16 and 10/1/11 from
+    # step to step; each delivered within a few percent of the others or less (the 10-level chain at 8
+    # requests: 1770 tok/s against 5/4/8's 1957), and auto's tree steps took 0.7-2 ms more than
+    # `always`'s for as many tokens.
+    option_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("never", "always", "auto"):
             raise ValueError(f"speculation mode must be never, always or auto, got {self.mode!r}")
         if self.steps < 1 or self.topk < 1 or self.draft_tokens < 2:
             raise ValueError("--spec-steps and --spec-topk must be >= 1 and --spec-draft-tokens >= 2")
+        if not 0.0 <= self.option_margin <= 1.0:
+            raise ValueError(f"--spec-option-margin must be in [0, 1], got {self.option_margin}")
 
     @property
     def fixed_budget(self) -> DraftBudget:
@@ -514,6 +524,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     plain_now = best_rate = base_committed / (plain_seconds + plain_extra_seconds) if candidates else 0.0
     top_tree_rate: float | None = None
     configured_rate: float | None = None
+    configured_best: tuple[float, list[Candidate]] | None = None  # the configured tree's best (rate, requests)
     ceiling: float | None = None
     live_fixed = [b for b in fixed if not b.empty]
     fixed_levels = max((b.steps for b in live_fixed), default=0)
@@ -561,11 +572,22 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
                     single = (upside, o, c)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
+            if o == cfg.fixed_budget and rate > plain_now * (1 + 1e-9) and (
+                    configured_best is None or rate > configured_best[0]):
+                configured_best = (rate, ranked[:k])
         # k = every auto request
         if every is None or rate > every[0]:
             every = (rate, o)
         if o == cfg.fixed_budget:
             configured_rate = rate
+    # Another option must beat the configured tree by cfg.option_margin (see there).
+    margin = 1 + cfg.option_margin
+    if best is not None and best[0] != cfg.fixed_budget and configured_best is not None \
+            and best_rate < configured_best[0] * margin:
+        best = (cfg.fixed_budget, configured_best[1])
+    if every is not None and every[1] != cfg.fixed_budget and configured_rate is not None \
+            and every[0] < configured_rate * margin:
+        every = (configured_rate, cfg.fixed_budget)
     return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate, configured_rate), ceiling,
                         plain_now)
 

@@ -668,6 +668,47 @@ def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_c
     assert best(0.5) not in (deep, tree, None)
 
 
+def test_with_an_option_margin_auto_leaves_the_configured_tree_only_for_an_option_predicted_that_much_better():
+    """The deep chain is predicted 7% over the configured tree (main paths accepted at 0.8 a level):
+    a 5% margin still drafts it, a 10% margin keeps the configured tree, for the best trees and for
+    the tree every request gets in a probe; the margin never puts trees where plain decoding wins."""
+    tree, deep = CFG.fixed_budget, DraftBudget(10, 1, 11)
+    costs = CostModel(target_base=7.2e-3, target_per_token=2e-5, target_per_seq=4e-5, draft_base=2.5e-3,
+                      draft_per_level=2.5e-4, draft_per_expansion=2e-5)
+    book = AcceptanceBook()
+    rng = random.Random(0)
+    for _ in range(400):
+        run = 0
+        while run < tree.steps and rng.random() < 0.8:
+            run += 1
+        book.record(tree, run)
+        book.levels.record(MainPath(depth=tree.steps, accepted=run))
+        for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.explored_options(), tree):
+            book.record(chain, accepted)
+
+    def search(margin: float, stats=None):
+        return search_budgets(PolicyConfig(option_margin=margin), costs, book,
+                              candidates(1, stats={} if stats is None else stats), 0, 0)
+
+    lead = search(0.0).rates.trees / search(0.0).rates.configured
+    assert 1.05 < lead < 1.10
+    assert search(0.05).best[0] == search(0.05).every[1] == deep
+    assert search(0.10).best[0] == search(0.10).every[1] == tree
+    assert search(0.10).rates == search(0.0).rates  # the audit's figures do not move
+    with pytest.raises(ValueError, match="option-margin"):
+        PolicyConfig(option_margin=-0.1)
+    # A draft that is never right: no tree pays, margin or not.
+    never_right = AcceptanceBook()
+    for o in CFG.auto_options():
+        for _ in range(40):
+            never_right.record(o, 0)
+    for _ in range(40):
+        never_right.levels.record(MainPath(depth=5, accepted=0))
+    bad = {o: (0.0, 50.0) for o in CFG.auto_options()}
+    assert search_budgets(PolicyConfig(option_margin=0.5), costs, never_right, candidates(1, stats=bad), 0,
+                          0).best is None
+
+
 def test_depth_options_are_left_out_until_a_main_path_is_measured_and_never_explored():
     """An untried deep chain on an optimistic prior of half its depth would be every cold start's
     first tree; it is priced only from measured levels, and exploration keeps to the other options."""
