@@ -96,8 +96,8 @@ class CoreConfig:
     # one candidate: fed steps that cost less price plain decoding higher while requests are awake.
     fed_grants: bool = False
     # Recorded steps by which a close first probe of trees is lengthened, judged on its mean (LoadGate's
-    # close_probe_steps; 0: off, the default until the H200 has measured it).
-    gate_close_probe_steps: int = 0
+    # close_probe_steps; 0: off). 16 by default: measured on the H200 (BENCHMARKS.md, "Common draws").
+    gate_close_probe_steps: int = 16
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 

@@ -92,11 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "features while the policy declines trees): the target pushes each granted step's "
                         "features to the drafts, up to the policy's next choice. Off by default: not shown to "
                         "pay on the H200 (BENCHMARKS.md, \"Fed grants\")")
-    p.add_argument("--gate-close-probe-steps", type=int, default=0, metavar="N",
+    p.add_argument("--gate-close-probe-steps", type=int, default=16, metavar="N",
                    help="where the load gate's first probe of trees at a load ends within its margin of plain "
                         "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
-                        "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off "
-                        "(default), until measured on a GPU (BENCHMARKS.md, \"Where `auto` lost at a tie\")")
+                        "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off; "
+                        "default 16 (measured on the H200: BENCHMARKS.md, \"Common draws\")")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "

@@ -890,18 +890,21 @@ def test_a_close_first_verdict_is_measured_again_in_full_and_judged_afresh():
 
     # Plain measured first (the cost model preferred it): its re-probe falls due before the second opinion
     # would, and is that second opinion, judged afresh: plain wins when that one probe ends, not after a
-    # re-probe held by the margin and then a second probe of plain.
-    gate = LoadGate()
-    assert not gate.allow_spec(16, lambda: False)
-    run_gate(gate, 16, 8, spec_rate=1, plain_rate=100.0)
-    run_gate(gate, 16, 8, spec_rate=107.0, plain_rate=100.0)
-    plain_steps = 0
-    for _ in range(200):
-        spec = gate.allow_spec(16)
-        plain_steps += not spec
-        if gate.record(16, spec, 16, 16 / (97.0 if spec else 100.0)) is False:  # the verdict turns to plain
-            break
-    assert plain_steps == gate.probe_steps  # after one probe of plain decoding
+    # re-probe held by the margin and then a second probe of plain. Where the close first probe of trees
+    # is lengthened (the default), its steps at 97 bring its mean under plain's before it ends, and plain
+    # wins then, with no plain step more.
+    for close_probe_steps, plain_steps_to_win in ((0, LoadGate.probe_steps), (16, 0)):
+        gate = LoadGate(close_probe_steps=close_probe_steps)
+        assert not gate.allow_spec(16, lambda: False)
+        run_gate(gate, 16, 8, spec_rate=1, plain_rate=100.0)
+        run_gate(gate, 16, 8, spec_rate=107.0, plain_rate=100.0)
+        plain_steps = 0
+        for _ in range(200):
+            spec = gate.allow_spec(16)
+            plain_steps += not spec
+            if gate.record(16, spec, 16, 16 / (97.0 if spec else 100.0)) is False:  # the verdict turns to plain
+                break
+        assert plain_steps == plain_steps_to_win
 
 
 def test_a_close_first_verdict_for_plain_decoding_gets_no_second_probe_of_trees():
@@ -926,8 +929,9 @@ def test_a_close_first_verdict_for_plain_decoding_gets_no_second_probe_of_trees(
         return seen
 
     seen = run(plain_rate=108.0)
-    assert seen[:16] == [False] * 8 + [True] * 8
-    assert not any(seen[16:])  # no second probe of trees
+    trees_end = 16 + LoadGate.close_probe_steps  # a close first probe of trees runs longer
+    assert seen[:trees_end] == [False] * 8 + [True] * (trees_end - 8)
+    assert not any(seen[trees_end:])  # no second probe of trees
     seen = run(plain_rate=92.0)  # trees win as close: plain decoding is measured again
     assert seen[:16] == [False] * 8 + [True] * 8
     assert not all(seen[16:16 + 2 * LoadGate.stale_after])
