@@ -37,8 +37,10 @@ class PolicyConfig:
     # track (2026-12-04, 0.8, 2 and 8 requests) auto switched among 5/4/8, 5/1/6, 6/8/16 and 10/1/11 from
     # step to step; each delivered within a few percent of the others or less (the 10-level chain at 8
     # requests: 1770 tok/s against 5/4/8's 1957), and auto's tree steps took 0.7-2 ms more than
-    # `always`'s for as many tokens.
-    option_margin: float = 0.0
+    # `always`'s for as many tokens. With 0.05 (same track, the forced draws common to the modes, two
+    # serves back to back) auto / max at two requests read 0.99, 0.98 and 1.00 a round, against 0.96,
+    # 0.94 and 0.95 with 0; at one request 1.00 both ways (BENCHMARKS.md, "Common draws").
+    option_margin: float = 0.05
 
     def __post_init__(self) -> None:
         if self.mode not in ("never", "always", "auto"):
