@@ -30,7 +30,7 @@ from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway import tracing
 from gateway.clients import DraftClient, TargetClient, TargetUnavailable
 from gateway.draft_pool import DraftPool, DraftReplica
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, observe_times
 from gateway.policy import (
     NO_SPEC,
     AcceptanceBook,
@@ -872,9 +872,11 @@ class GatewayCore:
     # --- update ------------------------------------------------------------------------
     def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
         self._target_usage(outcome.load)
+        verified: list[tuple[int, int]] = []  # (drafted, accepted) per tree: the metrics move once a step
         for it, res in zip(outcome.items, outcome.results, strict=True):
             self._apply(it, res, outcome.trees.get(res.request_id), plan.budgets.get(res.request_id, NO_SPEC),
-                        outcome.held_features)
+                        outcome.held_features, verified)
+        self.metrics.record_verifies(self.model_name, verified)
         if outcome.granted:  # the target still feeds the grant's requests: release them after it
             self._retire_finished()
         else:
@@ -885,7 +887,8 @@ class GatewayCore:
             self._flush_ingests()
 
     def _apply(self, it: PlannedItem, res: SequenceResult, tree: DraftTree | None, budget: DraftBudget,
-               held: bool = False) -> None:
+               held: bool, verified: list[tuple[int, int]]) -> None:
+        """One item's result lands in its request; a verified tree's (drafted, accepted) goes to `verified`."""
         req = it.request
         if req.phase == Phase.FINISHED:
             return
@@ -899,7 +902,7 @@ class GatewayCore:
         if tree is not None:
             accepted = len(res.accepted_nodes)
             stats = stats.after_verify(len(tree.tokens), accepted)
-            self.metrics.record_verify(self.model_name, len(tree.tokens), accepted)
+            verified.append((len(tree.tokens), accepted))
             req.acceptance.record(budget, accepted)
             self.book.record(budget, accepted)
             # The step's node 0 is the root token (DraftTree.verify_tree): the tree's node i is its i + 1.
@@ -922,9 +925,7 @@ class GatewayCore:
         if first:
             self.metrics.ttft.observe(now - req.arrival)
         elif prev_last is not None and delta.token_ids:
-            gap = (now - prev_last) / len(delta.token_ids)
-            for _ in delta.token_ids:
-                self.metrics.itl.observe(gap)
+            observe_times(self.metrics.itl, (now - prev_last) / len(delta.token_ids), len(delta.token_ids))
         self._emit(req, delta)
         if req.phase != Phase.FINISHED:
             self._feed_draft(req, old_len, res, defer=tree is not None, held=held)

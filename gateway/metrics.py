@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import bisect
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -12,9 +13,27 @@ from gateway.policy import AuditArm, AuditRow
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def observe_times(histogram: Histogram, value: float, times: int) -> None:
+    """`times` observations of one value: what `times` calls of `histogram.observe(value)` record, with
+    one lock for the sum and one for the bucket instead of two per call. Why: the gateway observes each
+    output token's inter-token gap, and a step of 8 requests with trees commits about 30 tokens (a
+    profile of `bench/gateway_step.py` at 8 requests: metric updates were 22% of the gateway's step).
+    Falls back to the calls where this prometheus-client keeps its buckets otherwise."""
+    if times <= 0:
+        return
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for _ in range(times):
+            histogram.observe(value)
+        return
+    histogram._raise_if_not_observable()
+    total.inc(value * times)
+    buckets[bisect.bisect_left(bounds, value)].inc(times)  # the first bucket whose bound >= value, as observe
+
+
 class _VerifySeries:
-    """One model's children of the vLLM-named verify counters, looked up once: record_verify
-    runs per verified request per step, and each `.labels()` takes a lock and builds a key.
+    """One model's children of the vLLM-named verify counters, looked up once: record_verifies
+    runs every step with trees, and each `.labels()` takes a lock and builds a key.
     Per-position children are made on first use, when `.labels()` would have made them."""
 
     def __init__(self, metrics: GatewayMetrics, model_name: str):
@@ -186,16 +205,23 @@ class GatewayMetrics:
         self.vllm_prompt_tokens.labels(**labels).inc(prompt_tokens)
         self.vllm_generation_tokens.labels(**labels).inc(completion_tokens)
 
-    def record_verify(self, model_name: str, drafted: int, accepted: int) -> None:
-        """One verified tree: `drafted` nodes, `accepted` of them on the kept path."""
-        self.num_drafts.inc()
+    def record_verifies(self, model_name: str, trees: Iterable[tuple[int, int]]) -> None:
+        """A step's verified trees, each (drafted nodes, accepted of them on the kept path): each counter
+        moves once a step, not once a tree (and a position's once a step, not once a tree that reached it)."""
+        trees = list(trees)
+        if not trees:
+            return
+        drafted = sum(d for d, _ in trees)
+        accepted = sum(a for _, a in trees)
+        self.num_drafts.inc(len(trees))
         self.num_draft_tokens.inc(drafted)
         self.num_accepted_tokens.inc(accepted)
         series = self._verify_series.get(model_name)
         if series is None:
             series = self._verify_series[model_name] = _VerifySeries(self, model_name)
-        series.drafts.inc()
+        series.drafts.inc(len(trees))
         series.draft_tokens.inc(drafted)
         series.accepted_tokens.inc(accepted)
-        for position in range(accepted):
-            series.accepted_at(position).inc()
+        reached = sorted(a for _, a in trees)  # trees that accepted at position p: those with a > p
+        for position in range(reached[-1]):
+            series.accepted_at(position).inc(len(reached) - bisect.bisect_right(reached, position))
