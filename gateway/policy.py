@@ -864,6 +864,13 @@ class LoadGate:
     # (see spend), and what the last probe lost against the arm that won, in seconds.
     _probe_spent: dict[int, list[float]] = field(default_factory=dict)
     _probe_lost: dict[int, float] = field(default_factory=dict)
+    # bucket -> [seconds, committed tokens] of the decode steps after a probe of plain decoding that trees
+    # won, up to the first recorded tree step: the drafts catching up on the tokens the probe's granted
+    # steps did not feed them, which is what that probe lost too (added to _probe_lost there). On the H200
+    # scale track (0.8, 8 requests, 2026-12-04) each re-probe of plain, 8 granted steps, was followed by 4-6
+    # plain steps that fed the drafts, at 8.7 ms each against 5.3 granted and 16-17 for a tree step of 29
+    # tokens; the probe's own steps lost 6.5 ms, the catch-up about 25.
+    _catch_up: dict[int, list[float]] = field(default_factory=dict)
     # bucket -> arm steps at that load since a first verdict that came within `margin` (see allow_spec).
     _unsettled: dict[int, int] = field(default_factory=dict)
     # bucket -> the predictions of the configured tree for every auto request (Rates.configured); an
@@ -911,6 +918,7 @@ class LoadGate:
         for arm, key in order:
             if arm.samples == 0:
                 self._probing[b] = Probe(key, self.probe_steps, False)
+                self._catch_up.pop(b, None)
                 return key
         if b not in self._verdict:
             self._set_verdict(b, self._judge(b))
@@ -929,6 +937,7 @@ class LoadGate:
             self._unsettled.pop(b, None)
             self._probing[b] = Probe(spec=not spec_wins, steps_left=self.probe_steps, reprobe=not second,
                                      second=second)
+            self._catch_up.pop(b, None)
             return not spec_wins
         return spec_wins
 
@@ -968,7 +977,7 @@ class LoadGate:
             arm = self.arms.get((b, spec))
             if arm is not None:
                 arm.goodput, arm.seconds, arm.samples, arm.since = 0.0, 0.0, 0, 0
-        for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost):
+        for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost, self._catch_up):
             state.pop(b, None)
         if b in self._probing:
             self._drop_probe(b)
@@ -1060,23 +1069,38 @@ class LoadGate:
         the drafts, a round that captured a graph): while a probe runs at its load, what the probe
         costs. Call before record, which may end the probe with this very step."""
         b = batch_bucket(seqs)
-        if b in self._probing:
-            spent = self._probe_spent.setdefault(b, [0.0, 0.0])
+        spent = self._probe_spent.setdefault(b, [0.0, 0.0]) if b in self._probing else self._catch_up.get(b)
+        if spent is not None:
             spent[0] += seconds
             spent[1] += committed
 
     def _end_probe(self, b: int) -> None:
-        del self._probing[b]
+        probe = self._probing.pop(b)
         seconds, committed = self._probe_spent.pop(b, (0.0, 0.0))
         winner = self.arms[(b, self._verdict[b])]
         if winner.goodput > 0:
             self._probe_lost[b] = max(0.0, seconds - committed / winner.goodput)
+            if not probe.spec and self._verdict[b]:
+                self._catch_up[b] = [0.0, 0.0]
+
+    def _end_catch_up(self, b: int, committed: int, seconds: float) -> None:
+        """The first recorded tree step after a probe of plain decoding that trees won (its own seconds and
+        tokens, already spent into the catch-up, are taken out): what the steps between lost joins what
+        the probe lost."""
+        spent = self._catch_up.pop(b)
+        trees = self.arms[(b, True)]
+        if trees.goodput > 0:
+            tail_seconds, tail_committed = spent[0] - seconds, spent[1] - committed
+            self._probe_lost[b] = (self._probe_lost.get(b, 0.0)
+                                   + max(0.0, tail_seconds - tail_committed / trees.goodput))
 
     def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
         """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
         if seconds <= 0:
             return None
         b = batch_bucket(seqs)
+        if spec and b in self._catch_up:
+            self._end_catch_up(b, committed, seconds)
         if b in self._unsettled:
             self._unsettled[b] += 1
         # Only steps of the probed arm count towards a probe: while trees are probed the cost

@@ -582,6 +582,39 @@ def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the
     assert sum(seen[-150:]) >= 140  # trees paid at the next re-probe; now plain gets the short re-probes
 
 
+def test_a_re_probe_of_plain_decoding_is_charged_the_drafts_catch_up_that_follows_it():
+    """H200 scale track (0.8, 8 requests, 2026-12-04): trees won at 8-15 sequences (29 tokens in 16 ms
+    against 8 in 5.3), and every 48 tree steps a re-probe of plain decoding ran granted steps that fed no
+    draft; the drafts then caught up in 4-6 plain steps that fed them (8.7 ms each) before trees resumed.
+    Those steps are what the re-probe cost, and the next one waits until its cost is the gate's budget."""
+    def tree_steps_between_plain_probes(catch_up_steps: int) -> list[int]:
+        gate = LoadGate()
+        kinds, behind = [], 0
+        for _ in range(1500):
+            spec = gate.allow_spec(8)
+            if spec and kinds and kinds[-1] == "plain":
+                behind = catch_up_steps
+            gate.spend(8, *((8, 0.0087) if spec and behind else (29, 0.016) if spec else (8, 0.0053)))
+            if spec and behind:  # the drafts are behind: a plain step that feeds them, no arm's
+                behind -= 1
+                kinds.append("fed")
+                continue
+            gate.record(8, spec, *((29, 0.016) if spec else (8, 0.0053)))
+            kinds.append("trees" if spec else "plain")
+        runs, count = [], 0
+        for kind in kinds:
+            if kind == "trees":
+                count += 1
+            elif kind == "plain" and count:
+                runs.append(count)
+                count = 0
+        return runs[1:]  # after the first probes
+
+    assert all(40 <= run <= 60 for run in tree_steps_between_plain_probes(0))
+    spaced = tree_steps_between_plain_probes(6)
+    assert spaced and all(run >= 150 for run in spaced)
+
+
 def test_a_probe_that_costs_more_than_its_recorded_steps_comes_back_later():
     """Issue 14: a probe of trees wakes dormant requests, whose fed steps (no arm's) come before any
     tree. What the probe cost in all (LoadGate.spend) sets the wait for the next, not only its
