@@ -38,8 +38,8 @@ class PolicyConfig:
     # step to step; each delivered within a few percent of the others or less (the 10-level chain at 8
     # requests: 1770 tok/s against 5/4/8's 1957), and auto's tree steps took 0.7-2 ms more than
     # `always`'s for as many tokens. With 0.05 (same track, the forced draws common to the modes, two
-    # serves back to back) auto / max at two requests read 0.99, 0.98 and 1.00 a round, against 0.96,
-    # 0.94 and 0.95 with 0; at one request 1.00 both ways (BENCHMARKS.md, "Common draws").
+    # serves back to back) auto / max at two requests read 0.98-1.00 a round, against 0.94-0.98 with 0
+    # in two serves; at one request about 1.00 both ways (BENCHMARKS.md, "Common draws").
     option_margin: float = 0.05
 
     def __post_init__(self) -> None:
@@ -855,7 +855,8 @@ class LoadGate:
     # after the prompts' charges, for plain decoding, where `always` then delivered 1.12x `never`: a step's
     # acceptance varies that much, so six steps cannot tell arms a few percent apart. With 16 more steps
     # (same track, thirty-first session, off against on in one call) auto / max at 4 requests went from
-    # 0.72-0.73 to 0.96-0.98, and at 8 from 0.85-0.90 to 0.91-0.95.
+    # 0.79-0.87 a round to 0.97-1.00; at 8, where the two modes were 2-6% apart, it read 0.94-0.99 without
+    # and 0.86-0.97 with (BENCHMARKS.md, "Common draws").
     close_probe_steps: int = 16
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
