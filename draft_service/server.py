@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens, positions and ancestor masks) in one Triton launch instead of about twenty torch "
                         "ops, each level's q, k and v written into their slots by the RoPE kernel, and the kept "
                         "nodes' selection in one launch instead of about fifteen; Triton attention only (a GPU). "
-                        "Off by default until measured on a GPU")
+                        "Off by default: on the H200 the draft call was 9-15%% faster, a served round has not "
+                        "shown it (BENCHMARKS.md, \"A growth level's bookkeeping in one launch\")")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 

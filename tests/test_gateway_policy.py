@@ -670,6 +670,29 @@ def test_a_tree_steps_price_from_its_deepest_level_and_expansions_is_the_price_o
         assert costs.tree_step_time(40, 9, 5, 3 + k * 20) == pytest.approx(costs.step_time(40, 9, budgets))
 
 
+def scale_track_costs() -> CostModel:
+    """About the H200 scale track's profile at one request: a 7.2 ms step, draft levels of 0.25 ms."""
+    return CostModel(target_base=7.2e-3, target_per_token=2e-5, target_per_seq=4e-5, draft_base=2.5e-3,
+                     draft_per_level=2.5e-4, draft_per_expansion=2e-5)
+
+
+def forced_main_paths(per_level: float) -> AcceptanceBook:
+    """A book after 400 verified 5/4/8 trees whose main path is accepted at `per_level` a level and whose side
+    branches never are (the scale track's forcing), with what each chain would have accepted."""
+    tree = CFG.fixed_budget
+    book = AcceptanceBook()
+    rng = random.Random(0)
+    for _ in range(400):
+        run = 0
+        while run < tree.steps and rng.random() < per_level:
+            run += 1
+        book.record(tree, run)
+        book.levels.record(MainPath(depth=tree.steps, accepted=run))
+        for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.explored_options(), tree):
+            book.record(chain, accepted)
+    return book
+
+
 def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_chains_than_the_tree():
     """A draft whose main path is accepted at 0.8 a level and whose side branches never are (the scale
     track's forcing): the configured 5/4/8 tree commits what a 5-deep chain does for more nodes, and a
@@ -677,23 +700,9 @@ def test_where_each_levels_best_guess_is_what_gets_accepted_auto_drafts_deeper_c
     At 0.5 a level the deep chain's last levels add almost nothing and a shorter chain wins."""
     deep, chain5, tree = CFG.auto_options()[4], CFG.auto_options()[3], CFG.fixed_budget
     assert (deep, chain5) == (DraftBudget(10, 1, 11), DraftBudget(5, 1, 6))
-    # About the H200 scale track's profile at one request: a 7.2 ms step, draft levels of 0.25 ms.
-    costs = CostModel(target_base=7.2e-3, target_per_token=2e-5, target_per_seq=4e-5, draft_base=2.5e-3,
-                      draft_per_level=2.5e-4, draft_per_expansion=2e-5)
 
     def best(per_level: float) -> DraftBudget | None:
-        """After 400 verified 5/4/8 trees whose main path is accepted at `per_level` a level."""
-        book = AcceptanceBook()
-        rng = random.Random(0)
-        for _ in range(400):
-            run = 0
-            while run < tree.steps and rng.random() < per_level:
-                run += 1
-            book.record(tree, run)
-            book.levels.record(MainPath(depth=tree.steps, accepted=run))
-            for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.explored_options(), tree):
-                book.record(chain, accepted)
-        search = search_budgets(CFG, costs, book, candidates(1, stats={}), 0, 0)
+        search = search_budgets(CFG, scale_track_costs(), forced_main_paths(per_level), candidates(1, stats={}), 0, 0)
         return None if search.best is None else search.best[0]
 
     # Levels 6-10, which no 5/4/8 tree reaches, are priced at level 5's measured rate.
@@ -706,18 +715,7 @@ def test_with_an_option_margin_auto_leaves_the_configured_tree_only_for_an_optio
     a 5% margin still drafts it, a 10% margin keeps the configured tree, for the best trees and for
     the tree every request gets in a probe; the margin never puts trees where plain decoding wins."""
     tree, deep = CFG.fixed_budget, DraftBudget(10, 1, 11)
-    costs = CostModel(target_base=7.2e-3, target_per_token=2e-5, target_per_seq=4e-5, draft_base=2.5e-3,
-                      draft_per_level=2.5e-4, draft_per_expansion=2e-5)
-    book = AcceptanceBook()
-    rng = random.Random(0)
-    for _ in range(400):
-        run = 0
-        while run < tree.steps and rng.random() < 0.8:
-            run += 1
-        book.record(tree, run)
-        book.levels.record(MainPath(depth=tree.steps, accepted=run))
-        for chain, accepted in chains_would_accept(MainPath(tree.steps, run), CFG.explored_options(), tree):
-            book.record(chain, accepted)
+    costs, book = scale_track_costs(), forced_main_paths(0.8)
 
     def search(margin: float, stats=None):
         return search_budgets(PolicyConfig(option_margin=margin), costs, book,
