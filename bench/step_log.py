@@ -10,10 +10,11 @@ steps of one kind (and batch size) with its quiet count, in order. A level's win
 timestamps (a level starts where the previous one's last request ended). --budgets also prints, per
 set of draft budgets a plan chose (its `step N: ... trees [...]` line, whose step is `step N+1 done`),
 the tree steps, their milliseconds and committed tokens, tokens per step and tok/s: which trees auto
-chose and what each delivered. --levels also prints, per level of the `tandem bench` run whose bench.json
-it is given (each level's window: its started_at and ended_at), where the level's step time went: decode
-steps with trees, plain decode steps that fed no draft, plain steps that fed the drafts, and steps that
-carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
+chose and what each delivered; and, where the lines carry them, the mean milliseconds of each gateway phase
+(schedule, draft, execute, update) of those steps. --levels also prints, per level of the `tandem bench`
+run whose bench.json it is given (each level's window: its started_at and ended_at), where the level's step
+time went: decode steps with trees, plain decode steps that fed no draft, plain steps that fed the drafts, and
+steps that carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
 the load gate must charge an arm beyond its decode steps).
 """
 
@@ -28,7 +29,9 @@ from datetime import datetime
 from pathlib import Path
 
 STEP = re.compile(r"(\d\d:\d\d:\d\d,\d+) gateway DEBUG step (\d+) done: (\d+) seqs, (\d+) trees, granted (\d+), "
-                  r"fed draft (\w+), decode (\w+), (\d+) committed, ([\d.]+) ms, quiet (\d+)")
+                  r"fed draft (\w+), decode (\w+), (\d+) committed, ([\d.]+) ms, quiet (\d+)"
+                  r"(?:, ingests queued \d+, phases ([\d./]+) ms)?")  # phases: from 2026-12-04 (session 32)
+PHASES = ("schedule", "draft", "execute", "update")
 PLAN = re.compile(r"gateway DEBUG step (\d+): \d+ items, \d+ tokens, trees \[([^\]]*)\]")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # the logging module's asctime
 STEP_KINDS = ("trees", "plain", "fed", "prompt")
@@ -90,16 +93,23 @@ def print_budgets(text: str, rows: list[tuple[str, ...]]) -> None:
             chosen[int(m.group(1)) + 1] = ", ".join(f"{b} x{budgets.count(b)}" if budgets.count(b) > 1 else b
                                                    for b in dict.fromkeys(budgets))
     by_budgets: dict[str, list[float]] = {}
+    phase_ms: dict[str, list[list[float]]] = {}  # budgets -> each step's (schedule, draft, execute, update) ms
     for row in rows:
         if row[3] != "0" and int(row[1]) in chosen:
             total = by_budgets.setdefault(chosen[int(row[1])], [0, 0.0, 0])
             total[0] += 1
             total[1] += float(row[8])
             total[2] += int(row[7])
-    print(f"\n{'budgets':<32} {'steps':>6} {'ms':>9} {'committed':>9} {'per step':>8} {'tok/s':>8}")
+            if row[10]:
+                phase_ms.setdefault(chosen[int(row[1])], []).append([float(part) for part in row[10].split("/")])
+    # Where a step's milliseconds went, by the gateway's phases (the mean over the steps that logged them).
+    phase_head = " ".join(f"{name:>8}" for name in PHASES) if phase_ms else ""
+    print(f"\n{'budgets':<32} {'steps':>6} {'ms':>9} {'committed':>9} {'per step':>8} {'tok/s':>8} {phase_head}")
     for budgets, (steps, ms, committed) in sorted(by_budgets.items(), key=lambda item: -item[1][0]):
+        logged = phase_ms.get(budgets, [])
+        means = " ".join(f"{sum(col) / len(logged):>8.2f}" for col in zip(*logged)) if logged else ""
         print(f"{budgets:<32} {steps:>6} {ms:>9.1f} {committed:>9} {committed / steps:>8.2f} "
-              f"{1000 * committed / ms:>8.1f}")
+              f"{1000 * committed / ms:>8.1f} {means}".rstrip())
 
 
 def step_kind(trees: str, fed: str, decode: str) -> str:

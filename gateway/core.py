@@ -377,14 +377,18 @@ class GatewayCore:
         t0 = time.perf_counter()
         phase["draft"].observe(t0 - t1)
         timeline.mark("gw.draft.end")
+        # (schedule, draft): the round's first target step carries them, a grant's later steps none.
+        before = (t1 - round_start, t0 - t1)
         for outcome in self._execute(plan, trees):
             t1 = time.perf_counter()
-            phase["execute"].observe(t1 - t0)
+            executed = t1 - t0
+            phase["execute"].observe(executed)
             timeline.mark("gw.execute.end")
             self._update(plan, outcome)
             t0 = time.perf_counter()
             phase["update"].observe(t0 - t1)
-            self._record(plan, outcome, round_start)
+            self._record(plan, outcome, round_start, phases=(*before, executed, t0 - t1))
+            before = (0.0, 0.0)
             t1, t0 = t0, time.perf_counter()
             phase["record"].observe(t0 - t1)
             timeline.mark("gw.record.end")
@@ -945,7 +949,10 @@ class GatewayCore:
             self.metrics.record_finished(self.model_name, delta.prompt_tokens, delta.completion_tokens)
 
     # --- record --------------------------------------------------------------------------
-    def _record(self, plan: StepPlan, outcome: StepOutcome, round_start: float) -> None:
+    def _record(self, plan: StepPlan, outcome: StepOutcome, round_start: float,
+                phases: tuple[float, ...] = ()) -> None:
+        """Count the step, teach the cost model and the load gate. `phases`: the step's schedule, draft,
+        execute and update seconds, for the DEBUG line."""
         self.step_count += 1
         if outcome.granted:
             self.metrics.granted_steps.inc()
@@ -980,9 +987,10 @@ class GatewayCore:
         self.metrics.step_kind[_step_kind(outcome, decode)].observe(seconds)
         if log.isEnabledFor(logging.DEBUG):  # one line per target step: where auto's time went, step by step
             log.debug("step %d done: %d seqs, %d trees, granted %d, fed draft %s, decode %s, %d committed, "
-                      "%.2f ms, quiet %d, ingests queued %d", self.step_count, seqs, len(outcome.trees),
-                      outcome.granted, outcome.fed_draft, decode, committed, 1000 * seconds, self._dormancy.quiet,
-                      sum(len(q) for q in self._ingest_queue.values()))
+                      "%.2f ms, quiet %d, ingests queued %d, phases %s ms", self.step_count, seqs,
+                      len(outcome.trees), outcome.granted, outcome.fed_draft, decode, committed, 1000 * seconds,
+                      self._dormancy.quiet, sum(len(q) for q in self._ingest_queue.values()),
+                      "/".join(f"{1000 * part:.2f}" for part in phases) or "-")
         if decode:
             self.metrics.record_decode_step(bucket_range(batch_bucket(seqs)), bool(outcome.trees), committed, seconds)
         self._charge_prompts(plan, outcome, seconds, committed)

@@ -13,6 +13,7 @@ import math
 import queue
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -849,9 +850,9 @@ def test_a_round_that_waits_on_a_replica_taking_in_a_joining_prompt_is_charged_t
         learned[0] += bool(budgets)
         return real_observe(tokens, seqs, budgets, seconds)
 
-    def record(plan, outcome, round_start):
+    def record(plan, outcome, round_start, **phases):
         before = learned[0]
-        real_record(plan, outcome, round_start)
+        real_record(plan, outcome, round_start, **phases)
         rounds.append((plan.draft_prompt_tokens, learned[0] > before))
 
     def charge(fed, prompt_tokens, extra_seconds, bucket=None):
@@ -1221,3 +1222,45 @@ def test_a_woken_request_drafts_only_once_its_replica_has_caught_up_on_the_token
     assert drafts[0].draft_calls > calls_before, "no tree once the replica had caught up"
     gap = [item for item in drafts[0].ingested if item.request_id == "w" and item.start_position == slept_from]
     assert gap and gap[0].features is None, "the slept-through tokens were not sent first, without features"
+
+
+def test_each_steps_debug_line_carries_its_phases_and_bench_step_log_reads_them(tokenizer, tmp_path):
+    """The DEBUG line a step writes (as `tandem serve` formats it) ends with its schedule, draft, execute and
+    update milliseconds, whose sum is the step's own milliseconds for a planned step; bench/step_log.py
+    --budgets averages them per set of trees."""
+    import logging
+    import subprocess
+    import sys
+
+    from tandem.logging_setup import text_formatter
+
+    path = tmp_path / "gateway.log"
+    handler = logging.FileHandler(path)
+    handler.setFormatter(text_formatter("gateway"))
+    logger = logging.getLogger("tandem.gateway")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        core, _, _ = new_core(tokenizer, mode="always")
+        out = submit(core, "a", [3, 4, 5], max_tokens=20)
+        run_until_idle(core)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+    assert tokens_of(out) == expected([3, 4, 5], 20)
+    lines = [line for line in path.read_text().splitlines() if " done: " in line]
+    assert lines
+    for line in lines:
+        step_ms = float(line.split(" committed, ")[1].split(" ms")[0])
+        phases = [float(part) for part in line.split(", phases ")[1].removesuffix(" ms").split("/")]
+        assert len(phases) == 4 and all(part >= 0 for part in phases)
+        assert abs(sum(phases) - step_ms) < 0.05 + 0.01 * step_ms
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(path), "--budgets"], capture_output=True,
+                          text=True, timeout=60, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    budgets = proc.stdout.split("\n\n")[1].splitlines()
+    assert budgets[0].split()[-4:] == ["schedule", "draft", "execute", "update"]
+    assert len(budgets[1].split()) == 1 + 5 + 4  # the budgets, five figures, four phase means

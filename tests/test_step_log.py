@@ -38,6 +38,25 @@ def test_budgets_table_joins_each_plan_to_the_step_it_made(tmp_path):
                     "3/1/4 x2, 5/4/8": ["1", "50.0", "9", "9.00", "180.0"]}
 
 
+def test_budgets_table_averages_the_gateway_phases_where_the_lines_carry_them(tmp_path):
+    """A line that ends with the step's phases (schedule/draft/execute/update ms) adds their means per budgets;
+    lines from before the phases were logged still parse, and count only in the other columns."""
+    with_phases = [done(4, 1, 3, 60) + ", ingests queued 0, phases 0.50/20.00/35.00/4.50 ms",
+                   done(5, 1, 5, 100),
+                   done(6, 1, 1, 40) + ", ingests queued 2, phases 1.50/10.00/25.00/3.50 ms"]
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join([plan(3, ["3/1/4"]), with_phases[0], plan(4, ["5/4/8"]), with_phases[1],
+                              plan(5, ["3/1/4"]), with_phases[2]]))
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--budgets"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    budgets = proc.stdout.split("\n\n")[1].splitlines()
+    assert budgets[0].split()[-4:] == ["schedule", "draft", "execute", "update"]
+    rows = {line[:32].strip(): line[32:].split() for line in budgets[1:]}
+    assert rows == {"3/1/4": ["2", "100.0", "4", "2.00", "40.0", "1.00", "15.00", "30.00", "4.00"],
+                    "5/4/8": ["1", "100.0", "5", "5.00", "50.0"]}
+
+
 def test_levels_table_splits_each_bench_levels_step_time_by_kind(tmp_path):
     """--levels: each level of a bench.json takes the step lines inside its window (its started_at and
     ended_at, against the log's own date and time), and says where its step time went."""
