@@ -98,6 +98,9 @@ class CoreConfig:
     # Recorded steps by which a close first probe of trees is lengthened, judged on its mean (LoadGate's
     # close_probe_steps; 0: off). 16 by default: measured on the H200 (BENCHMARKS.md, "Common draws").
     gate_close_probe_steps: int = 16
+    # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch); below it the
+    # cost model's figures alone decide.
+    gate_min_batch: int = 4
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 
@@ -110,6 +113,8 @@ class CoreConfig:
             raise ValueError(f"max queue must be >= 1, got {self.max_queue}")
         if self.gate_close_probe_steps < 0:
             raise ValueError(f"gate close-probe steps must be >= 0, got {self.gate_close_probe_steps}")
+        if self.gate_min_batch < 1:
+            raise ValueError(f"gate min batch must be >= 1, got {self.gate_min_batch}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -168,7 +173,7 @@ class GatewayCore:
         self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set())
         self.costs = CostModel()
         self.book = AcceptanceBook()
-        self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps)
+        self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)
         self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()

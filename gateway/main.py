@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
                         "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off; "
                         "default 16 (measured on the H200: BENCHMARKS.md, \"Common draws\")")
+    p.add_argument("--gate-min-batch", type=int, default=4, metavar="N",
+                   help="sequences from which the load gate measures speculation against plain decoding and "
+                        "decides between them; below N the cost model's predictions alone decide (default 4)")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --target-wait must be >= 0 seconds")
     if args.gate_close_probe_steps < 0:
         raise SystemExit("error: --gate-close-probe-steps must be >= 0")
+    if args.gate_min_batch < 1:
+        raise SystemExit("error: --gate-min-batch must be at least 1")
     try:
         policy = PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens,
                               option_margin=args.spec_option_margin)
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
-        gate_close_probe_steps=args.gate_close_probe_steps)
+        gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

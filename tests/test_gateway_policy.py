@@ -1027,3 +1027,19 @@ def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for
     # Trees 10% faster on decode steps at 16 sequences: they deliver less there, charged that load's prompts.
     assert run_gate(gate, 16, 40, spec_rate=1100.0, plain_rate=1000.0)[-1] is False
     assert run_gate(gate, 4, 40, spec_rate=1100.0, plain_rate=1000.0)[-1] is True
+
+
+def test_the_gate_min_batch_flag_reaches_the_load_gate_and_a_bad_value_is_refused():
+    """--gate-min-batch sets the sequences from which the load gate decides (default 4, as before)."""
+    from gateway.core import CoreConfig
+    from gateway.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--target", "t:1"]).gate_min_batch == 4
+    assert parser.parse_args(["--target", "t:1", "--gate-min-batch", "2"]).gate_min_batch == 2
+    assert "--gate-min-batch N" in " ".join(parser.format_help().split())
+    with pytest.raises(ValueError, match="gate min batch"):
+        CoreConfig(gate_min_batch=0)
+    gate = LoadGate(min_batch=CoreConfig(gate_min_batch=2).gate_min_batch)
+    assert gate.allow_spec(2, lambda: False) is False  # measured from 2 on: plain decoding probed first
+    assert gate.allow_spec(1, lambda: False) is True  # below it the figures alone decide
