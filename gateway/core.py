@@ -98,9 +98,9 @@ class CoreConfig:
     # Recorded steps by which a close first probe of trees is lengthened, judged on its mean (LoadGate's
     # close_probe_steps; 0: off). 16 by default: measured on the H200 (BENCHMARKS.md, "Common draws").
     gate_close_probe_steps: int = 16
-    # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch); below it the
-    # cost model's figures alone decide.
-    gate_min_batch: int = 4
+    # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch, see there for why
+    # 2); below it the cost model's figures alone decide.
+    gate_min_batch: int = 2
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 

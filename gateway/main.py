@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
                         "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off; "
                         "default 16 (measured on the H200: BENCHMARKS.md, \"Common draws\")")
-    p.add_argument("--gate-min-batch", type=int, default=4, metavar="N",
+    p.add_argument("--gate-min-batch", type=int, default=2, metavar="N",
                    help="sequences from which the load gate measures speculation against plain decoding and "
-                        "decides between them; below N the cost model's predictions alone decide (default 4)")
+                        "decides between them; below N the cost model's predictions alone decide. Default 2 "
+                        "(from 4: measured on the H200, BENCHMARKS.md, \"The gate from two sequences\")")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "

@@ -799,10 +799,15 @@ class LoadGate:
     out), so judging step by step flipped the arms back and forth, each flip
     charged to the arm switched to. For the same reason the first quarter of
     a probe is not recorded.
-    Below `min_batch` sequences the gate stays open: there a step is mostly
-    fixed cost, which the profile (corrected by measured steps, see CostModel)
-    captures, and a few noisy steps at the start of a generation (when
-    acceptance is lowest) would mislead it.
+    Below `min_batch` sequences the gate stays open: a lone request's step is
+    mostly fixed cost, which the profile (corrected by measured steps, see
+    CostModel) captures, and a few noisy steps at the start of a generation
+    (when acceptance is lowest) would mislead it. From two sequences on the gate
+    decides: until 2026-12-04 it did from four, and at two requests on the H200
+    scale track (0.6, where `never` beat `always` by 8-10%) the figures alone
+    predicted trees at 384-394 tok/s that measured 367-376, and auto read
+    0.89-0.91 of `never`; with the gate from two it read 0.96-1.00 (BENCHMARKS.md,
+    "The gate from two sequences").
     The cost model still picks the trees inside the speculative arm; the gate
     catches what the model misses (gateway work, the draft's catch-up of fed
     features, contention between services on shared cores).
@@ -811,7 +816,7 @@ class LoadGate:
     stale_after: int = 48
     probe_steps: int = 8
     margin: float = 1.1  # the other arm must measure this much better to overturn a standing verdict
-    min_batch: int = 4
+    min_batch: int = 2
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
