@@ -15,7 +15,8 @@ chose and what each delivered; and, where the lines carry them, the mean millise
 run whose bench.json it is given (each level's window: its started_at and ended_at), where the level's step
 time went: decode steps with trees, plain decode steps that fed no draft, plain steps that fed the drafts, and
 steps that carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
-the load gate must charge an arm beyond its decode steps).
+the load gate must charge an arm beyond its decode steps); then, where the lines carry them, the mean phases
+of each level's tree steps.
 """
 
 from __future__ import annotations
@@ -130,13 +131,14 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
         except (OSError, ValueError, KeyError) as e:
             print(f"cannot read the levels of {path}: {e}", file=sys.stderr)
             return 1
-    steps = []  # (epoch seconds, kind, committed, ms)
+    steps = []  # (epoch seconds, kind, committed, ms, the step's phases in ms or None)
     for line in text.splitlines():
         stamp, step = STAMP.match(line), STEP.search(line)
         if stamp and step:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             row = step.groups()
-            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8])))
+            phases = [float(part) for part in row[10].split("/")] if row[10] else None
+            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), phases))
     levels = sorted((r for r in results if r.get("started_at") is not None and r.get("ended_at") is not None),
                     key=lambda r: r["started_at"])
     if not levels:
@@ -155,7 +157,24 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
         decode_rate = 1000 * (committed["trees"] + committed["plain"]) / decode_ms if decode_ms else 0.0
         print(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {len(inside):>6} "
               f"{total_ms:>9.1f} {share} {sum(committed.values()):>9} {rate:>8.1f} {decode_rate:>12.1f}")
+    print_level_phases(levels, steps)
     return 0
+
+
+def print_level_phases(levels: list[dict], steps: list[tuple]) -> None:
+    """Per level, the mean gateway phases of its tree steps (where the lines carry them): whether one mode's
+    tree steps cost more than another's at the same load, and in which phase."""
+    rows = []
+    for level in levels:
+        trees = [s[4] for s in steps if level["started_at"] <= s[0] <= level["ended_at"] and s[1] == "trees" and s[4]]
+        if trees:
+            means = " ".join(f"{sum(column) / len(trees):>8.2f}" for column in zip(*trees))
+            rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {len(trees):>6} "
+                        f"{means}")
+    if rows:
+        print(f"\ntree steps' phases, mean ms\n{'mode':<7} {'conc':>5} {'round':>5} {'steps':>6} "
+              + " ".join(f"{name:>8}" for name in PHASES))
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":

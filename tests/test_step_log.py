@@ -94,3 +94,39 @@ def test_levels_table_splits_each_bench_levels_step_time_by_kind(tmp_path):
     assert table[1].split() == ["never", "4", "1", "3", "40.0", "0.0", "50.0", "0.0", "50.0", "11", "275.0", "400.0"]
     assert table[2].split() == ["always", "4", "1", "3", "80.0", "37.5", "0.0", "18.8", "43.8", "19", "237.5",
                                 "400.0"]
+
+
+def test_levels_table_is_followed_by_each_levels_tree_step_phases_where_the_lines_carry_them(tmp_path):
+    """--levels then prints, per level with tree steps that logged their phases, the phases' means: which
+    mode's tree steps cost more at one load, and in which phase."""
+    import json
+    from datetime import datetime
+
+    start = datetime(2026, 12, 4, 10, 0, 0).timestamp()
+
+    def line(at: float, trees: int, ms: float, phases: str | None) -> str:
+        stamp = datetime.fromtimestamp(start + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        tail = f", ingests queued 0, phases {phases} ms" if phases else ""
+        return (f"{stamp} gateway DEBUG step 1 done: 2 seqs, {trees} trees, granted 0, fed draft True, "
+                f"decode True, 6 committed, {ms:.2f} ms, quiet 0{tail}")
+
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join([
+        line(0.5, 2, 12.0, "0.20/3.60/7.50/0.70"),  # always
+        line(0.6, 2, 12.0, "0.40/3.40/7.50/0.70"),
+        line(0.7, 0, 6.0, "0.10/0.00/5.50/0.40"),  # a plain step: not a tree step
+        line(2.5, 2, 12.5, "0.50/4.00/7.50/0.50"),  # auto
+        line(2.6, 2, 12.5, None),  # a line from before the phases were logged
+    ]))
+    levels = [{"mode": "always", "concurrency": 2, "round": 1, "started_at": start, "ended_at": start + 1},
+              {"mode": "auto", "concurrency": 2, "round": 1, "started_at": start + 2, "ended_at": start + 3}]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"meta": {}, "results": levels}))
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("\n\n")[-1].splitlines()
+    assert table[0] == "tree steps' phases, mean ms"
+    assert table[1].split() == ["mode", "conc", "round", "steps", "schedule", "draft", "execute", "update"]
+    assert table[2].split() == ["always", "2", "1", "2", "0.30", "3.50", "7.50", "0.70"]
+    assert table[3].split() == ["auto", "2", "1", "1", "0.50", "4.00", "7.50", "0.50"]
