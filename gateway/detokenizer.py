@@ -49,6 +49,23 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """push() of each token in turn, joined, from two decodes of the window instead of two per token
+        (a verified tree commits several tokens a step). Where the window ends inside a character, each
+        token is pushed alone, so what is emitted and held back is what the pushes one by one give."""
+        if len(token_ids) < 2:
+            return "".join(self.push(token_id) for token_id in token_ids)
+        start = len(self.ids)
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            # As one push would leave it: the emitted window (whole characters) is the next push's context.
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        del self.ids[start:]
+        return "".join(self.push(token_id) for token_id in token_ids)
+
     def flush(self) -> str:
         """The text held back (an incomplete character at the end): the output has ended."""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])

@@ -148,7 +148,15 @@ class Request:
         kept: list[int] = []
         text = ""
         lps: list[TokenLogprob] = []
-        for i, tok in enumerate(new_tokens):
+        head = self._head_that_continues(new_tokens)
+        if head:  # no stop string to find token by token, and none of these ends the output: one decode
+            kept.extend(new_tokens[:head])
+            self.output.extend(kept)
+            if self.params.logprobs is not None:
+                lps.extend(self._logprob(tok, logprobs[i], top_logprobs[i] if top_logprobs else None)
+                           for i, tok in enumerate(kept))
+            text = self._stops.feed(self._detok.push_many(kept))[0]
+        for i, tok in enumerate(new_tokens[head:], start=head):
             kept.append(tok)
             self.output.append(tok)
             piece = self._detok.push(tok)
@@ -179,6 +187,20 @@ class Request:
             self.phase = Phase.FINISHED
         return Delta(tuple(kept), text, tuple(lps) if self.params.logprobs is not None else None,
                      self.finish_reason, len(self.prompt), len(self.output), self.stats)
+
+    def _head_that_continues(self, new_tokens: list[int]) -> int:
+        """How many of a step's first tokens can be committed without looking at their text: none where a
+        stop string is set (it is found token by token); else those before any token that ends the output
+        (an end-of-sequence or stop token id, max_tokens, the model's length), which goes token by token."""
+        if self.params.stop or len(new_tokens) < 2:
+            return 0
+        ends = self.target_stop_ids
+        room = min(self.params.max_tokens - len(self.output), self.max_model_len - self.num_tokens) - 1
+        head = min(len(new_tokens), max(room, 0))
+        for i, tok in enumerate(new_tokens[:head]):
+            if tok in ends:
+                return i
+        return head
 
     def _logprob(self, tok: int, lp: float, top: tuple[list[int], list[float]] | None) -> TokenLogprob:
         def text(t: int) -> str:

@@ -119,6 +119,38 @@ def test_a_tokenizer_without_a_fast_backend_gives_the_same_pieces_through_its_de
     assert [fast.push(t) for t in output] + [fast.flush()] == [slow.push(t) for t in output] + [slow.flush()]
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(BYTE_IDS, min_size=1, max_size=6),
+       output=st.lists(st.integers(len(BYTE_SPECIALS) - 1, BYTE_VOCAB - 1), min_size=1, max_size=24),
+       chunk=st.integers(2, 6), max_tokens=st.integers(1, 30), ignore_eos=st.booleans(),
+       stop_id=st.sampled_from([None, EOS, len(BYTE_SPECIALS) + 65]), logprobs=st.booleans())
+def test_a_steps_tokens_committed_at_once_give_what_committing_them_one_by_one_gives(
+        tokenizer, prompt, output, chunk, max_tokens, ignore_eos, stop_id, logprobs):
+    """A verified tree commits several tokens a step; without a stop string the tokens before the one
+    that ends the output are detokenized in one decode. Whatever the step sizes, end-of-sequence and stop
+    token ids, max_tokens and logprobs, the deltas add up to what one token a step gives."""
+    output = [EOS if t == len(BYTE_SPECIALS) - 1 else t for t in output]  # some end-of-sequence tokens
+
+    def commit_all(step: int) -> tuple:
+        params = GenerationParams(max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=1 if logprobs else None,
+                                  stop_token_ids=(stop_id,) if stop_id is not None else ())
+        req = Request(request_id="r", prompt=prompt, params=params, sink=lambda _d: None,
+                      eos_ids=frozenset({EOS}), tokenizer=tokenizer, max_model_len=4096)
+        tokens, text, lps, reason = [], "", [], None
+        for i in range(0, len(output), step):
+            new = output[i:i + step]
+            delta = req.commit(new, [-0.01 * (i + j) for j in range(len(new))], [], len(prompt) + i, SpecStats())
+            tokens += delta.token_ids
+            text += delta.text
+            lps += [(lp.token_id, lp.token, lp.logprob) for lp in delta.logprobs or ()]
+            if delta.finish_reason:
+                reason = delta.finish_reason
+                break
+        return tokens, text, lps, reason, req.output
+
+    assert commit_all(chunk) == commit_all(1)
+
+
 # ---------------------------------------------------------------------------- end to end
 
 PROMPTS = ["def f(x):", "naïve café ", "€ = ", "// 日本語\n"]
