@@ -590,8 +590,11 @@ class GatewayCore:
                     sched.wake_every = min(max(sched.wake_every, math.ceil(affordable)), self.MAX_WAKE_EVERY)
 
     def _candidate(self, req: Request) -> Candidate:
+        mode = self._mode(req)
+        if mode != SpecMode.AUTO:  # an `always` request drafts the configured tree: its figures choose nothing
+            return Candidate(req.request_id, {}, mode)
         return Candidate(req.request_id, {o: req.acceptance.mean(o) for o in self.cfg.policy.explored_options()},
-                         self._mode(req), levels=req.acceptance.levels)
+                         mode, levels=req.acceptance.levels)
 
     # The dormant audit's search prices every auto request under every option: 0.2 / 0.36 / 0.65 ms a
     # plan at 16 / 32 / 64 requests on the 2-core dev machine (bench/gateway_step.py's fakes), against
