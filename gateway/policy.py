@@ -50,8 +50,9 @@ class PolicyConfig:
         if not 0.0 <= self.option_margin <= 1.0:
             raise ValueError(f"--spec-option-margin must be in [0, 1], got {self.option_margin}")
 
-    @property
+    @functools.cached_property
     def fixed_budget(self) -> DraftBudget:
+        """The configured tree (made once: search_budgets asks for it a dozen times a step)."""
         return DraftBudget(self.steps, self.topk, self.draft_tokens)
 
     def auto_options(self) -> tuple[DraftBudget, ...]:
