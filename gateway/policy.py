@@ -552,6 +552,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
         # (o's own ratio even beside `always` requests' trees of another budget: the step is mostly o's)
         step_base, per_token, per_expansion = costs.tree_step_line(base_seqs, max(fixed_levels, o.steps), o)
         nodes, tree_expansions = o.max_nodes, o.steps * o.topk
+        configured = o == cfg.fixed_budget  # once per option: a budget's == is Python's, not the tuple's
         rate = 0.0
         for k, (expected, c) in enumerate(scored, start=1):
             committed += expected
@@ -575,13 +576,13 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
                     single = (upside, o, c)
             if rate > best_rate * (1 + 1e-9):
                 best_rate, best = rate, (o, ranked[:k])
-            if o == cfg.fixed_budget and rate > plain_now * (1 + 1e-9) and (
+            if configured and rate > plain_now * (1 + 1e-9) and (
                     configured_best is None or rate > configured_best[0]):
                 configured_best = (rate, ranked[:k])
         # k = every auto request
         if every is None or rate > every[0]:
             every = (rate, o)
-        if o == cfg.fixed_budget:
+        if configured:
             configured_rate = rate
     # Another option must beat the configured tree by cfg.option_margin (see there).
     margin = 1 + cfg.option_margin
