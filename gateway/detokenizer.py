@@ -50,9 +50,11 @@ class IncrementalDetokenizer:
         return ""
 
     def push_many(self, token_ids: list[int]) -> str:
-        """push() of each token in turn, joined, from two decodes of the window instead of two per token
-        (a verified tree commits several tokens a step). Where the window ends inside a character, each
-        token is pushed alone, so what is emitted and held back is what the pushes one by one give."""
+        """The text of push() of each token in turn, joined, from two decodes of the window instead of two
+        per token (a verified tree commits several tokens a step). Where the window ends inside a character
+        (or adds no text), each token is pushed alone. The same text as one by one on the byte-level test
+        tokenizer (tests/test_detokenizer_utf8.py), the demo pair's and a SentencePiece-style one (BENCHMARKS.md,
+        "A step's tokens detokenized in one decode")."""
         if len(token_ids) < 2:
             return "".join(self.push(token_id) for token_id in token_ids)
         start = len(self.ids)
