@@ -915,17 +915,24 @@ class GatewayCore:
             accepted = len(res.accepted_nodes)
             stats = stats.after_verify(len(tree.tokens), accepted)
             verified.append((len(tree.tokens), accepted))
-            req.acceptance.record(budget, accepted)
+            # Every tree teaches the global book; a request's own figures choose only an auto request's trees
+            # (_candidate), so only an auto request keeps them.
+            own = req.acceptance if self._mode(req) == SpecMode.AUTO else None
             self.book.record(budget, accepted)
             # The step's node 0 is the root token (DraftTree.verify_tree): the tree's node i is its i + 1.
             drafted_nodes = [node - 1 for node in res.accepted_nodes]
             path = main_path(tree.parents, tree.scores, drafted_nodes)
             if path is not None:
                 self.book.levels.record(path)
-                req.acceptance.levels.record(path)
-            for chain, chain_accepted in chains_would_accept(path, self.cfg.policy.explored_options(), budget):
-                req.acceptance.record(chain, chain_accepted)
+            chains = chains_would_accept(path, self.cfg.policy.explored_options(), budget)
+            for chain, chain_accepted in chains:
                 self.book.record(chain, chain_accepted)
+            if own is not None:
+                own.record(budget, accepted)
+                if path is not None:
+                    own.levels.record(path)
+                for chain, chain_accepted in chains:
+                    own.record(chain, chain_accepted)
         elif it.is_decode:
             stats = stats.after_plain()
             self.metrics.plain_decode_steps.inc()

@@ -293,10 +293,13 @@ def test_each_verified_tree_also_teaches_the_book_what_the_short_chain_would_hav
     assert max(chains) == chain.steps
 
 
-def test_each_verified_tree_teaches_the_book_and_its_request_the_levels_its_main_path_reached(tokenizer):
+def test_each_verified_tree_teaches_the_book_the_levels_its_main_path_reached_and_an_auto_request_its_own(
+        tokenizer):
     """The depth options are priced from acceptance per level of main paths (LevelRates): every verified
-    tree records its main path's depth and accepted run, in the global book and in its request's own
-    figures. The fake draft's tree is a chain of the configured depth: the whole tree is its main path."""
+    tree records its main path's depth and accepted run in the global book, and in its request's own
+    figures where those can choose its trees: an auto request's, not an `always` request's (it drafts the
+    configured tree whatever they say). The fake draft's tree is a chain of the configured depth: the whole
+    tree is its main path."""
     core, _, drafts = new_core(tokenizer, "always")
     drafts[0].wrong_trees = 2
     fixed = core.cfg.policy.fixed_budget
@@ -313,6 +316,17 @@ def test_each_verified_tree_teaches_the_book_and_its_request_the_levels_its_main
     assert len(paths) == len(trees) >= 4
     assert [path.accepted for path in paths] == trees and {path.depth for path in paths} == {fixed.steps}
     assert paths[0].accepted == paths[1].accepted == 0  # the two wrong trees: level 1 reached and missed
+    book = core.book.levels.levels
+    assert len(book) == fixed.steps and all(0 <= accepted <= reached for accepted, reached in book)
+    assert req.acceptance.levels.levels == [] and req.acceptance.mean(fixed) is None  # `always`: none of its own
+
+    core, _, drafts = new_core(tokenizer, "auto")
+    drafts[0].wrong_trees = 2
+    out = submit(core, "b", [1, 2, 3], max_tokens=40)
+    core._take_inbox()
+    req = next(r for r in [*core.waiting, *core.running] if r.request_id == "b")
+    run_until_idle(core)
+    assert tokens_of(out) == expected([1, 2, 3], 40)
     own, book = req.acceptance.levels.levels, core.book.levels.levels
     assert len(own) == len(book) == fixed.steps
     assert all(0 <= accepted <= reached for accepted, reached in own + book)
