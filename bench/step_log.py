@@ -33,6 +33,17 @@ STEP = re.compile(r"(\d\d:\d\d:\d\d,\d+) gateway DEBUG step (\d+) done: (\d+) se
                   r"fed draft (\w+), decode (\w+), (\d+) committed, ([\d.]+) ms, quiet (\d+)"
                   r"(?:, ingests queued \d+, phases ([\d./]+) ms)?")  # phases: from 2026-12-04 (session 32)
 PHASES = ("schedule", "draft", "execute", "update")
+PHASE_HEAD = " ".join(f"{name:>8}" for name in PHASES)
+
+
+def parse_phases(field: str | None) -> list[float] | None:
+    """A step line's phases ("0.20/3.60/7.50/0.70"), in ms; None where the line has none."""
+    return [float(part) for part in field.split("/")] if field else None
+
+
+def phase_means(logged: list[list[float]]) -> str:
+    """The mean of each phase over these steps, as columns under PHASE_HEAD ("" for no step)."""
+    return " ".join(f"{sum(column) / len(logged):>8.2f}" for column in zip(*logged)) if logged else ""
 PLAN = re.compile(r"gateway DEBUG step (\d+): \d+ items, \d+ tokens, trees \[([^\]]*)\]")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # the logging module's asctime
 STEP_KINDS = ("trees", "plain", "fed", "prompt")
@@ -102,15 +113,13 @@ def print_budgets(text: str, rows: list[tuple[str, ...]]) -> None:
             total[1] += float(row[8])
             total[2] += int(row[7])
             if row[10]:
-                phase_ms.setdefault(chosen[int(row[1])], []).append([float(part) for part in row[10].split("/")])
+                phase_ms.setdefault(chosen[int(row[1])], []).append(parse_phases(row[10]))
     # Where a step's milliseconds went, by the gateway's phases (the mean over the steps that logged them).
-    phase_head = " ".join(f"{name:>8}" for name in PHASES) if phase_ms else ""
+    phase_head = PHASE_HEAD if phase_ms else ""
     print(f"\n{'budgets':<32} {'steps':>6} {'ms':>9} {'committed':>9} {'per step':>8} {'tok/s':>8} {phase_head}")
     for budgets, (steps, ms, committed) in sorted(by_budgets.items(), key=lambda item: -item[1][0]):
-        logged = phase_ms.get(budgets, [])
-        means = " ".join(f"{sum(col) / len(logged):>8.2f}" for col in zip(*logged)) if logged else ""
         print(f"{budgets:<32} {steps:>6} {ms:>9.1f} {committed:>9} {committed / steps:>8.2f} "
-              f"{1000 * committed / ms:>8.1f} {means}".rstrip())
+              f"{1000 * committed / ms:>8.1f} {phase_means(phase_ms.get(budgets, []))}".rstrip())
 
 
 def step_kind(trees: str, fed: str, decode: str) -> str:
@@ -137,8 +146,7 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
         if stamp and step:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             row = step.groups()
-            phases = [float(part) for part in row[10].split("/")] if row[10] else None
-            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), phases))
+            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), parse_phases(row[10])))
     levels = sorted((r for r in results if r.get("started_at") is not None and r.get("ended_at") is not None),
                     key=lambda r: r["started_at"])
     if not levels:
@@ -168,12 +176,10 @@ def print_level_phases(levels: list[dict], steps: list[tuple]) -> None:
     for level in levels:
         trees = [s[4] for s in steps if level["started_at"] <= s[0] <= level["ended_at"] and s[1] == "trees" and s[4]]
         if trees:
-            means = " ".join(f"{sum(column) / len(trees):>8.2f}" for column in zip(*trees))
             rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {len(trees):>6} "
-                        f"{means}")
+                        f"{phase_means(trees)}")
     if rows:
-        print(f"\ntree steps' phases, mean ms\n{'mode':<7} {'conc':>5} {'round':>5} {'steps':>6} "
-              + " ".join(f"{name:>8}" for name in PHASES))
+        print(f"\ntree steps' phases, mean ms\n{'mode':<7} {'conc':>5} {'round':>5} {'steps':>6} {PHASE_HEAD}")
         print("\n".join(rows))
 
 

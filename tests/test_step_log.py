@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+START = datetime(2026, 12, 4, 10, 0, 0).timestamp()  # the --levels tests' levels start from here
+
+
+def stamped(at: float) -> str:
+    """The logging module's asctime `at` seconds after START, as a line of the gateway's log begins."""
+    return datetime.fromtimestamp(START + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+
+
+def levels_table(tmp_path: Path, lines: list[str], levels: list[dict]) -> list[str]:
+    """The last table `bench/step_log.py LOG --levels BENCH_JSON` prints for these log lines and levels."""
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join(lines))
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"meta": {}, "results": levels}))
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("\n\n")[-1].splitlines()
 
 
 def plan(step: int, budgets: list[str]) -> str:
@@ -60,19 +80,13 @@ def test_budgets_table_averages_the_gateway_phases_where_the_lines_carry_them(tm
 def test_levels_table_splits_each_bench_levels_step_time_by_kind(tmp_path):
     """--levels: each level of a bench.json takes the step lines inside its window (its started_at and
     ended_at, against the log's own date and time), and says where its step time went."""
-    import json
-    from datetime import datetime
-
-    start = datetime(2026, 12, 4, 10, 0, 0).timestamp()
 
     def line(at: float, seqs: int, trees: int, granted: int, fed: bool, decode: bool, committed: int,
              ms: float) -> str:
-        stamp = datetime.fromtimestamp(start + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
-        return (f"{stamp} gateway DEBUG step 1 done: {seqs} seqs, {trees} trees, granted {granted}, fed draft {fed}, "
-                f"decode {decode}, {committed} committed, {ms:.2f} ms, quiet 0, ingests queued 0")
+        return (f"{stamped(at)} gateway DEBUG step 1 done: {seqs} seqs, {trees} trees, granted {granted}, "
+                f"fed draft {fed}, decode {decode}, {committed} committed, {ms:.2f} ms, quiet 0, ingests queued 0")
 
-    log = tmp_path / "gateway.log"
-    log.write_text("\n".join([
+    table = levels_table(tmp_path, [
         line(0.5, 4, 0, 1, False, True, 4, 10.0),  # never: granted plain steps and a joining prompt
         line(0.6, 4, 0, 1, False, True, 4, 10.0),
         line(0.7, 4, 0, 0, False, False, 3, 20.0),
@@ -80,15 +94,8 @@ def test_levels_table_splits_each_bench_levels_step_time_by_kind(tmp_path):
         line(2.6, 4, 0, 0, True, True, 4, 15.0),
         line(2.7, 4, 0, 0, True, False, 3, 35.0),
         line(9.0, 4, 0, 1, False, True, 4, 10.0),  # after the last level: in no window
-    ]))
-    levels = [{"mode": "never", "concurrency": 4, "round": 1, "started_at": start, "ended_at": start + 1},
-              {"mode": "always", "concurrency": 4, "round": 1, "started_at": start + 2, "ended_at": start + 3}]
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"meta": {}, "results": levels}))
-    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    table = proc.stdout.split("\n\n")[-1].splitlines()
+    ], [{"mode": "never", "concurrency": 4, "round": 1, "started_at": START, "ended_at": START + 1},
+        {"mode": "always", "concurrency": 4, "round": 1, "started_at": START + 2, "ended_at": START + 3}])
     assert table[0].split() == ["mode", "conc", "round", "steps", "ms", "trees", "%", "plain", "%", "fed", "%",
                                 "prompt", "%", "committed", "tok/s", "decode", "tok/s"]
     assert table[1].split() == ["never", "4", "1", "3", "40.0", "0.0", "50.0", "0.0", "50.0", "11", "275.0", "400.0"]
@@ -99,33 +106,20 @@ def test_levels_table_splits_each_bench_levels_step_time_by_kind(tmp_path):
 def test_levels_table_is_followed_by_each_levels_tree_step_phases_where_the_lines_carry_them(tmp_path):
     """--levels then prints, per level with tree steps that logged their phases, the phases' means: which
     mode's tree steps cost more at one load, and in which phase."""
-    import json
-    from datetime import datetime
-
-    start = datetime(2026, 12, 4, 10, 0, 0).timestamp()
 
     def line(at: float, trees: int, ms: float, phases: str | None) -> str:
-        stamp = datetime.fromtimestamp(start + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
         tail = f", ingests queued 0, phases {phases} ms" if phases else ""
-        return (f"{stamp} gateway DEBUG step 1 done: 2 seqs, {trees} trees, granted 0, fed draft True, "
+        return (f"{stamped(at)} gateway DEBUG step 1 done: 2 seqs, {trees} trees, granted 0, fed draft True, "
                 f"decode True, 6 committed, {ms:.2f} ms, quiet 0{tail}")
 
-    log = tmp_path / "gateway.log"
-    log.write_text("\n".join([
+    table = levels_table(tmp_path, [
         line(0.5, 2, 12.0, "0.20/3.60/7.50/0.70"),  # always
         line(0.6, 2, 12.0, "0.40/3.40/7.50/0.70"),
         line(0.7, 0, 6.0, "0.10/0.00/5.50/0.40"),  # a plain step: not a tree step
         line(2.5, 2, 12.5, "0.50/4.00/7.50/0.50"),  # auto
         line(2.6, 2, 12.5, None),  # a line from before the phases were logged
-    ]))
-    levels = [{"mode": "always", "concurrency": 2, "round": 1, "started_at": start, "ended_at": start + 1},
-              {"mode": "auto", "concurrency": 2, "round": 1, "started_at": start + 2, "ended_at": start + 3}]
-    bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"meta": {}, "results": levels}))
-    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    table = proc.stdout.split("\n\n")[-1].splitlines()
+    ], [{"mode": "always", "concurrency": 2, "round": 1, "started_at": START, "ended_at": START + 1},
+        {"mode": "auto", "concurrency": 2, "round": 1, "started_at": START + 2, "ended_at": START + 3}])
     assert table[0] == "tree steps' phases, mean ms"
     assert table[1].split() == ["mode", "conc", "round", "steps", "schedule", "draft", "execute", "update"]
     assert table[2].split() == ["always", "2", "1", "2", "0.30", "3.50", "7.50", "0.70"]
