@@ -981,7 +981,9 @@ class GatewayCore:
         # its draft call; a granted step's time is already the gap between two replies, the update
         # of the one before included. (Charging trees only the target's step had the gate read 4x
         # the goodput `always` delivered at 16-64 requests on the H200, and speculate at a loss.)
-        seconds = outcome.seconds if outcome.granted else time.perf_counter() - round_start
+        # A planned round's phases, when given, end where its update did: the same instant as the DEBUG line's.
+        seconds = outcome.seconds if outcome.granted else (
+            sum(phases) if phases else time.perf_counter() - round_start)
         # Only decode steps measure what the policy chooses between: prefill work in a step
         # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
         decode = all(it.is_decode for it in outcome.items)
