@@ -46,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "demo" / "heldout_prompts.jsonl"
 MODES = ("never", "always", "auto")
+AUDIT_TOLERANCE = 0.15  # issue 14's must-show 2: each arm's prediction within 15% of what its mode delivered
 
 
 @dataclass
@@ -314,16 +315,25 @@ def print_audit(rows: list[LevelResult]) -> None:
     def cell(value: float | None) -> str:
         return f"{value:10.1f}" if value else f"{'-':>10}"
 
+    def ratio(delivered: float | None, mode_rate: float | None) -> str:
+        """Issue 14's must-show 2: the prediction as delivered within 15% of what the mode delivered."""
+        if not delivered or not mode_rate:
+            return f"{'-':>9}"
+        value = delivered / mode_rate
+        return f"{value:8.2f}{'*' if abs(value - 1) > AUDIT_TOLERANCE else ' '}"
+
     print("\nauto's audit, tok/s while decoding, at the level's batch bucket: the policy's mean prediction and the"
           "\ngate's measurement per arm,"
           "\nbeside the decode rate each mode delivered (concurrency x a request's rate after its first token)"
           "\nand its decode steps alone as the gateway timed them ('steps': no prompt chunk of a joining request,"
           "\nas the predictions assume); 'cfg pred': the configured tree for every auto request, as `always` drafts"
           "\nit (set it beside `always`); 'dlv': the prediction as delivered, with what the load gate charges the"
-          "\narm for joining prompts at that load (set it beside the mode's decode rate)")
+          "\narm for joining prompts at that load (set it beside the mode's decode rate); 'cfg/alw' and"
+          f"\n'plain/nev': each 'dlv' over that mode's decode rate, '*' where they differ by over"
+          f" {AUDIT_TOLERANCE:.0%}")
     print(f"{'conc':>5} {'round':>5} {'trees pred':>10} {'trees meas':>10} {'cfg pred':>10} {'cfg dlv':>10} "
           f"{'always':>10} {'steps':>10} {'plain pred':>10} {'plain dlv':>10} {'plain meas':>10} {'never':>10} "
-          f"{'steps':>10} {'auto':>10}")
+          f"{'steps':>10} {'auto':>10} {'cfg/alw':>9} {'plain/nev':>9}")
     for r in audited:
         trees, plain = r.audit["trees"], r.audit["plain"]
         configured = r.audit.get("configured_tree", {})  # absent in runs before it existed
@@ -333,7 +343,9 @@ def print_audit(rows: list[LevelResult]) -> None:
               f"{cell(configured.get('predicted'))} {cell(configured.get('delivered'))} "
               f"{cell(decode.get(('always', *level)))} {cell(steps.get(('always', *level)))} "
               f"{cell(plain['predicted'])} {cell(plain.get('delivered'))} {cell(plain['measured'])} "
-              f"{cell(decode.get(('never', *level)))} {cell(steps.get(('never', *level)))} {cell(r.decode_tok_s)}")
+              f"{cell(decode.get(('never', *level)))} {cell(steps.get(('never', *level)))} {cell(r.decode_tok_s)} "
+              f"{ratio(configured.get('delivered'), decode.get(('always', *level)))} "
+              f"{ratio(plain.get('delivered'), decode.get(('never', *level)))}")
 
 
 def plot(rows: list[LevelResult], path: Path, title: str) -> None:

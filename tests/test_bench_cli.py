@@ -132,13 +132,17 @@ def test_the_audit_sets_the_predictions_beside_what_each_mode_delivered_and_its_
                  level("auto", 7600.0, 10250.0, audit)])
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert row == ["64", "1", "6000.0", "-", "5000.0", "3500.0", "3800.0", "5100.0", "10600.0", "6900.0", "10100.0",
-                   "6700.0", "10300.0", "7600.0"]
+                   "6700.0", "10300.0", "7600.0", "0.92", "1.03"]
+    # An arm delivered over 15% off its prediction is marked.
+    audit["plain"]["delivered"] = 8000.0
+    print_audit([level("never", 6700.0, 10300.0), level("auto", 7600.0, 10250.0, audit)])
+    assert capsys.readouterr().out.strip().splitlines()[-1].split()[-2:] == ["-", "1.19*"]
     # A run from before the delivered figure (bench/auto_report.py reads old bench.json files): '-' there.
     for arm in audit.values():
         del arm["delivered"]
     print_audit([level("auto", 7600.0, 10250.0, audit)])
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
-    assert row[5] == "-" and row[9] == "-"
+    assert row[5] == "-" and row[9] == "-" and row[-2:] == ["-", "-"]
 
 
 def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_first_level():
