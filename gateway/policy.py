@@ -643,11 +643,24 @@ def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     return out
 
 
+TOKENS_WINDOW = 16  # recorded steps over which an arm's tokens a sequence are averaged (see Arm.tokens_per_seq)
+
+
 @dataclass
 class Arm:
-    goodput: float = 0.0  # committed tokens per second of step wall time (decayed mean)
+    goodput: float = 0.0  # committed tokens per second of step wall time: tokens_per_seq x seq_rate
     seconds: float = 0.0  # wall time of a step (decayed mean)
     samples: int = 0
+    # Committed tokens a sequence a step: a running mean over the first TOKENS_WINDOW recorded steps, then
+    # decayed by 1/TOKENS_WINDOW. The goodput is this mean times seq_rate, and a single step is judged at
+    # this mean, not at its own tokens (LoadGate.record): a tree step's cost is steady, its tokens are not.
+    # On the H200 scale track (0.8, two sequences, 2026-12-04) 5/4/8 tree steps took 13.5-15 ms each and
+    # committed 2 to 19 tokens; the goodput, then each step's rate decayed by 0.3 a step, rested on the last
+    # three steps' luck and read 350-440 tok/s where the steps averaged about 540 and plain decoding ran at
+    # 420, and a re-probe judged on its one recorded step ended on a step of 2 tokens: auto decoded plainly
+    # at 0.82-0.91 of `always`.
+    tokens_per_seq: float = 0.0
+    seq_rate: float = 0.0  # sequences stepped per second of step wall time (decayed mean): the cost side
     since: int = 0  # steps of this bucket since the arm was last measured
     predicted: float | None = None  # what the cost model predicted for this arm (decayed mean), for the audit
     # Running sums since start, for an audit over any interval (the difference of two scrapes):
@@ -985,6 +998,7 @@ class LoadGate:
             arm = self.arms.get((b, spec))
             if arm is not None:
                 arm.goodput, arm.seconds, arm.samples, arm.since = 0.0, 0.0, 0, 0
+                arm.tokens_per_seq = arm.seq_rate = 0.0
         for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost, self._catch_up):
             state.pop(b, None)
         if b in self._probing:
@@ -1116,13 +1130,17 @@ class LoadGate:
         probe = self._probing.get(b)
         probing = probe is not None and probe.spec == spec
         recorded = not probing or probe.lengthened or probe.steps_left <= self.probe_steps - self.probe_steps // 4
-        rate = committed / seconds
         this = self.arms.setdefault((b, spec), Arm())
         other = self.arms.setdefault((b, not spec), Arm())
         this.committed_total += committed
         this.seconds_total += seconds
+        rate = committed / seconds
         if recorded:
-            this.goodput = rate if this.samples == 0 else 0.7 * this.goodput + 0.3 * rate
+            weight = 1.0 / min(this.samples + 1, TOKENS_WINDOW)
+            this.tokens_per_seq += weight * (committed / seqs - this.tokens_per_seq)
+            this.seq_rate = seqs / seconds if this.samples == 0 else 0.7 * this.seq_rate + 0.3 * seqs / seconds
+            rate = this.tokens_per_seq * seqs / seconds  # this step's cost at the arm's usual tokens (see Arm)
+            this.goodput = this.tokens_per_seq * this.seq_rate
             this.seconds = seconds if this.samples == 0 else 0.7 * this.seconds + 0.3 * seconds
             this.samples += 1
             this.since = 0
