@@ -419,13 +419,14 @@ class GatewayCore:
                 return None
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
                                f"{self._free_blocks} KV blocks free")
+        plan.load = max(len(self.running) + len(self.waiting), len(plan.items))
         self._dormancy = self._wake_schedule_for(len(plan.items))
         plan.budgets = self._budgets(plan)
         self._track_quiet(plan)
         if log.isEnabledFor(logging.DEBUG):
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
             log.debug("step %d: %d items, %d tokens, trees %s, gate %s", self.step_count,
-                      len(plan.items), plan.num_tokens, spec, self.gate.describe(len(plan.items)))
+                      len(plan.items), plan.num_tokens, spec, self.gate.describe(plan.load))
         return plan
 
     def _mode(self, req: Request) -> SpecMode:
@@ -499,14 +500,18 @@ class GatewayCore:
                           and self._replica(it.request) is not None for it in plan.items)
         # A step of prompts alone asks the gate's standing answer: at a load where plain decoding won,
         # a batch's first prefill fed every prompt's features to the drafts (64 at once on the H200).
-        gate_open = (self.gate.allow_spec(len(plan.items), lambda: search.best is not None) if could_draft
-                     else self.gate.would_allow_spec(len(plan.items)))
+        # The gate judges the gateway's load, not the step's size: a burst of 32 requests takes its
+        # prompts two a step, and judged by those steps' sizes (2, then 4-15 sequences as prompts finished)
+        # it fed the prompts and drafted trees at loads where trees won, then stopped at 16-31. On the H200
+        # scale track (0.8, 2026-12-04) auto's prompt steps at 32 requests took 1.2-1.9x the time of `never`'s so.
+        gate_open = (self.gate.allow_spec(plan.load, lambda: search.best is not None) if could_draft
+                     else self.gate.would_allow_spec(plan.load))
         self._gate_plain = not gate_open
         while self.gate.remeasured:
             bucket, then, now = self.gate.remeasured.pop()
             log.info("load gate, %s sequences: the workload moved from %.1f to %.1f prompt tokens a committed token "
                      "since its verdict: measured afresh", bucket_range(bucket), then, now)
-        probing_trees = gate_open and self.gate.probing_spec(len(plan.items))
+        probing_trees = gate_open and self.gate.probing_spec(plan.load)
         self._gate_probing_trees = could_draft and probing_trees
         if self._gate_plain:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load
@@ -1021,14 +1026,17 @@ class GatewayCore:
             budgets = [plan.budgets[rid] for rid in outcome.trees]
             self.costs.observe(sum(len(it.tokens) for it in outcome.items), seqs, budgets, seconds)
         if decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items):
-            self.gate.spend(seqs, committed, seconds)  # a probe's whole cost, its unrecorded steps too
+            # The gate's load: the step's sequences and the requests it did not carry (see _budgets).
+            gate_load = seqs + plan.load - len(plan.items)
+            self.gate.spend(gate_load, committed, seconds)  # a probe's whole cost, its unrecorded steps too
             sched = self._wake_schedule_for(len(plan.items))
             if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up
                 sched.wake_cost[0] += seconds
                 sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
-            verdict = self.gate.record(seqs, bool(outcome.trees), committed, seconds) if arm_step else None
+            verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load)
+                       if arm_step else None)
             if verdict is not None:
-                log.info("load gate, %s: %s", self.gate.describe(seqs),
+                log.info("load gate, %s: %s", self.gate.describe(gate_load),
                          "speculating" if verdict else "decoding plainly")
 
     def _charge_prompts(self, plan: StepPlan, outcome: StepOutcome, seconds: float, committed: int) -> None:
@@ -1047,7 +1055,7 @@ class GatewayCore:
             tokens = sum(len(it.tokens) for it in decodes) + sum(b.max_nodes for b in budgets)
             price = self.costs.step_time(tokens, len(decodes), budgets)
         self.gate.prompts.observe_prompts(outcome.fed_prompt or catch_up, prompt_tokens, seconds - price,
-                                          bucket=batch_bucket(len(outcome.items)))
+                                          bucket=batch_bucket(plan.load))
 
     # --- draft state ---------------------------------------------------------------
     def _apply_reports(self) -> None:

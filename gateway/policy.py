@@ -1116,11 +1116,12 @@ class LoadGate:
             self._probe_lost[b] = (self._probe_lost.get(b, 0.0)
                                    + max(0.0, tail_seconds - tail_committed / trees.goodput))
 
-    def record(self, seqs: int, spec: bool, committed: int, seconds: float) -> bool | None:
-        """Records a decode step; returns the new verdict (speculate?) when this step ended a probe."""
+    def record(self, seqs: int, spec: bool, committed: int, seconds: float, load: int | None = None) -> bool | None:
+        """Records a decode step of `seqs` sequences at `load` (requests in the gateway, the bucket judged;
+        default seqs); returns the new verdict (speculate?) when this step ended a probe."""
         if seconds <= 0:
             return None
-        b = batch_bucket(seqs)
+        b = batch_bucket(seqs if load is None else load)
         if spec and b in self._catch_up:
             self._end_catch_up(b, committed, seconds)
         if b in self._unsettled:

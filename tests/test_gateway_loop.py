@@ -431,6 +431,42 @@ def test_a_batch_arriving_where_plain_decoding_clearly_won_feeds_its_prompts_to_
     assert first_steps_features(seed_gate=True) == [False]
 
 
+def test_a_burst_whose_prompts_take_several_steps_is_judged_at_its_load_not_at_each_steps_size(tokenizer):
+    """Issue 14: eight requests arrive at once and their prompts take two a step. Where trees won at 2-3
+    sequences and plain decoding at 8-15, the gate judged each step's size: it fed the first steps' prompts
+    to the drafts and drafted trees for the first requests to finish their prompts, then stopped at eight.
+    It judges the gateway's load, eight requests, from the first step on: no features, no tree."""
+    from dataclasses import replace
+
+    from gateway.policy import Arm
+
+    def steps(seed_gate: bool) -> list[list[SequenceStep]]:
+        core, target, _ = new_core(tokenizer, mode="auto")
+        core.cfg = replace(core.cfg, scheduler=SchedulerConfig(max_step_tokens=8, block_size=target.block_size))
+        if seed_gate:
+            for seqs, trees, plain in ((2, 600.0, 400.0), (8, 1000.0, 1600.0)):
+                b = batch_bucket(seqs)
+                core.gate.arms[(b, True)] = Arm(goodput=trees, seconds=0.014, samples=20)
+                core.gate.arms[(b, False)] = Arm(goodput=plain, seconds=0.005, samples=20)
+                core.gate._verdict[b] = trees > plain
+        for i in range(8):
+            submit(core, f"b{i}", [40 + i, 2, 3, 4], max_tokens=12)
+        run_until_idle(core)
+        return target.steps
+
+    def fed_or_drafted(step: list[SequenceStep]) -> bool:
+        return any(it.return_features or len(it.tokens) > it.num_fixed for it in step)
+
+    unseeded = steps(seed_gate=False)
+    assert len(unseeded[0]) == 2 and fed_or_drafted(unseeded[0])  # no verdict yet: the drafts take the prompts
+    seeded = steps(seed_gate=True)
+    # Prompt chunks, then decodes: no step feeds or drafts while the eight run (once they finish and the
+    # load falls to 2-3, trees win again).
+    full = [i for i, step in enumerate(seeded) if len(step) == 8]
+    assert full and len(seeded[0]) == 2, "the eight never decoded in one step"
+    assert not any(fed_or_drafted(step) for step in seeded[:full[-1] + 1])
+
+
 def test_prompts_that_feed_the_drafts_charge_trees_and_prompts_that_do_not_charge_plain(tokenizer):
     """Issue 14: the load gate charges each arm what its prompts cost (PromptCharges). A batch taken in
     while trees may be chosen feeds its prompts to the drafts: a charge for trees; one taken in where
@@ -753,11 +789,12 @@ def test_auto_measures_the_plain_arm_as_plain_decoding_runs_without_feeding_the_
     fed_when_sampled: list[bool] = []
     real_record = core.gate.record
 
-    def record(seqs, spec, committed, seconds):
-        plain = core.gate.arms.get((batch_bucket(seqs), False))
+    def record(seqs, spec, committed, seconds, load=None):
+        bucket = batch_bucket(seqs if load is None else load)
+        plain = core.gate.arms.get((bucket, False))
         before = plain.samples if plain else 0
-        verdict = real_record(seqs, spec, committed, seconds)
-        if not spec and core.gate.arms[(batch_bucket(seqs), False)].samples > before:
+        verdict = real_record(seqs, spec, committed, seconds, load=load)
+        if not spec and core.gate.arms[(bucket, False)].samples > before:
             fed_when_sampled.append(any(it.return_features for it in target.steps[-1]))
         return verdict
 
