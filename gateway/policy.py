@@ -671,6 +671,11 @@ class Arm:
     committed_total: int = 0
     seconds_total: float = 0.0
 
+    def forget(self) -> None:
+        """Drops what the arm measured (the audit's running sums and predictions stay)."""
+        self.goodput = self.seconds = self.tokens_per_seq = self.seq_rate = 0.0
+        self.samples = self.since = 0
+
 
 class AuditArm(enum.StrEnum):
     """What an audit row is about: the gate's two arms, and the configured tree for every auto
@@ -801,13 +806,15 @@ class Probe(NamedTuple):
 class LoadGate:
     """Whether `auto` speculates at all at this load: measured, not predicted.
 
-    Per batch bucket it keeps the goodput of recent steps with trees and
-    without. Each arm is first measured for `probe_steps` steps; then
-    the better arm is chosen, and then kept unless the other measures `margin` times better;
-    where the two came within `margin` and trees won, plain decoding is measured once more in full
-    `stale_after` steps later and the fresh figures decide again (a second opinion);
-    the losing arm is measured again now and then (see `probe_budget`), so a
-    change in load mix or acceptance is noticed.
+    Per load bucket (the requests in the gateway when a step is planned, whatever
+    the step carries: GatewayCore._budgets) it keeps the goodput of recent steps with
+    trees and without, as mean tokens times a decayed step rate (see Arm). Each arm is
+    first measured for `probe_steps` steps; then the better arm is chosen, and then
+    kept unless the other measures `margin` times better; where the two came within
+    `margin` and trees won, plain decoding is measured once more in full `stale_after`
+    steps later and the fresh figures decide again (a second opinion); the losing arm
+    is measured again now and then (see `probe_budget`), so a change in load mix or
+    acceptance is noticed.
     The verdict is taken when a probe ends and held until the next one: the
     first step after a switch pays for it (after plain steps the draft still
     works through the features it was fed; after trees, deferred feeds go
@@ -921,12 +928,16 @@ class LoadGate:
         # and 64-127, levels whose worst rounds read 0.90, 0.89 and 0.93 of the better mode.
         # Where trees later win below, this bucket is new again.
         if self._trees_need_no_probe(b):
-            if probe is not None and probe.spec:
-                # A first probe of trees left pending when its load passed (a burst of short requests
-                # met every bucket before any had a verdict: `tandem bench`'s warm-up) is dropped: on
-                # the H200 such probes ran 8 tree steps at 8-15 and 16-31 sequences where 4-7 had
-                # measured trees at 0.6x.
+            if probe is not None:
+                # A first probe left pending when its load passed (a burst of short requests met every
+                # bucket before any had a verdict: `tandem bench`'s warm-up) is dropped, with the tree steps
+                # it recorded, should this load be new again: on the H200 such probes ran 8 tree steps at
+                # 8-15 and 16-31 sequences where 4-7 had measured trees at 0.6x. Where one had recorded a
+                # tree step it used to run on: on the CPU's emulated track (2026-12-04) the warm-up's bursts,
+                # judged at their loads, left such probes at 8-15 and 16-31, and each ran in a level's first
+                # round (auto 0.93 of `never` at 16 requests, against 1.00 without).
                 self._drop_probe(b)
+                spec.forget()
             return False
         if probe is not None:
             return probe.spec
@@ -997,8 +1008,7 @@ class LoadGate:
         for spec in (True, False):
             arm = self.arms.get((b, spec))
             if arm is not None:
-                arm.goodput, arm.seconds, arm.samples, arm.since = 0.0, 0.0, 0, 0
-                arm.tokens_per_seq = arm.seq_rate = 0.0
+                arm.forget()
         for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost, self._catch_up):
             state.pop(b, None)
         if b in self._probing:
@@ -1006,9 +1016,8 @@ class LoadGate:
         self.prompts.forget(b)
 
     def _trees_need_no_probe(self, b: int) -> bool:
-        """Trees are unmeasured at this load and plain decoding won at a lighter one."""
-        spec = self.arms.get((b, True))
-        return (spec is None or spec.samples == 0) and self._plain_won_below(b)
+        """This load has no verdict (a first probe may be under way) and plain decoding won at a lighter one."""
+        return b not in self._verdict and self._plain_won_below(b)
 
     def _drop_probe(self, b: int) -> None:
         del self._probing[b]

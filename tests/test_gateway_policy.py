@@ -531,6 +531,22 @@ def test_a_probe_of_trees_left_pending_by_a_short_burst_is_dropped_once_plain_cl
     assert any(run_gate(gate, 16, 100, spec_rate=100, plain_rate=200))
 
 
+def test_a_first_probe_left_pending_after_recording_tree_steps_is_dropped_too_and_its_steps_forgotten():
+    """Issue 14: a burst judged at its load (`tandem bench`'s warm-up) met 16-31 sequences, measured plain
+    decoding and then four tree steps (two recorded) before it ended. Once 4-7 has seen plain decoding win,
+    16-31 decodes plainly: the probe is dropped and its tree steps forgotten. It used to run on, in a level's
+    first round (on the CPU's emulated track, auto 0.93 of `never` at 16 requests there)."""
+    gate = LoadGate()
+    assert not gate.allow_spec(16, lambda: False)  # the cost model prefers plain: measured first
+    run_gate(gate, 16, 8, spec_rate=160, plain_rate=200)
+    assert run_gate(gate, 16, 4, spec_rate=160, plain_rate=200) == [True] * 4  # not a clear loss: still probing
+    trees = gate.arms[(batch_bucket(16), True)]
+    assert trees.samples == 2 and gate.probing_spec(16)
+    run_gate(gate, 4, 40, spec_rate=100, plain_rate=200)  # 4-7: plain clearly wins
+    assert not any(run_gate(gate, 16, 100, spec_rate=160, plain_rate=200))
+    assert trees.samples == 0 and not gate.probing_spec(16)
+
+
 def test_a_first_verdict_goes_to_the_arm_that_measured_better_and_then_holds_within_the_margin():
     """Issue 14: plain decoding measured 4% better at 8-15 sequences; the gate kept trees (it only
     switched them off for 10%) where `always` ran at 0.8x `never` on the H200. Now the first
