@@ -444,6 +444,28 @@ class GatewayCore:
         return (link is not None and self._replica(req) is not None and link.sent == req.num_tokens
                 and (link.caught_up or not link.flushed))
 
+    # Settled requests (their replica has taken in all they were sent) on one replica from which a request
+    # that just took in its prompt waits a round for its first tree; see _without_joining_prompts.
+    JOIN_BEHIND_SETTLED = 2
+
+    def _without_joining_prompts(self, ready: list[Request]) -> list[Request]:
+        """`ready` less the requests that just took in their prompts (their first ingest still queued) on a
+        replica where at least JOIN_BEHIND_SETTLED settled requests are ready too. A replica applies its queue
+        before a draft call, so a prompt's ingest sent ahead of the call holds up every tree of that call for
+        the prompt's catch-up, which takes the draft's eager path: on the H200 scale track (0.8, 8 requests,
+        2026-12-04) each such round's draft phase took 12-14 ms against 5-6, and the draft's catch-up
+        Ingest calls 6.8 ms on average. Waiting a round instead, the joining request decodes one token
+        plainly and its prompt's catch-up runs after the call, while the target verifies (_draft). With a
+        round of T seconds, a catch-up of W and a tokens accepted a tree, waiting pays for n settled requests
+        when W (n a + 1) > T (a - 1): from n = 2 where W/T is above 0.32 at a = 3.6 (about 0.45 on the H200
+        at 8 requests). A request alone, or beside one other, still drafts behind its prompt."""
+        settled: dict[int, int] = {}
+        for req in ready:
+            if req.draft.flushed:
+                settled[req.draft.replica] = settled.get(req.draft.replica, 0) + 1
+        return [req for req in ready
+                if req.draft.flushed or settled.get(req.draft.replica, 0) < self.JOIN_BEHIND_SETTLED]
+
     def _replica(self, req: Request) -> DraftReplica | None:
         if req.draft is None:
             return None
@@ -455,14 +477,10 @@ class GatewayCore:
         return min(self.max_model_len - req.num_tokens, req.params.max_tokens - len(req.output)) - 1
 
     def _budgets(self, plan: StepPlan) -> dict[str, DraftBudget]:
-        cands = []
-        for it in plan.items:
-            req = it.request
-            if not it.is_decode or self._mode(req) == SpecMode.NEVER or not self._draft_ready(req):
-                continue
-            if self._draft_room(req) < 1:
-                continue
-            cands.append(self._candidate(req))
+        ready = [it.request for it in plan.items
+                 if it.is_decode and self._mode(it.request) != SpecMode.NEVER and self._draft_ready(it.request)
+                 and self._draft_room(it.request) >= 1]
+        cands = [self._candidate(req) for req in self._without_joining_prompts(ready)]
 
         # What the step's other items commit whatever the policy chooses: one token each that
         # reaches its end (a decode, a prompt's last chunk). Candidates all decode.
@@ -713,14 +731,24 @@ class GatewayCore:
         for req in self.running:  # deferred ingests of requests that do not draft now: send them off
             if req.draft is not None and req.draft.pending is not None and req.request_id not in drafting:
                 self._send_ingest(req)
+        # A replica applies its queue in order: what it must take in before its draft call goes first; the
+        # ingests of its requests that do not draft now go after the call, so that their catch-up (a joining
+        # prompt's, a woken request's gap) runs while the target verifies, not ahead of every tree of the call.
+        after_calls: dict[int, list[tuple[Request, IngestItem]]] = {}
+        for idx in by_replica:
+            before_call = []
+            for req, item in self._ingest_queue.pop(idx, ()):
+                (before_call if req.request_id in drafting else after_calls.setdefault(idx, [])).append((req, item))
+            if before_call:
+                self._ingest_queue[idx] = before_call
         if by_replica:
-            # A replica applies its queue before the draft call: the call waits on any prompt queued there (a
-            # request joined since the last round), and the round pays for that prompt, not for its trees. On
-            # the H200 (scale track, 0.8) the first recorded tree steps as 8 requests joined ran at 0.4x the rate
-            # `always`'s tree steps kept at that load, and settled the load for plain decoding.
+            # The call waits on any prompt queued ahead of it (a request joined since the last round, drafting
+            # now), and the round pays for that prompt, not for its trees. On the H200 (scale track, 0.8) the
+            # first recorded tree steps as 8 requests joined ran at 0.4x the rate `always`'s tree steps kept
+            # at that load, and settled the load for plain decoding.
             plan.draft_prompt_tokens = sum(_prompt_tokens(req, item) for idx in by_replica
                                            for req, item in self._ingest_queue.get(idx, ()))
-        self._flush_ingests()  # before the draft calls: a replica applies its queue in order
+        self._flush_ingests()
         if not by_replica:
             return {}
         futures = {}
@@ -737,6 +765,9 @@ class GatewayCore:
             calls = [(req.request_id, budget, req.num_tokens) for req, budget in items]
             run = replica.call if alone else replica.submit
             futures[idx] = run(lambda replica=replica, ingest=ingest, calls=calls: replica.client.draft(ingest, calls))
+        for idx, held in after_calls.items():  # behind the calls in each replica's queue
+            self._ingest_queue.setdefault(idx, []).extend(held)
+        self._flush_ingests()
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:
