@@ -16,7 +16,8 @@ run whose bench.json it is given (each level's window: its started_at and ended_
 time went: decode steps with trees, plain decode steps that fed no draft, plain steps that fed the drafts, and
 steps that carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
 the load gate must charge an arm beyond its decode steps); then, where the lines carry them, the mean phases
-of each level's tree steps.
+of each level's tree steps, and its tree rounds right after a step with a prompt chunk (where the draft takes the
+joining prompt in) beside its other tree rounds.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
         print(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {len(inside):>6} "
               f"{total_ms:>9.1f} {share} {sum(committed.values()):>9} {rate:>8.1f} {decode_rate:>12.1f}")
     print_level_phases(levels, steps)
+    print_rounds_after_prompts(levels, steps)
     return 0
 
 
@@ -180,6 +182,33 @@ def print_level_phases(levels: list[dict], steps: list[tuple]) -> None:
                         f"{phase_means(trees)}")
     if rows:
         print(f"\ntree steps' phases, mean ms\n{'mode':<7} {'conc':>5} {'round':>5} {'steps':>6} {PHASE_HEAD}")
+        print("\n".join(rows))
+
+
+
+def print_rounds_after_prompts(levels: list[dict], steps: list[tuple]) -> None:
+    """Per level, the tree rounds right after a step that carried a prompt chunk beside the other tree rounds:
+    how many, their mean draft phase and their mean ms (where the lines carry phases). The round after a
+    joining prompt is where the draft takes that prompt in; what it costs beyond the other rounds is the
+    joins' price beside the prompt steps' own."""
+    rows = []
+    for level in levels:
+        inside = [s for s in steps if level["started_at"] <= s[0] <= level["ended_at"]]
+        after, other = [], []
+        for prev, cur in zip(inside, inside[1:]):
+            if cur[1] == "trees" and cur[4]:
+                (after if prev[1] == "prompt" else other).append(cur)
+        if after or other:
+            cells = []
+            for group in (after, other):
+                draft = sum(s[4][1] for s in group) / len(group) if group else float("nan")
+                ms = sum(s[3] for s in group) / len(group) if group else float("nan")
+                cells.append(f"{len(group):>6} {draft:>8.2f} {ms:>8.2f}")
+            rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {'  '.join(cells)}")
+    if rows:
+        group_head = f"{'draft':>8} {'ms':>8}"
+        print("\ntree rounds right after a step with a prompt chunk, and the others: count, mean draft phase ms, "
+              f"mean ms\n{'mode':<7} {'conc':>5} {'round':>5} {'after':>6} {group_head}  {'others':>6} {group_head}")
         print("\n".join(rows))
 
 

@@ -17,8 +17,9 @@ def stamped(at: float) -> str:
     return datetime.fromtimestamp(START + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
 
 
-def levels_table(tmp_path: Path, lines: list[str], levels: list[dict]) -> list[str]:
-    """The last table `bench/step_log.py LOG --levels BENCH_JSON` prints for these log lines and levels."""
+def levels_table(tmp_path: Path, lines: list[str], levels: list[dict], which: int = -1) -> list[str]:
+    """A table `bench/step_log.py LOG --levels BENCH_JSON` prints for these log lines and levels (the last
+    by default)."""
     log = tmp_path / "gateway.log"
     log.write_text("\n".join(lines))
     bench = tmp_path / "bench.json"
@@ -26,7 +27,7 @@ def levels_table(tmp_path: Path, lines: list[str], levels: list[dict]) -> list[s
     proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split("\n\n")[-1].splitlines()
+    return proc.stdout.split("\n\n")[which].splitlines()
 
 
 def plan(step: int, budgets: list[str]) -> str:
@@ -119,8 +120,28 @@ def test_levels_table_is_followed_by_each_levels_tree_step_phases_where_the_line
         line(2.5, 2, 12.5, "0.50/4.00/7.50/0.50"),  # auto
         line(2.6, 2, 12.5, None),  # a line from before the phases were logged
     ], [{"mode": "always", "concurrency": 2, "round": 1, "started_at": START, "ended_at": START + 1},
-        {"mode": "auto", "concurrency": 2, "round": 1, "started_at": START + 2, "ended_at": START + 3}])
+        {"mode": "auto", "concurrency": 2, "round": 1, "started_at": START + 2, "ended_at": START + 3}], which=-2)
     assert table[0] == "tree steps' phases, mean ms"
     assert table[1].split() == ["mode", "conc", "round", "steps", "schedule", "draft", "execute", "update"]
     assert table[2].split() == ["always", "2", "1", "2", "0.30", "3.50", "7.50", "0.70"]
     assert table[3].split() == ["auto", "2", "1", "1", "0.50", "4.00", "7.50", "0.50"]
+
+
+def test_levels_table_ends_with_the_tree_rounds_right_after_a_prompt_step_beside_the_others(tmp_path):
+    """The round after a joining prompt is where the draft takes the prompt in: --levels sets those rounds'
+    count, draft phase and ms beside the level's other tree rounds."""
+
+    def line(at: float, trees: int, decode: bool, ms: float, draft_ms: float) -> str:
+        return (f"{stamped(at)} gateway DEBUG step 1 done: 3 seqs, {trees} trees, granted 0, fed draft True, "
+                f"decode {decode}, 6 committed, {ms:.2f} ms, quiet 0, ingests queued 0, "
+                f"phases 0.30/{draft_ms:.2f}/9.00/0.70 ms")
+
+    table = levels_table(tmp_path, [
+        line(0.1, 3, True, 15.0, 5.0),
+        line(0.2, 2, False, 19.0, 5.0),  # a prompt joins beside two trees
+        line(0.3, 3, True, 24.0, 14.0),  # the round after it
+        line(0.4, 3, True, 16.0, 6.0),
+    ], [{"mode": "always", "concurrency": 3, "round": 1, "started_at": START, "ended_at": START + 1}])
+    assert table[1].split() == ["mode", "conc", "round", "after", "draft", "ms", "others", "draft", "ms"]
+    # (a level's first step has no step before it inside the level: it is neither)
+    assert table[2].split() == ["always", "3", "1", "1", "14.00", "24.00", "1", "6.00", "16.00"]
