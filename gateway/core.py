@@ -453,12 +453,13 @@ class GatewayCore:
         replica where at least JOIN_BEHIND_SETTLED settled requests are ready too. A replica applies its queue
         before a draft call, so a prompt's ingest sent ahead of the call holds up every tree of that call for
         the prompt's catch-up, which takes the draft's eager path: on the H200 scale track (0.8, 8 requests,
-        2026-12-04) each such round's draft phase took 12-14 ms against 5-6, and the draft's catch-up
-        Ingest calls 6.8 ms on average. Waiting a round instead, the joining request decodes one token
-        plainly and its prompt's catch-up runs after the call, while the target verifies (_draft). With a
-        round of T seconds, a catch-up of W and a tokens accepted a tree, waiting pays for n settled requests
-        when W (n a + 1) > T (a - 1): from n = 2 where W/T is above 0.32 at a = 3.6 (about 0.45 on the H200
-        at 8 requests). A request alone, or beside one other, still drafts behind its prompt."""
+        2026-12-04) the rounds right after a prompt step had draft phases of 12-16 ms against 5-6 in the
+        others, and the draft's catch-up Ingest calls took 6.8 ms on average. Waiting a round instead, the
+        joining request decodes one token plainly and its prompt's catch-up runs after the call, while the
+        target verifies (_draft). With a round of T seconds, a catch-up of W and a tokens accepted a tree,
+        waiting pays for n settled requests when W (n a + 1) > T (a - 1): from n = 2 where W/T is above 0.32
+        at a = 3.6 (about 0.4 on the H200 at 2 requests, 0.55 at 8). A request alone, or beside one other,
+        still drafts behind its prompt."""
         settled: dict[int, int] = {}
         for req in ready:
             if req.draft.flushed:
@@ -738,7 +739,10 @@ class GatewayCore:
         for idx in by_replica:
             before_call = []
             for req, item in self._ingest_queue.pop(idx, ()):
-                (before_call if req.request_id in drafting else after_calls.setdefault(idx, [])).append((req, item))
+                if req.request_id in drafting:
+                    before_call.append((req, item))
+                else:
+                    after_calls.setdefault(idx, []).append((req, item))
             if before_call:
                 self._ingest_queue[idx] = before_call
         if by_replica:
