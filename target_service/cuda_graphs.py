@@ -15,8 +15,11 @@ A step with sampled sequences or top log-probs replays the forward graph and
 runs the tail eagerly. A graph never depends on what the previous step did, so a
 step that speculates and one that does not replay the same way. A prompt
 chunk is a fixed chain of nodes: it replays a bucket too where the padding stays
-small (GraphConfig.max_chain_rows). A step the buckets do not cover (longer or
-heavier prompt chunks, TP > 1, other feature layers) runs eagerly.
+small (GraphConfig.max_chain_rows). With GraphConfig.ragged_rows a step with prompt
+chunks that no such bucket takes replays a ragged bucket instead, (batch, tree
+nodes, rows): its rows are the step's own, rounded up to a power of two, not
+every sequence padded to the longest chunk. A step the buckets do not cover
+(longer or heavier prompt chunks, other feature layers) runs eagerly.
 
 With capture=False the same padded buffers run eagerly: the CPU tests use it to
 check that padding changes nothing.
@@ -34,7 +37,7 @@ import torch
 from kernels.tree_metadata import SEQ_INFO_FIELDS, choose_block_m, choose_num_splits
 from tandem.graph_capture import capture_graphs
 from target_service.step_batch import StepBatch
-from target_service.step_inputs import PADDING_ROW, InputLayout, InputShape
+from target_service.step_inputs import PADDING_ROW, InputLayout, InputShape, max_tree
 from target_service.step_tail import output_width
 
 if TYPE_CHECKING:
@@ -67,11 +70,18 @@ class GraphConfig:
     # prompt beside 3 decoding requests took 16.3 ms eagerly and 9.5 ms through the 4 x 64 bucket), not
     # one joining 64 requests (the 64 x 64 bucket would compute 4096 rows for 124).
     max_chain_rows: int = 512
+    # A step with prompt chunks that no bucket above takes (too much padding, or a chunk longer than
+    # max_nodes) replays a ragged bucket of at most this many rows (0: off): its rows are packed sequence
+    # after sequence, as an eager step's, and only their total is padded. On the H200 scale track (0.8,
+    # 2026-12-04) steps with a joining prompt ran eagerly at 19-31 ms beside 5-9 ms decode and tree steps,
+    # 38-43% of `never`'s time at 64 requests. Captured on first use (a one-time pause of a capture).
+    ragged_rows: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_nodes < 1 or self.max_tokens < 1 or self.max_chain_rows < 0:
-            raise ValueError("CUDA graph limits: max batch, nodes and tokens must be positive, chain rows not "
-                             "negative")
+        if self.max_batch < 1 or self.max_nodes < 1 or self.max_tokens < 1 or self.max_chain_rows < 0 \
+                or self.ragged_rows < 0:
+            raise ValueError("CUDA graph limits: max batch, nodes and tokens must be positive, chain and "
+                             "ragged rows not negative")
 
     def buckets(self) -> list[tuple[int, int]]:
         return [(b, n) for b in _pow2_upto(self.max_batch) for n in _pow2_upto(self.max_nodes)
@@ -88,15 +98,31 @@ def bucket_shape(engine: TargetEngine, batch: int, nodes: int) -> tuple[InputSha
                       words=_cdiv(nodes, 64)), block_m
 
 
-class BucketGraph:
-    """The static buffers and graphs of one (batch, nodes) bucket."""
+def ragged_shape(engine: TargetEngine, batch: int, nodes: int, rows: int) -> tuple[InputShape, int]:
+    """A ragged bucket's input shape and attention tile height: up to `batch` sequences whose tree parts
+    have up to `nodes` nodes, `rows` rows in all, however they split among the sequences (a chain may
+    take nearly all of them)."""
+    block_m = choose_block_m(rows, engine.group)
+    per_tile = block_m // engine.group
+    # A sequence's last tile may be partial: at most one tile per sequence beyond the rows' own.
+    tiles = _cdiv(rows, per_tile) + batch
+    bs = engine.kv.block_size
+    updates = batch * (_cdiv(nodes, bs) + 1) + _cdiv(rows, bs) + 1
+    return InputShape(rows=rows, seqs=batch, tree=nodes, tiles=tiles, updates=updates,
+                      words=_cdiv(rows, 64)), block_m
 
-    def __init__(self, owner: StepGraphs, batch: int, nodes: int):
+
+class BucketGraph:
+    """The static buffers and graphs of one (batch, nodes) bucket, or one ragged (batch, nodes, rows)
+    bucket (GraphConfig.ragged_rows)."""
+
+    def __init__(self, owner: StepGraphs, batch: int, nodes: int, rows: int | None = None):
         engine = owner.engine
         model = engine.model
         self.owner = owner
-        self.key = (batch, nodes)
-        self.shape, self.block_m = bucket_shape(engine, batch, nodes)
+        self.key = (batch, nodes) if rows is None else (batch, nodes, rows)
+        self.shape, self.block_m = (bucket_shape(engine, batch, nodes) if rows is None
+                                    else ragged_shape(engine, batch, nodes, rows))
         self.num_splits = choose_num_splits(self.shape.tiles * model.kv_heads_local, engine.max_model_len,
                                             model.device)
         self.layout = InputLayout(self.shape)
@@ -143,7 +169,8 @@ class BucketGraph:
             return
         t0 = time.perf_counter()
         self.forward_graph, self.tail_graph = capture_graphs(self._forward, self._greedy_tail, pool=pool)
-        log.info("captured CUDA graphs for batch %d x %d nodes in %.2f s", *self.key, time.perf_counter() - t0)
+        log.info("captured CUDA graphs for batch %d x %d nodes%s in %.2f s", *self.key[:2],
+                 f", {self.key[2]} rows" if len(self.key) > 2 else "", time.perf_counter() - t0)
 
     # --- a step -----------------------------------------------------------
     def load_inputs(self, host: torch.Tensor) -> None:
@@ -181,12 +208,15 @@ class StepGraphs:
         self.engine, self.cfg = engine, cfg
         self.keys = cfg.buckets()
         self.feature_layers = model.cfg.default_feature_layers
-        max_rows = max(b * n for b, n in self.keys)
+        max_rows = max(cfg.ragged_rows, *(b * n for b, n in self.keys))
         sizes = [InputLayout(bucket_shape(engine, b, n)[0]).size for b, n in self.keys]
+        if cfg.ragged_rows:  # a layout's size grows with each of batch, nodes and rows: the largest bounds all
+            sizes.append(InputLayout(ragged_shape(engine, max(b for b, _ in self.keys),
+                                                  max(n for _, n in self.keys), cfg.ragged_rows)[0]).size)
         self.buffer = torch.zeros(max(sizes), dtype=torch.int32, device=model.device)
         self.k_scratch, self.v_scratch = model.new_scratch(max_rows)
         self.pool = torch.cuda.graph_pool_handle() if cfg.capture else None
-        self._buckets: dict[tuple[int, int], BucketGraph] = {}
+        self._buckets: dict[tuple[int, ...], BucketGraph] = {}
         self.replays = 0
         # A pipelined grant's alternating pinned input and output buffers (pipelined_grant):
         # a step's are not rewritten while it is in flight. Made on the first grant.
@@ -206,18 +236,31 @@ class StepGraphs:
             return None
         nodes = int(batch.num_nodes.max())
         fits = [(b, n) for b, n in self.keys if b >= batch.size and n >= nodes]
-        if not fits:
-            return None
-        key = min(fits, key=lambda bn: (bn[0] * bn[1], bn))
+        key: tuple[int, ...] | None = min(fits, key=lambda bn: (bn[0] * bn[1], bn)) if fits else None
         # A new sequence's block-table row and its first blocks are host facts and step updates, as
         # any step's: the graph needs nothing else for a prompt chunk (see GraphConfig.max_chain_rows).
         chains = batch.create.any() or (batch.num_fixed != 1).any()
-        if chains and key[0] * key[1] > max(self.cfg.max_chain_rows, 2 * len(batch.tokens)):
+        if chains and (key is None or key[0] * key[1] > max(self.cfg.max_chain_rows, 2 * len(batch.tokens))):
+            key = self._ragged_key(batch)
+        if key is None:
             return None
         bucket = self._bucket(key)
         return bucket if updates <= bucket.shape.updates else None
 
-    def _bucket(self, key: tuple[int, int]) -> BucketGraph:
+    def _ragged_key(self, batch: StepBatch) -> tuple[int, int, int] | None:
+        """The ragged bucket (batch, tree nodes, rows) of a step with prompt chunks, None where
+        GraphConfig.ragged_rows is off or too small for it."""
+        rows = 1 << max(len(batch.tokens) - 1, 0).bit_length()  # the step's rows, to a power of two
+        if rows > self.cfg.ragged_rows:
+            return None
+        tree = max_tree(batch)
+        batches = [b for b, _ in self.keys if b >= batch.size]
+        trees = [n for _, n in self.keys if n >= tree]
+        if not batches or not trees:
+            return None
+        return min(batches), min(trees), max(rows, min(batches))
+
+    def _bucket(self, key: tuple[int, ...]) -> BucketGraph:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = BucketGraph(self, *key)

@@ -72,6 +72,7 @@ class EngineSpec:
     cuda_graphs: bool = True  # on CUDA with TP=1: decode/verify steps replay captured graphs
     graph_max_batch: int = 128
     graph_chain_rows: int = 512  # GraphConfig.max_chain_rows: prompt chunks replay buckets of at most this many rows
+    graph_ragged_rows: int = 0  # GraphConfig.ragged_rows: ragged buckets for prompt chunks (0: off)
     batch_invariant: bool = False  # --deterministic: kernels whose rows do not depend on the step
 
     def __post_init__(self) -> None:
@@ -106,7 +107,8 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
         # At TP > 1 every rank captures the same buckets in the same order, the all-reduces
         # inside (NCCL collectives can be captured); ranks then replay in lockstep, since each
         # runs the same step sequence rank 0 broadcasts.
-        graphs = GraphConfig(max_batch=spec.graph_max_batch, max_chain_rows=spec.graph_chain_rows)
+        graphs = GraphConfig(max_batch=spec.graph_max_batch, max_chain_rows=spec.graph_chain_rows,
+                             ragged_rows=spec.graph_ragged_rows)
     engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs)
     if engine.graphs is not None:
         log.info("capturing %d CUDA graphs (batch up to %d)", len(engine.graphs.keys), spec.graph_max_batch)

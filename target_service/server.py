@@ -419,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a step with a prompt chunk replays a CUDA graph only where the graph's padded rows "
                    "(batch bucket x nodes bucket) are at most ROWS or at most twice the step's own; 0 keeps "
                    "prompt chunks eager unless they pad little (default 512)")
+    p.add_argument("--graph-ragged-rows", type=int, default=0, metavar="ROWS",
+                   help="a step with a prompt chunk that no graph above takes replays a ragged graph sized by "
+                   "the step's own rows (to a power of two, at most ROWS), captured on first use; 0 runs such "
+                   "steps eagerly (default 0: not yet measured on a GPU)")
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a token's logits "
                    "do not depend on what else is in the step (other requests, a drafted tree around it), so "
                    "greedy output with speculation is bitwise the output without it, in bf16 too; needs CUDA "
@@ -445,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --tp must be >= 1")
     if args.graph_chain_rows < 0:
         raise SystemExit("error: --graph-chain-rows must be >= 0")
+    if args.graph_ragged_rows < 0:
+        raise SystemExit("error: --graph-ragged-rows must be >= 0")
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("target", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
@@ -453,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch, graph_chain_rows=args.graph_chain_rows,
+                      graph_ragged_rows=args.graph_ragged_rows,
                       batch_invariant=args.deterministic)
     if args.max_held_features < 1:
         raise SystemExit("error: --max-held-features must be >= 1")

@@ -101,6 +101,30 @@ def test_prompt_chunks_replay_a_bucket_only_where_its_padding_stays_small(models
     assert_caches_agree(eager, graphs, ("a", "b"))
 
 
+def test_prompt_chunks_no_bucket_takes_replay_a_ragged_bucket_sized_by_their_rows(models):
+    """GraphConfig.ragged_rows: a step with prompt chunks that no (batch, nodes) bucket takes (a chunk longer
+    than max_nodes, or padding past max_chain_rows) replays a (batch, tree nodes, rows) bucket whose rows are
+    the step's own to a power of two, and gives the eager step's results and caches. On the H200 scale track
+    such steps ran eagerly at 19-31 ms beside decode and tree steps of 5-9 ms."""
+    eager, graphs = engines(models, max_chain_rows=16, ragged_rows=32)
+    prompt = [(t * 5) % 97 + 1 for t in PROMPT * 6][:29]
+    # A 20-token prompt (over max_nodes 16) beside a 3-token one, new sequences, features asked: 23 rows,
+    # the ragged 2 x 1 x 32 bucket.
+    first = run_both(eager, graphs, [SequenceStep.chain("a", prompt[:20], create=True, return_features=True),
+                                     SequenceStep.chain("b", PROMPT[:3], create=True, return_features=True)])
+    assert graphs.graphs.replays == 1 and (2, 1, 32) in graphs.graphs._buckets
+    # The rest of a's prompt (9 fixed nodes) beside a 5-node tree for b: 14 rows. The 2 x 16 bucket would pad
+    # to 32, over max(16, twice 14): the ragged 2 x 8 x 16 bucket (trees of up to 8 nodes, 16 rows).
+    toks, parents = tree_with_path(first[1].tokens[-1], [3, 8], {1: [5]})
+    run_both(eager, graphs, [SequenceStep.chain("a", prompt[20:29], return_features=True),
+                             SequenceStep("b", tuple(toks), tuple(parents), 1, return_features=True)])
+    assert graphs.graphs.replays == 2 and (2, 8, 16) in graphs.graphs._buckets
+    # 35 rows are over ragged_rows 32: eager.
+    run_both(eager, graphs, [SequenceStep.chain("c", prompt + PROMPT, create=True)])
+    assert graphs.graphs.replays == 2
+    assert_caches_agree(eager, graphs, ("a", "b", "c"))
+
+
 def test_steps_outside_every_bucket_run_eagerly(models):
     eager, graphs = engines(models)
     rids = [f"s{i}" for i in range(5)]
@@ -112,3 +136,11 @@ def test_steps_outside_every_bucket_run_eagerly(models):
     toks = [first[0].tokens[-1]] + list(range(1, 20))
     run_both(eager, graphs, [SequenceStep(rids[0], tuple(toks), (-1,) + (0,) * 19, 1)])
     assert graphs.graphs.replays == 0
+
+
+def test_a_negative_ragged_row_limit_is_refused_before_anything_loads():
+    with pytest.raises(ValueError, match="ragged rows not negative"):
+        GraphConfig(ragged_rows=-1)
+    from target_service.server import main
+    with pytest.raises(SystemExit, match="error: --graph-ragged-rows must be >= 0"):
+        main(["--model", "no-such-model", "--port", "0", "--graph-ragged-rows", "-1"])
