@@ -264,18 +264,30 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
                       f"forward+tail {replay['forward+tail']:.2f} ms", flush=True)
         for prompt in args.prompt_tokens if args.tp == 1 else ():
             # The batch's last request sits out: b - 1 decode items and a joining prompt make b sequences.
-            chains_eager = None  # the same engine with prompt chunks kept out of the graphs
-            if engine.graphs is not None:
-                cfg = engine.graphs.cfg
-                engine.graphs.cfg = dataclasses.replace(cfg, max_chain_rows=0)
+            # The same engine with prompt chunks kept out of the graphs, and with ragged buckets as
+            # `tandem target --graph-ragged-rows` serves (its buffers were sized for them); "ms" is the default.
+            chains_eager = ragged = None
+            cfg = engine.graphs.cfg if engine.graphs is not None else None
+            if cfg is not None:
+                default = dataclasses.replace(cfg, ragged_rows=0)
+                engine.graphs.cfg = dataclasses.replace(default, max_chain_rows=0)
                 chains_eager = time_join(engine, ids, prompt, args.iters, device)
-                engine.graphs.cfg = cfg
+                if cfg.ragged_rows:
+                    engine.graphs.cfg = cfg
+                    ragged = time_join(engine, ids, prompt, args.iters, device)
+                engine.graphs.cfg = default
             ms = time_join(engine, ids, prompt, args.iters, device)
+            if cfg is not None:
+                engine.graphs.cfg = cfg
             row = {"mode": mode, "batch": b, "prompt": prompt, "ms": ms}
             note = ""
             if chains_eager is not None:
                 row["chains_eager_ms"] = chains_eager
-                note = f" (prompt chunks kept out of the graphs: {chains_eager:.2f} ms)"
+                note = f" (prompt chunks kept out of the graphs: {chains_eager:.2f} ms"
+                if ragged is not None:
+                    row["ragged_ms"] = ragged
+                    note += f"; with ragged graphs of up to {cfg.ragged_rows} rows: {ragged:.2f} ms"
+                note += ")"
             rows.append(row)
             print(f"{mode:>6} batch {b:>4} joining prompt {prompt:>3}: {ms:8.2f} ms per step{note}", flush=True)
         if args.phases and args.tp == 1:
@@ -408,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                     metavar="N,...", help="also time a step in which a new request's prompt of N tokens joins "
                     "b - 1 decoding ones, with its features asked; with graphs, also with prompt chunks kept out "
                     "of them (GraphConfig.max_chain_rows = 0)")
+    ap.add_argument("--ragged-rows", type=int, default=0, metavar="ROWS",
+                    help="with --prompt-tokens and graphs, also time the joining prompt with ragged graphs of up "
+                    "to ROWS rows (GraphConfig.ragged_rows, as tandem target --graph-ragged-rows serves), "
+                    "captured in the warm-up steps")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:
@@ -446,8 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                  + max(args.prompt_tokens) // 16 + 1 if args.prompt_tokens else 0))
     wanted = ["eager"] if args.tiny else args.modes.split(",")
     # Node buckets up to the longest joining prompt too (the served target's go up to 64).
-    modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes + args.prompt_tokens)) if mode == "graphs"
-             else None
+    modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes + args.prompt_tokens),
+                               ragged_rows=args.ragged_rows) if mode == "graphs" else None
              for mode in wanted}
     rows = []
     if args.tp > 1 and "graphs" in modes:

@@ -94,6 +94,12 @@
 #            JOIN_CONCURRENCY (default 1,2,4), scale track at 0.8, on a serve with `--graph-chain-rows 0` (prompt chunks
 #            eager) and one with the default, back to back (JOIN_ROUNDS interleaved rounds, default 2; JOIN_MODES;
 #            JOIN_TESTS=0 skips the tests)
+#   ragged   after only: a joining prompt through ragged graphs (GraphConfig.ragged_rows, `--graph-ragged-rows`):
+#            the graph tests on the GPU; bench/engine_step.py --prompt-tokens 40,96 --ragged-rows RAGGED_ROWS (default
+#            1024: b - 1 decode items and a joining prompt, with today's graphs, chunks kept out, and ragged graphs);
+#            then never and always (RAGGED_MODES) at RAGGED_CONCURRENCY (default 8,16,64), scale track at 0.8, on a
+#            serve with `--graph-ragged-rows 0` (today) and one with RAGGED_ROWS, back to back (RAGGED_ROUNDS
+#            interleaved rounds, default 2)
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -441,6 +447,23 @@ for stage in "$@"; do
         BENCH_ARGS="--rounds ${JOIN_ROUNDS:-2} --requests-per-slot 4" BENCH_INTERLEAVED=1 serve_bench \
           "join_rows$rows" $((8650 + rows % 100)) "${JOIN_CONCURRENCY:-1,2,4}" "${JOIN_MODES:-never,always,auto}" "${joined[@]}"
         run "join_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/join_rows$rows"
+      done ;;
+    ragged)  # after only: prompt chunks through ragged graphs (--graph-ragged-rows) against today's graphs
+      [[ ${RAGGED_TESTS:-1} == 1 ]] && run raggedtests after 240 python3 -m pytest -q -x tests/test_target_graphs.py
+      run engine_ragged after 240 python3 bench/engine_step.py --batches 4,8,16,64 --nodes 1 --prompt-tokens 40,96 \
+        --ragged-rows "${RAGGED_ROWS:-1024}" --iters 10 --modes graphs --out "$OUT/engine_ragged.json"
+      need_scale scale_track $scale
+      scale_serve $scale 0.8
+      for rows in 0 "${RAGGED_ROWS:-1024}"; do
+        joined=()
+        for flag in "${serve[@]}"; do
+          [[ $flag == --target-args=--random-weights ]] && flag="--target-args=--random-weights --graph-ragged-rows $rows"
+          joined+=("$flag")
+        done
+        BENCH_ARGS="--rounds ${RAGGED_ROUNDS:-2} --requests-per-slot 4" BENCH_INTERLEAVED=1 serve_bench \
+          "ragged_rows$rows" $((8750 + rows % 100)) "${RAGGED_CONCURRENCY:-8,16,64}" "${RAGGED_MODES:-never,always}" \
+          "${joined[@]}"
+        run "ragged_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/ragged_rows$rows"
       done ;;
     fixedtrees)
       need_scale scale_track $scale
