@@ -189,6 +189,16 @@ serve_bench() {  # serve_bench NAME PORT CONCURRENCY MODES SERVE_FLAGS...: tande
     "$conc" "$modes" 128 "$@"
 }
 
+with_target_args() {  # with_target_args ARGS: $joined, the scale track's serve flags ($serve) with ARGS added to
+                      # its target's
+  local flag
+  joined=()
+  for flag in "${serve[@]}"; do
+    [[ $flag == --target-args=--random-weights ]] && flag="--target-args=--random-weights $1"
+    joined+=("$flag")
+  done
+}
+
 equality() {  # equality NAME PORT PROMPTS AGAINST SERVE_FLAGS...: bench/greedy_equality.py (96 tokens) on a fresh
               # tandem serve; AGAINST: the NAME of an earlier run whose texts to compare with, or ""
   local name=$1 port=$2 prompts=$3 against=$4; shift 4
@@ -439,11 +449,7 @@ for stage in "$@"; do
       need_scale scale_track $scale
       scale_serve $scale 0.8
       for rows in 0 512; do
-        joined=()
-        for flag in "${serve[@]}"; do
-          [[ $flag == --target-args=--random-weights ]] && flag="--target-args=--random-weights --graph-chain-rows $rows"
-          joined+=("$flag")
-        done
+        with_target_args "--graph-chain-rows $rows"
         BENCH_ARGS="--rounds ${JOIN_ROUNDS:-2} --requests-per-slot 4" BENCH_INTERLEAVED=1 serve_bench \
           "join_rows$rows" $((8650 + rows % 100)) "${JOIN_CONCURRENCY:-1,2,4}" "${JOIN_MODES:-never,always,auto}" "${joined[@]}"
         run "join_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/join_rows$rows"
@@ -455,11 +461,7 @@ for stage in "$@"; do
       need_scale scale_track $scale
       scale_serve $scale 0.8
       for rows in 0 "${RAGGED_ROWS:-1024}"; do
-        joined=()
-        for flag in "${serve[@]}"; do
-          [[ $flag == --target-args=--random-weights ]] && flag="--target-args=--random-weights --graph-ragged-rows $rows"
-          joined+=("$flag")
-        done
+        with_target_args "--graph-ragged-rows $rows"
         BENCH_ARGS="--rounds ${RAGGED_ROUNDS:-2} --requests-per-slot 4" BENCH_INTERLEAVED=1 serve_bench \
           "ragged_rows$rows" $((8750 + rows % 100)) "${RAGGED_CONCURRENCY:-8,16,64}" "${RAGGED_MODES:-never,always}" \
           "${joined[@]}"

@@ -185,7 +185,6 @@ def print_level_phases(levels: list[dict], steps: list[tuple]) -> None:
         print("\n".join(rows))
 
 
-
 def print_rounds_after_prompts(levels: list[dict], steps: list[tuple]) -> None:
     """Per level, the tree rounds right after a step that carried a prompt chunk beside the other tree rounds:
     how many, their mean draft phase and their mean ms (where the lines carry phases). The round after a
