@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,11 +54,30 @@ MAX_TOP_LOGPROBS = 20
 # Sequences the device block table has rows for, at most: a sequence holds at least
 # one block, so more rows than blocks are never used.
 MAX_SEQS = 4096
+# Input layouts whose views of the host buffer the engine keeps (the shapes seen last).
+KEPT_INPUT_LAYOUTS = 32
 
 
 def asked_rows(batch: StepBatch) -> np.ndarray:
     """int64: the step rows (its nodes in batch order) of the items that asked for features."""
     return np.flatnonzero(np.repeat(batch.return_features, batch.num_nodes))
+
+
+class HostInputs(NamedTuple):
+    """One step's inputs on the host: the buffer (its first layout.size words) and its regions,
+    as numpy arrays to pack into and as tensors of the same memory."""
+
+    buffer: torch.Tensor
+    arrays: dict[str, np.ndarray]
+    tensors: dict[str, torch.Tensor]
+
+
+def outside(values: np.ndarray, stop: int) -> np.ndarray:
+    """bool: values < 0 or >= stop; one comparison for int32 columns (a negative one read as
+    uint32 is at least 2**31)."""
+    if values.dtype == np.int32:
+        return values.view(np.uint32) >= stop
+    return (values < 0) | (values >= stop)
 
 
 def batch_of_items(items: list[SequenceStep]) -> StepBatch:
@@ -75,11 +96,15 @@ class TargetEngine:
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self.max_model_len = min(max_model_len or model.cfg.max_position, model.cfg.max_position)
         self.table = self.kv.keep_block_table(max_seqs or min(num_blocks, MAX_SEQS), self.max_model_len)
+        # The caches as [layers, slots, kv heads, head dim]: what a step's KV commit writes into.
+        flat = (self.kv.k_all.shape[0], -1, *self.kv.k_all.shape[3:])
+        self._flat_kv = (self.kv.k_all.view(flat), self.kv.v_all.view(flat))
         self.device = model.device
         self.triton = model.attention.name == "triton"
         self.group = model.heads_local // model.kv_heads_local
         self._pinned = self.device.type == "cuda"
         self._host_buf = torch.zeros(0, dtype=torch.int32)
+        self._kept_inputs: OrderedDict[InputLayout, HostInputs] = OrderedDict()
         self._out_host = torch.zeros(0, dtype=torch.int32)
         self.last_step_seconds = 0.0
         self._seed_source = random.Random()
@@ -129,7 +154,7 @@ class TargetEngine:
                 prefix[b] = seq.length
         n, nf = batch.num_nodes.astype(np.int64), batch.num_fixed.astype(np.int64)
         starts = batch.starts
-        bad = (n < 1) | (nf < 1) | (nf > n)
+        bad = (nf < 1) | (nf > n)  # so every item has a node
         if len(batch.tokens) == batch.size:  # one node each (plain decode): its parent must be -1
             bad |= batch.parents != -1
         elif batch.tokens.size:
@@ -145,23 +170,22 @@ class TargetEngine:
             problem = validate_tree(batch.parents[starts[b]: starts[b + 1]].tolist(), int(nf[b]))
             raise InvalidStep(f"request {batch.request_ids[b]!r}: {problem}")
         vocab = self.model.cfg.vocab_size
-        out_of_range = (batch.tokens < 0) | (batch.tokens >= vocab)
+        out_of_range = outside(batch.tokens, vocab)
         if out_of_range.any():
             row = int(np.flatnonzero(out_of_range)[0])
             b = int(np.searchsorted(starts, row, side="right") - 1)
             raise InvalidStep(f"request {batch.request_ids[b]!r}: token id {int(batch.tokens[row])} out of range "
                               f"[0, {vocab})")
         t = batch.temperature
-        bad = ~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)
+        bad = (~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)
+               | outside(batch.top_logprobs, MAX_TOP_LOGPROBS + 1))
         if bad.any():
             b = int(np.argmax(bad))
             what = (f"temperature must be >= 0, got {t[b]}" if not t[b] >= 0 else
-                    f"top_k must be >= 0, got {batch.top_k[b]}" if batch.top_k[b] < 0 else "top_p must be a number")
+                    f"top_k must be >= 0, got {batch.top_k[b]}" if batch.top_k[b] < 0 else
+                    "top_p must be a number" if np.isnan(batch.top_p[b]) else
+                    f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
             raise InvalidStep(f"request {batch.request_ids[b]!r}: {what}")
-        bad = (batch.top_logprobs < 0) | (batch.top_logprobs > MAX_TOP_LOGPROBS)
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise InvalidStep(f"request {batch.request_ids[b]!r}: top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         depth = nf - 1
         for b, parents in batch.drafted_trees.items():
             tree_depth = int(tree_depths(parents).max())
@@ -170,7 +194,7 @@ class TargetEngine:
                                   f"batch-invariant mode takes trees up to {MAX_TAIL} deep")
             depth[b] += tree_depth
         end = prefix + depth + 1
-        if (end > self.max_model_len).any():
+        if end.max() > self.max_model_len:
             b = int(np.argmax(end > self.max_model_len))
             raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "
                               f"model's maximum length {self.max_model_len}")
@@ -230,11 +254,23 @@ class TargetEngine:
         else:
             yield from run_grant(lambda part: self.run(part, feature_layers), batch, stops, steps, interrupted)
 
-    def _host_buffer(self, words: int) -> np.ndarray:
-        if self._host_buf.numel() < words:
-            size = max(words, 2 * self._host_buf.numel(), 1 << 14)
+    def _host_inputs(self, layout: InputLayout) -> HostInputs:
+        """The host input buffer laid out by `layout`, with its views; kept for the shapes seen
+        last (building the 19 regions' views twice cost a CPU's plain step about 30 us, a tenth of
+        its host part: BENCHMARKS.md, "Target step on CPU")."""
+        kept = self._kept_inputs.get(layout)
+        if kept is not None:
+            self._kept_inputs.move_to_end(layout)
+            return kept
+        if self._host_buf.numel() < layout.size:
+            size = max(layout.size, 2 * self._host_buf.numel(), 1 << 14)
             self._host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
-        return self._host_buf.numpy()
+            self._kept_inputs.clear()  # they would keep the old buffer alive
+        buf = self._host_buf[: layout.size]
+        kept = self._kept_inputs[layout] = HostInputs(buf, layout.host_views(buf.numpy()), layout.device_views(buf))
+        if len(self._kept_inputs) > KEPT_INPUT_LAYOUTS:
+            self._kept_inputs.popitem(last=False)
+        return kept
 
     def pack(self, batch: StepBatch, updates: dict[int, int], shape: InputShape, block_m: int,
              views: dict[str, np.ndarray]) -> np.ndarray:
@@ -246,7 +282,8 @@ class TargetEngine:
         pack_step(batch, prefix_lens=prefix, table_rows=rows, updates=updates, shape=shape, views=views,
                   per_tile=block_m // self.group, padding_row=self.table.padding_row,
                   padding_update=self.table.padding_row * self.table.max_blocks, host_table=self.table.host,
-                  block_size=self.kv.block_size, trash_slot=self.kv.trash_slot)
+                  block_size=self.kv.block_size, trash_slot=self.kv.trash_slot,
+                  attention_metadata=self.triton or batch.controls is not None)
         return prefix
 
     def _execute(self, batch: StepBatch, layers: tuple[int, ...]) -> StepResults:
@@ -260,21 +297,24 @@ class TargetEngine:
             block_m = choose_block_m(int(batch.num_nodes.max()), self.group)
             shape = shape_for(batch, max_tree(batch), len(updates), block_m // self.group)
         layout = graph.layout if graph is not None else layout_for(shape)
-        host = self._host_buffer(layout.size)
-        prefix = self.pack(batch, updates, shape, block_m, layout.host_views(host))
+        inputs = self._host_inputs(layout)
+        prefix = self.pack(batch, updates, shape, block_m, inputs.arrays)
         if graph is not None:
-            graph.load_inputs(self._host_buf[: layout.size])
+            graph.load_inputs(inputs.buffer)
             committed, out = graph.replay(greedy_only)
             logits, features = graph.logits, graph.features
             tail = graph.tail
             if not greedy_only:
                 out = graph.out_buffer(top_k)
-                committed = self._decide_eagerly(tail, logits, batch, out, top_k)
+                committed = self._decide_eagerly(tail, logits, batch, out, top_k, greedy_only)
                 tail.commit(committed, graph.k_scratch, graph.v_scratch)
         else:
             splits = choose_num_splits(shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
-            dev = self._host_buf[: layout.size].to(self.device, non_blocking=self._pinned)
-            views = layout.device_views(dev)
+            if self.device.type == "cpu":  # the host buffer is the device's
+                dev, views = inputs.buffer, inputs.tensors
+            else:
+                dev = inputs.buffer.to(self.device, non_blocking=self._pinned)
+                views = layout.device_views(dev)
             tail = self.new_tail(views, shape)
             if updates:
                 tail.apply_table_updates()
@@ -283,17 +323,16 @@ class TargetEngine:
             logits, features = self.forward(dev, layout, views, block_m, splits, layers, k_scratch, v_scratch,
                                             torch_layout)
             out = torch.empty(shape.seqs, output_width(shape.tree, top_k), dtype=torch.int32, device=self.device)
-            committed = self._decide_eagerly(tail, logits, batch, out, top_k)
+            committed = self._decide_eagerly(tail, logits, batch, out, top_k, greedy_only)
             tail.commit(committed, k_scratch, v_scratch)
         return self._read_results(batch, shape.tree, out, top_k, tail, committed, features, layers)
 
     # --- device work ----------------------------------------------------------
     def new_tail(self, views: dict[str, torch.Tensor], shape: InputShape) -> StepTail:
-        kv = self.kv
-        flat = (kv.k_all.shape[0], -1, *kv.k_all.shape[3:])
+        k_cache, v_cache = self._flat_kv
         return StepTail(views=views, seqs=shape.seqs, tree=shape.tree,
-                        trash_slot=kv.trash_slot, block_table=self.table.table, k_cache=kv.k_all.view(flat),
-                        v_cache=kv.v_all.view(flat), use_triton=self.triton,
+                        trash_slot=self.kv.trash_slot, block_table=self.table.table, k_cache=k_cache,
+                        v_cache=v_cache, use_triton=self.triton,
                         row_invariant=self.model.batch_invariant and self.triton)
 
     def forward(self, buffer: torch.Tensor, layout: InputLayout, views: dict[str, torch.Tensor], block_m: int,
@@ -319,19 +358,19 @@ class TargetEngine:
 
     def _torch_layout(self, batch: StepBatch, prefix: np.ndarray) -> StepLayout:
         """The reference attention's per-sequence description (CPU path)."""
-        starts = batch.starts
+        starts = batch.starts.tolist()
         slots, masks = [], []
-        for b, rid in enumerate(batch.request_ids):
-            slots.append(torch.from_numpy(self.kv.host_slots(rid, 0, int(prefix[b]))))
+        for b, (rid, length) in enumerate(zip(batch.request_ids, prefix.tolist())):
+            slots.append(torch.from_numpy(self.kv.host_slots(rid, 0, length)))
             masks.append(ancestor_mask(batch.parents[starts[b]: starts[b + 1]].tolist()))
-        counts = tuple(int(n) for n in batch.num_nodes)
-        return StepLayout(tuple(int(s) for s in starts[:-1]), counts, tuple(slots), tuple(masks))
+        return StepLayout(tuple(starts[:-1]), tuple(batch.num_nodes.tolist()), tuple(slots), tuple(masks))
 
     def _decide_eagerly(self, tail: StepTail, logits: torch.Tensor, batch: StepBatch, out: torch.Tensor,
-                        top_k: int) -> torch.Tensor | None:
-        """Acceptance and results into `out`; returns the committed rows (StepTail.committed_rows)."""
+                        top_k: int, greedy_only: bool) -> torch.Tensor | None:
+        """Acceptance and results into `out`; returns the committed rows (StepTail.committed_rows).
+        greedy_only: every sequence greedy, no top log-probs and no logits controls."""
         if batch.controls is None:
-            if logits.device.type == "cpu" and top_k == 0 and batch.greedy.all():
+            if greedy_only and logits.device.type == "cpu":
                 return tail.committed_rows(tail.greedy_on_host(logits, out))
             decided = tail.greedy(logits)
             if not batch.greedy.all():
@@ -379,8 +418,11 @@ class TargetEngine:
                       committed: torch.Tensor | None, features: torch.Tensor | None,
                       layers: tuple[int, ...]) -> StepResults:
         B = batch.size
-        host = self._out_buffer(out.numel()).view(out.shape)
-        host.copy_(out, non_blocking=self._pinned)
+        if out.device.type == "cpu":
+            host = out
+        else:
+            host = self._out_buffer(out.numel()).view(out.shape)
+            host.copy_(out, non_blocking=self._pinned)
         feature_rows = None
         if layers and not batch.drafted_trees:
             # No drafted nodes: every row is committed, so the rows of the sequences that asked are known

@@ -141,10 +141,13 @@ def _chain_mask_words(local: np.ndarray, words: int) -> np.ndarray:
 
 
 def shape_for(batch: StepBatch, tree: int, updates: int, per_tile: int) -> InputShape:
-    """The exact (unpadded) shape of a step."""
+    """The exact (unpadded) shape of a validated step (every item has a node)."""
+    rows = len(batch.tokens)
+    if rows == batch.size:  # one node each: a tile and a mask word each
+        return InputShape(rows=rows, seqs=rows, tree=tree, tiles=max(rows, 1), updates=max(updates, 1), words=1)
     n = batch.num_nodes.astype(np.int64)
     tiles = int(((n + per_tile - 1) // per_tile).sum())
-    return InputShape(rows=int(n.sum()), seqs=batch.size, tree=tree, tiles=max(tiles, 1), updates=max(updates, 1),
+    return InputShape(rows=rows, seqs=batch.size, tree=tree, tiles=max(tiles, 1), updates=max(updates, 1),
                       words=max(1, _cdiv(int(n.max(initial=1)), 64)))
 
 
@@ -152,13 +155,57 @@ def max_tree(batch: StepBatch) -> int:
     return int((batch.num_nodes - batch.num_fixed).max(initial=0)) + 1
 
 
+def _pack_attention_metadata(batch: StepBatch, views: dict[str, np.ndarray], shape: InputShape,
+                             local: np.ndarray | None, *, per_tile: int, prefix_lens: np.ndarray,
+                             table_rows: np.ndarray, padding_row: int) -> None:
+    """The Triton attention's regions: each sequence's facts, the tiles of nodes its programs
+    take, and each row's ancestor mask words. local: each row's index within its sequence
+    (None when every sequence has one node)."""
+    B, R = batch.size, len(batch.tokens)
+    n, starts = batch.num_nodes.astype(np.int64), batch.starts
+    tiles = views["tiles"].reshape(shape.tiles, 3)
+    mask = views["mask"]
+    mask[:] = 0
+    if local is None:  # one node each: one tile each, and a row sees itself
+        mask[:R, 0] = 1
+        tiles[:B, 0] = np.arange(B)
+        tiles[:B, 1] = 0
+        tiles[:B, 2] = 1
+        tiles[B:] = 0
+    else:
+        chains = np.ones(R, dtype=bool)
+        for b, parents in batch.drafted_trees.items():
+            lo, hi = int(starts[b]), int(starts[b + 1])
+            mask[lo:hi] = _tree_mask_rows(int(batch.num_fixed[b]), parents, shape.words)
+            chains[lo:hi] = False
+        if chains.any():
+            mask[:R][chains] = _chain_mask_words(local[chains], shape.words)
+        per_seq = (n + per_tile - 1) // per_tile
+        tile_seq = np.repeat(np.arange(B), per_seq)
+        first = (np.arange(len(tile_seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * per_tile
+        tiles[: len(tile_seq), 0] = tile_seq
+        tiles[: len(tile_seq), 1] = first
+        tiles[: len(tile_seq), 2] = np.minimum(per_tile, n[tile_seq] - first)
+        tiles[len(tile_seq):] = 0
+    info = views["seq_info"].reshape(shape.seqs, SEQ_INFO_FIELDS)
+    info[:B, 0] = prefix_lens
+    info[:B, 1] = starts[:-1]
+    info[:B, 2] = n
+    info[:B, 3] = table_rows
+    info[B:] = (0, 0, 0, padding_row)
+
+
 def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarray, updates: dict[int, int],
               shape: InputShape, views: dict[str, np.ndarray], per_tile: int, padding_row: int,
-              padding_update: int, host_table: np.ndarray, block_size: int, trash_slot: int) -> None:
+              padding_update: int, host_table: np.ndarray, block_size: int, trash_slot: int,
+              attention_metadata: bool = True) -> None:
     """Write `batch` into host views of a buffer laid out for `shape` (>= the batch's own
     shape). prefix_lens / table_rows: per sequence, its committed length and its row of
     the block table (host_table: its host copy, blocks already reserved for the step);
-    updates: device block-table entries to set before the forward."""
+    updates: device block-table entries to set before the forward. attention_metadata:
+    also the regions that the Triton attention and the logits controls read (sequence info,
+    tiles, mask words); the torch reference attention takes its own description, so a CPU's
+    eager step without controls skips them."""
     B, M = batch.size, shape.tree
     n = batch.num_nodes.astype(np.int64)
     nf = batch.num_fixed.astype(np.int64)
@@ -172,19 +219,12 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     tree_parent[:] = 0
     tree_row = views["tree_row"].reshape(shape.seqs, M)
     tree_row[:] = 0
-    tiles = views["tiles"].reshape(shape.tiles, 3)
-    mask = views["mask"]
-    mask[:] = 0
     row_tree = views["row_tree"]
-    if R == B:  # every sequence one node (plain decode): one row, one tile, a root, no tree
+    if R == B:  # every sequence one node (plain decode): one row, a root, no tree
         seq_of_row = np.arange(B)
+        local = None
         views["positions"][:R] = prefix_lens
         row_tree[:R] = FIXED_ROW
-        mask[:R, 0] = 1
-        tiles[:B, 0] = seq_of_row
-        tiles[:B, 1] = 0
-        tiles[:B, 2] = 1
-        tiles[B:] = 0
         tree_row[:B, 0] = seq_of_row
     else:
         seq_of_row = np.repeat(np.arange(B), n)
@@ -192,26 +232,17 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
         nf_row = nf[seq_of_row]
         tree_idx = local - (nf_row - 1)  # >= 0 for the root and drafted rows
         depth = np.minimum(local, nf_row - 1)  # the chain part; drafted rows get their tree depth added below
-        chains = np.ones(R, dtype=bool)
         for b, parents in batch.drafted_trees.items():  # sequences with drafted nodes: few, shapes repeat
             lo, hi = int(starts[b]), int(starts[b + 1])
             tree_parent[b, : len(parents)] = parents
             depth[lo + int(nf[b]) - 1: hi] += tree_depths(parents)
-            mask[lo:hi] = _tree_mask_rows(int(nf[b]), parents, shape.words)
-            chains[lo:hi] = False
-        if chains.any():
-            mask[:R][chains] = _chain_mask_words(local[chains], shape.words)
         views["positions"][:R] = prefix_lens[seq_of_row] + depth
         row_tree[:R] = np.where(local >= nf_row, seq_of_row * M + tree_idx, FIXED_ROW)
-        per_seq = (n + per_tile - 1) // per_tile
-        tile_seq = np.repeat(np.arange(B), per_seq)
-        first = (np.arange(len(tile_seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * per_tile
-        tiles[: len(tile_seq), 0] = tile_seq
-        tiles[: len(tile_seq), 1] = first
-        tiles[: len(tile_seq), 2] = np.minimum(per_tile, n[tile_seq] - first)
-        tiles[len(tile_seq):] = 0
         in_tree = local >= nf_row - 1
         tree_row.reshape(-1)[(seq_of_row * M + tree_idx)[in_tree]] = np.flatnonzero(in_tree)
+    if attention_metadata:
+        _pack_attention_metadata(batch, views, shape, local, per_tile=per_tile, prefix_lens=prefix_lens,
+                                 table_rows=table_rows, padding_row=padding_row)
     positions = views["positions"][:R]
     table_row_of_row = table_rows[seq_of_row]
     views["row_slot"][:R] = host_table[table_row_of_row, positions // block_size] * block_size + positions % block_size
@@ -222,13 +253,6 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     views["row_seq"][:R] = seq_of_row
     views["row_seq"][R:] = -1
     row_tree[R:] = PADDING_ROW
-
-    info = views["seq_info"].reshape(shape.seqs, SEQ_INFO_FIELDS)
-    info[:B, 0] = prefix_lens
-    info[:B, 1] = starts[:-1]
-    info[:B, 2] = n
-    info[:B, 3] = table_rows
-    info[B:] = (0, 0, 0, padding_row)
     views["tree_size"][:B] = tree_size
     views["tree_size"][B:] = 0
 

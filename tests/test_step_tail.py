@@ -109,3 +109,32 @@ def test_the_row_invariant_tail_decides_as_the_default_and_its_log_probs_agree_o
                 floats = [*range(2 + M, 2 + 2 * M), *range(2 + 3 * M + M * 2, width)]
             assert torch.equal(out_a[:, ints], out_b[:, ints]), decide
             torch.testing.assert_close(as_float[0][:, floats], as_float[1][:, floats], rtol=1e-6, atol=1e-6)
+
+
+def test_a_step_packed_without_attention_metadata_differs_only_in_the_triton_attentions_regions():
+    """A CPU's eager step without logits controls skips the sequence info, tiles and mask words
+    (the torch attention takes its own description); every other region is packed alike."""
+    rng = random.Random(3)
+    for trial in range(12):
+        items = []
+        for b in range(rng.randint(1, 5)):
+            if rng.random() < 0.4:  # a plain decode or a prompt chunk
+                items.append(SequenceStep.chain(f"s{b}", tuple(rng.randrange(VOCAB) for _ in range(rng.randint(1, 6)))))
+            else:
+                tokens, parents = random_tree(rng, rng.randint(1, 9))
+                items.append(SequenceStep(f"s{b}", tuple(tokens), tuple(parents), 1))
+        batch = StepBatch.from_items(items)
+        R = int(batch.num_nodes.sum())
+        shape = InputShape(rows=R + 2, seqs=batch.size + 1, tree=max_tree(batch), tiles=R + 1, updates=2, words=1)
+        layout = layout_for(shape)
+        packed = []
+        for metadata, fill in ((True, 0), (False, -3)):
+            buf = np.full(layout.size, fill, dtype=np.int32)
+            pack_step(batch, prefix_lens=np.arange(batch.size) + 5, table_rows=np.arange(batch.size),
+                      updates={3: 7}, shape=shape, views=layout.host_views(buf), per_tile=4, padding_row=63,
+                      padding_update=0, host_table=np.arange(64 * 8).reshape(64, 8), block_size=4, trash_slot=999,
+                      attention_metadata=metadata)
+            packed.append(buf)
+        for name, (at, n) in layout.spans.items():
+            same = np.array_equal(packed[0][at: at + n], packed[1][at: at + n])
+            assert same == (name not in ("seq_info", "tiles", "mask")), (trial, name)

@@ -9,7 +9,7 @@ from scipy.stats import chi2_contingency
 import target_service.acceptance as acceptance
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel
-from target_service.types import SamplingParams, SequenceStep
+from target_service.types import InvalidStep, SamplingParams, SequenceStep
 from tests.tiny_models import make_tiny_llama
 
 PROMPT = [7, 3, 21, 40, 11, 9]
@@ -220,3 +220,31 @@ def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_
     [whole] = fresh.step([SequenceStep.chain("f", committed + verify.tokens[-1:], create=True, return_features=True)])
     torch.testing.assert_close(verify.features, whole.features[len(PROMPT): len(committed)], atol=1e-5, rtol=0)
     torch.testing.assert_close(plain_step.features, whole.features[len(committed):], atol=1e-5, rtol=0)
+
+
+def test_negative_token_ids_and_top_logprobs_out_of_range_are_refused_by_name(model):
+    engine = new_engine(model)
+    engine.step([SequenceStep.chain("a", PROMPT, create=True)])
+    with pytest.raises(InvalidStep, match=r"request 'a': token id -1 out of range \[0, "):
+        engine.step([SequenceStep.chain("a", [-1])])
+    for asked in (-1, 21):
+        with pytest.raises(InvalidStep, match=r"request 'a': top_logprobs must be in 0\.\.20"):
+            engine.step([SequenceStep.chain("a", [5], top_logprobs=asked)])
+    assert engine.length("a") == len(PROMPT)
+
+
+def test_steps_after_one_that_outgrows_the_input_buffer_decode_as_a_fresh_engine_does(model):
+    """The engine keeps its input views per shape; a step too large for the buffer replaces it,
+    and the views of the old one must not be used again."""
+    fresh = new_engine(model, blocks=1024)
+    expected = greedy_plain(fresh, "x", PROMPT, 12)
+    engine = new_engine(model, blocks=1024)
+    out = engine.step([SequenceStep.chain("x", PROMPT, create=True)])[0].tokens
+    out += engine.step([SequenceStep.chain("x", [out[-1]])])[0].tokens
+    big = [SequenceStep.chain(f"big{i}", [(i + t) % 90 + 1 for t in range(60)], create=True) for i in range(48)]
+    before = engine._host_buf.numel()
+    engine.step(big)
+    assert engine._host_buf.numel() > before, "the big step did not outgrow the input buffer"
+    while len(out) < 12:
+        out += engine.step([SequenceStep.chain("x", [out[-1]])])[0].tokens
+    assert out[:12] == expected
