@@ -267,13 +267,12 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     views["temperature"][B:] = 0
     views["top_k"][:B] = batch.top_k
     views["top_k"][B:] = 0
-    views["top_p"][:B] = batch.top_p
-    views["top_p"][:B][~((batch.top_p > 0) & (batch.top_p < 1))] = 1.0
+    views["top_p"][:B] = np.where((batch.top_p > 0) & (batch.top_p < 1), batch.top_p, 1.0)
     views["top_p"][B:] = 1.0
     seed = batch.seed.view(np.uint32).reshape(B, 2)  # little-endian: low word first
     views["seed_lo"][:B] = seed[:, 0]
     views["seed_hi"][:B] = seed[:, 1]
     views["seed_lo"][B:] = 0
     views["seed_hi"][B:] = 0
-    views["greedy"][:B] = batch.temperature <= 0
+    views["greedy"][:B] = batch.greedy
     views["greedy"][B:] = 1
