@@ -2,7 +2,7 @@
 suite's fake engine (no models, no services), N streaming clients at once, and the server
 process's CPU time per chunk it delivered.
 
-    python bench/rest_stream.py [--streams 1,16,64] [--tokens 200] [--token-delay 0.002]
+    python bench/rest_stream.py [--streams 1,16,64] [--chunks 6000] [--token-delay 0.001]
 
 The server runs in a process of its own (uvicorn, as `tandem gateway` runs it), so the CPU
 it reports is the server's: the event loop's streaming (queue hand-over, JSON, SSE, HTTP
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -41,8 +40,15 @@ def serve(port: int, token_delay: float) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    """The process's CPU time so far, summed over its threads to the nanosecond (schedstat; /proc's
+    stat counts clock ticks of 10 ms, too coarse for a level of a second)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 async def one_stream(port: int, tokens: int, seed: int) -> int:
@@ -74,8 +80,8 @@ def free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,16,64", help="concurrent streams per level")
-    ap.add_argument("--tokens", type=int, default=200, help="tokens per stream")
-    ap.add_argument("--token-delay", type=float, default=0.002, help="the fake engine's seconds per step")
+    ap.add_argument("--chunks", type=int, default=6000, help="chunks per level, spread over its streams")
+    ap.add_argument("--token-delay", type=float, default=0.001, help="the fake engine's seconds per step")
     ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_level(port, 2, 20))  # warm-up
         for streams in (int(x) for x in args.streams.split(",")):
             cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
-            chunks = asyncio.run(run_level(port, streams, args.tokens))
+            chunks = asyncio.run(run_level(port, streams, max(1, args.chunks // streams)))
             wall, cpu = time.perf_counter() - t0, cpu_seconds(server.pid) - cpu0
             print(f"{streams:4d} streams: {chunks:6d} chunks in {wall:6.2f} s ({chunks / wall:8.1f} a second); "
                   f"server CPU {1e6 * cpu / chunks:7.1f} us a chunk ({100 * cpu / wall:5.1f}% of a core)",
