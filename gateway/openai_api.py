@@ -193,7 +193,8 @@ def _build_job(engine: GenerationEngine, settings: ApiSettings, req: CommonField
 async def _run(request: Request, engine: GenerationEngine, job: Job, streaming: bool) -> Response:
     if not engine.ready():
         raise Unavailable(NOT_READY_MESSAGE)
-    stream = AsyncDeltaStream(engine, job.subrequests)  # submits now: refusals are 4xx/503 here
+    # Submits now: refusals are 4xx/503 here. Its poll lets a quiet stream notice a gone client.
+    stream = AsyncDeltaStream(engine, job.subrequests, poll_s=DISCONNECT_POLL_S)
     if streaming:
         return _SSEResponse(_events(request, job, stream), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -204,7 +205,7 @@ async def _full_response(request: Request, job: Job, stream: AsyncDeltaStream) -
     watch = _DisconnectWatch(request)
     async with stream:
         while not stream.done:
-            item = await stream.get(DISCONNECT_POLL_S)
+            item = await stream.get()
             if await watch.gone():
                 log.info("%s: client disconnected, aborting", job.response_id)
                 return Response(status_code=499)  # nobody reads it; leaving the block aborts
@@ -223,25 +224,30 @@ async def _events(request: Request, job: Job, stream: AsyncDeltaStream) -> Async
         async with stream:
             for chunk in job.opening_chunks():
                 yield sse(chunk)
-            while not stream.done:
-                item = await stream.get(DISCONNECT_POLL_S)
+            aborted = None
+            while not stream.done and aborted is None:
+                item = await stream.get()
                 if await watch.gone():
                     log.info("%s: client disconnected, aborting", job.response_id)
                     return
-                if item is None:
-                    continue
-                index, delta = item
-                if (aborted := aborted_error(delta)) is not None:
-                    yield sse(api_error_for(aborted).body())
-                    break
-                choice = job.choices[index]
-                choice.add(delta)
-                # One choice object per chunk: OpenAI never repeats an index within a chunk.
-                for obj in job.delta_choices(choice, delta):
-                    yield sse(job.chunk([obj], with_usage_field=job.include_usage))
-            else:
-                if job.include_usage:
-                    yield sse(job.usage_chunk())
+                # The deltas already waiting leave in one write: each write is a trip through the
+                # server's send path, which a busy gateway pays per chunk of every stream.
+                events = []
+                while item is not None:
+                    index, delta = item
+                    if (aborted := aborted_error(delta)) is not None:
+                        events.append(sse(api_error_for(aborted).body()))
+                        break
+                    choice = job.choices[index]
+                    choice.add(delta)
+                    # One choice object per chunk: OpenAI never repeats an index within a chunk.
+                    events.extend(sse(job.chunk([obj], with_usage_field=job.include_usage))
+                                  for obj in job.delta_choices(choice, delta))
+                    item = stream.get_ready()
+                if events:
+                    yield "".join(events)
+            if aborted is None and job.include_usage:
+                yield sse(job.usage_chunk())
     except asyncio.CancelledError:
         log.info("%s: stream cancelled (client gone), aborting", job.response_id)
         raise

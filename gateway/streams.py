@@ -87,18 +87,28 @@ def _submit_all(engine: GenerationEngine, requests: Sequence[SubRequest], make_s
         raise
 
 
+_POLL = object()  # queued by an AsyncDeltaStream's poll timer: get() returns None
+
+
 class AsyncDeltaStream:
     """Deltas of one or more sub-requests as (index, Delta) pairs, for asyncio callers.
 
-    Use as `async with AsyncDeltaStream(...) as s: while not s.done: item = await s.get(t)`.
-    Leaving the block (normally, by exception or by cancellation) aborts every
-    sub-request that has not finished.
+    Use as `async with AsyncDeltaStream(...) as s: while not s.done: item = await s.get()`.
+    With `poll_s`, get() also returns None at least every poll_s seconds while nothing
+    arrives (callers check on their client then). Leaving the block (normally, by exception
+    or by cancellation) aborts every sub-request that has not finished.
     """
 
-    def __init__(self, engine: GenerationEngine, requests: Sequence[SubRequest]):
+    def __init__(self, engine: GenerationEngine, requests: Sequence[SubRequest], poll_s: float | None = None):
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, Delta] | object] = asyncio.Queue()
         self._tracker = _Tracker(engine, [r.request_id for r in requests])
+        # One timer a stream every poll_s, not a timeout on every get: a timeout is a timer armed
+        # and cancelled for every chunk of every stream (BENCHMARKS.md, "The REST layer's cost").
+        # It starts with the first get (a stream nobody reads keeps none) and ends with close().
+        self._poll_s = poll_s
+        self._poll_timer: asyncio.TimerHandle | None = None
+        self._closed = False
         _submit_all(engine, requests, self._sink)
 
     def _sink(self, index: int):
@@ -110,25 +120,42 @@ class AsyncDeltaStream:
 
         return put
 
+    def _poll(self) -> None:
+        if self._closed:
+            return
+        if self._queue.empty():
+            self._queue.put_nowait(_POLL)
+        self._poll_timer = self._loop.call_later(self._poll_s, self._poll)
+
     @property
     def done(self) -> bool:
         """True once every sub-request has delivered its final delta (or was aborted)."""
         return self._tracker.done and self._queue.empty()
 
-    async def get(self, timeout: float | None = None) -> tuple[int, Delta] | None:
-        """The next (index, delta), or None when `timeout` seconds pass without one."""
-        try:
-            if timeout is None:
-                item = await self._queue.get()
-            else:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
+    async def get(self) -> tuple[int, Delta] | None:
+        """The next (index, delta); None when the poll timer fired first."""
+        if self._poll_timer is None and self._poll_s is not None and not self._closed:
+            self._poll_timer = self._loop.call_later(self._poll_s, self._poll)
+        item = self._queue.get_nowait() if not self._queue.empty() else await self._queue.get()
+        if item is _POLL:
             return None
         self._tracker.mark(*item)
         return item
 
+    def get_ready(self) -> tuple[int, Delta] | None:
+        """The next (index, delta) if one is waiting, else None; never blocks."""
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is not _POLL:
+                self._tracker.mark(*item)
+                return item
+        return None
+
     def close(self) -> None:
-        """Abort whatever has not finished; idempotent."""
+        """Abort whatever has not finished, and stop the poll timer; idempotent."""
+        self._closed = True
+        if self._poll_timer is not None:
+            self._poll_timer.cancel()
         self._tracker.abort_unfinished()
 
     async def __aenter__(self) -> AsyncDeltaStream:

@@ -240,6 +240,24 @@ def test_stream_wire_format(server):
     assert all("usage" not in p for p in payloads)  # only with stream_options.include_usage
 
 
+
+def test_deltas_that_arrive_together_still_stream_as_one_event_each(server, engine):
+    """The server writes the deltas already waiting in one go (engine faster than the stream):
+    every delta is still an event of its own, with one choice, in order, nothing merged or lost."""
+    body = {"model": "tiny-fake", "prompt": "a", "max_tokens": 40, "n": 2, "seed": 0, "stream": True,
+            "speculation": "never"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(len(p["choices"]) == 1 for p in payloads)
+    for index in (0, 1):
+        mine = [p["choices"][0] for p in payloads if p["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == expected_text(40, seed=index)
+        assert len(mine) == 41 and mine[-1]["finish_reason"] == "length"  # a token a delta, then the finish
+
+
 def _error(exc: openai.APIStatusError) -> dict:
     body = exc.response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}

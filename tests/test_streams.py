@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.streams import AsyncDeltaStream, SubRequest, iter_deltas, stream_deltas
+from gateway.streams import _POLL, AsyncDeltaStream, SubRequest, iter_deltas, stream_deltas
 from gateway.types import GenerationParams
 from tandem.errors import ResourceExhausted
 from tests.fake_engine import FakeEngine, expected_text, make_char_tokenizer
@@ -89,3 +89,47 @@ def test_blocking_stream_full_early_close_and_cancel(engine):
     stream.cancel()  # as a gRPC termination callback would, from another thread
     rest = list(it)  # wakes up and ends instead of waiting for deltas that never come
     assert len(rest) < 100 and "b-cancel" in engine.aborted and engine.running == 0
+
+
+def test_a_quiet_stream_polls_from_its_first_get_and_stops_polling_when_closed(engine):
+    """poll_s: get() returns None while nothing arrives (a caller checks on its client then);
+    the timer starts with the first get, and close() leaves none behind."""
+    engine.token_delay = 0.3  # one delta, then a pause far longer than the poll
+
+    async def run():
+        async with AsyncDeltaStream(engine, [SubRequest("s-poll", [5], GenerationParams(max_tokens=3))],
+                                    poll_s=0.02) as stream:
+            assert stream._poll_timer is None  # nobody has read yet
+            got = []
+            while not stream.done:
+                got.append(await stream.get())
+            timer = stream._poll_timer
+        return got, timer
+
+    got, timer = asyncio.run(run())
+    deltas = [item[1] for item in got if item is not None]
+    assert "".join(d.text for d in deltas) == expected_text(3)
+    assert got.count(None) >= 3, "the quiet stream never returned for a poll"
+    assert timer.cancelled()
+
+
+def test_get_ready_takes_the_waiting_deltas_in_order_and_skips_a_poll_marker(engine):
+    async def run():
+        stream = AsyncDeltaStream(engine, [SubRequest("s-ready", [5], GenerationParams(max_tokens=6))], poll_s=5)
+        async with stream:
+            while engine.running:  # every delta queued before anything is read
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            queued = [stream._queue.get_nowait() for _ in range(stream._queue.qsize())]
+            for item in [queued[0], _POLL, *queued[1:], _POLL]:  # poll markers among them: skipped
+                stream._queue.put_nowait(item)
+            first = await stream.get()
+            rest = []
+            while (item := stream.get_ready()) is not None:
+                rest.append(item)
+            return first, rest, stream.done
+
+    first, rest, done = asyncio.run(run())
+    deltas = [first[1], *(item[1] for item in rest)]
+    assert "".join(d.text for d in deltas) == expected_text(6) and deltas[-1].finish_reason == "length"
+    assert done
