@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,49 @@ def _submit_all(engine: GenerationEngine, requests: Sequence[SubRequest], make_s
         raise
 
 
+class _LoopPost:
+    """Hands (queue, item) pairs from other threads to one event loop, a wake-up for as many as
+    arrive before the loop runs. The engine emits a step's deltas request by request: one
+    call_soon_threadsafe each was a write to the loop's wake-up pipe and a wake-up of its thread
+    per stream per step, each a bid for the GIL while the engine's step loop still runs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, into: asyncio.Queue, item: object) -> None:
+        """Queue `item` into `into` on the loop (RuntimeError once the loop is closed)."""
+        with self._lock:
+            self._pending.append((into, item))
+            if len(self._pending) > 1:
+                return  # a wake-up is already on its way and will take this one too
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for into, item in pending:
+            into.put_nowait(item)
+
+
+_posts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPost] = weakref.WeakKeyDictionary()
+_posts_lock = threading.Lock()
+
+
+def _post_for(loop: asyncio.AbstractEventLoop) -> _LoopPost:
+    with _posts_lock:
+        post = _posts.get(loop)
+        if post is None:
+            post = _posts[loop] = _LoopPost(loop)
+        return post
+
+
 _POLL = object()  # queued by an AsyncDeltaStream's poll timer: get() returns None
 
 
@@ -101,6 +145,7 @@ class AsyncDeltaStream:
 
     def __init__(self, engine: GenerationEngine, requests: Sequence[SubRequest], poll_s: float | None = None):
         self._loop = asyncio.get_running_loop()
+        self._post = _post_for(self._loop)
         self._queue: asyncio.Queue[tuple[int, Delta] | object] = asyncio.Queue()
         self._tracker = _Tracker(engine, [r.request_id for r in requests])
         # One timer a stream every poll_s, not a timeout on every get: a timeout is a timer armed
@@ -114,7 +159,7 @@ class AsyncDeltaStream:
     def _sink(self, index: int):
         def put(delta: Delta) -> None:
             try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, delta))
+                self._post.put(self._queue, (index, delta))
             except RuntimeError:
                 pass  # the event loop is closed: nobody is listening any more
 

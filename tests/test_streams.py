@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from gateway.streams import _POLL, AsyncDeltaStream, SubRequest, iter_deltas, stream_deltas
+from gateway.streams import _POLL, AsyncDeltaStream, SubRequest, _LoopPost, iter_deltas, stream_deltas
 from gateway.types import GenerationParams
 from tandem.errors import ResourceExhausted
 from tests.fake_engine import FakeEngine, expected_text, make_char_tokenizer
@@ -133,3 +134,42 @@ def test_get_ready_takes_the_waiting_deltas_in_order_and_skips_a_poll_marker(eng
     deltas = [first[1], *(item[1] for item in rest)]
     assert "".join(d.text for d in deltas) == expected_text(6) and deltas[-1].finish_reason == "length"
     assert done
+
+
+def test_items_posted_from_a_thread_before_the_loop_runs_arrive_in_order_with_one_wake_up():
+    """The engine's thread emits a step's deltas stream by stream; the loop is woken once for all
+    that arrive before it runs, and each queue gets its items in order."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        post = _LoopPost(loop)
+        queues = [asyncio.Queue() for _ in range(3)]
+        wake_ups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wake_ups.append(1), real(*a))[1]
+        try:
+            def emit():
+                for step in range(4):
+                    for i, q in enumerate(queues):
+                        post.put(q, (i, step))
+            thread = threading.Thread(target=emit)
+            thread.start()
+            thread.join()  # the loop has not run meanwhile: everything waits for one delivery
+            got = []
+            for q in queues:
+                got.append([await q.get() for _ in range(4)])
+        finally:
+            del loop.call_soon_threadsafe
+        return got, len(wake_ups)
+
+    got, wake_ups = asyncio.run(run())
+    assert got == [[(i, step) for step in range(4)] for i in range(3)]
+    assert wake_ups == 1
+
+
+def test_posting_to_a_closed_loop_raises_and_keeps_nothing():
+    loop = asyncio.new_event_loop()
+    post = _LoopPost(loop)
+    loop.close()
+    with pytest.raises(RuntimeError):
+        post.put(asyncio.Queue(), 1)
+    assert post._pending == []
