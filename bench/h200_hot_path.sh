@@ -22,6 +22,8 @@
 #            pack, graph replay, the wait for the GPU, results), batch 1/8/64, decode and verify 8
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
 #            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
+#   rest     the REST layer alone (no GPU): bench/rest_stream.py, the OpenAI server over the fake engine, server CPU a
+#            streamed chunk at 1, 16 and 64 streams, before and after, REST_REPEATS="1 2" times alternated
 #   drafttests  the draft's tree-growth and top-k kernel tests on the GPU (captured graphs, compiled Triton)
 #   draft    bench/draft_step.py before and after (a whole Draft call), and the growth alone after
 #            (DRAFT_GROW=0 skips the growth alone); DRAFT_REPEATS="1 2" alternates the pair twice, DRAFT_BATCHES,
@@ -548,6 +550,12 @@ for stage in "$@"; do
         flags=(--device cuda); [[ $run_name == scale_* ]] && flags=("${serve[@]}")
         [[ $run_name == *_on ]] && flags+=(--deterministic)
         equality "equality_$run_name" "${eq_port[$run_name]}" 64 "" "${flags[@]}" --dtype bfloat16
+      done ;;
+    rest)  # the REST layer alone on this host: server CPU a streamed chunk (bench/rest_stream.py), before and after
+      for rep in ${REST_REPEATS:-1 2}; do
+        for tree in before after; do  # the after tree's script; PYTHONPATH picks the tree's gateway
+          run "rest_${tree}_$rep" $tree 150 python3 "$root/bench/rest_stream.py" --streams 1,16,64 --chunks 10000
+        done
       done ;;
     stack)
       need_scale scale_track $scale
