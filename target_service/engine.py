@@ -65,11 +65,12 @@ def asked_rows(batch: StepBatch) -> np.ndarray:
 
 class HostInputs(NamedTuple):
     """One step's inputs on the host: the buffer (its first layout.size words) and its regions,
-    as numpy arrays to pack into and as tensors of the same memory."""
+    as numpy arrays to pack into and, on a CPU (where the host is the device), as tensors of the
+    same memory."""
 
     buffer: torch.Tensor
     arrays: dict[str, np.ndarray]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] | None
 
 
 def outside(values: np.ndarray, stop: int) -> np.ndarray:
@@ -267,7 +268,8 @@ class TargetEngine:
             self._host_buf = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
             self._kept_inputs.clear()  # they would keep the old buffer alive
         buf = self._host_buf[: layout.size]
-        kept = self._kept_inputs[layout] = HostInputs(buf, layout.host_views(buf.numpy()), layout.device_views(buf))
+        tensors = layout.device_views(buf) if self.device.type == "cpu" else None
+        kept = self._kept_inputs[layout] = HostInputs(buf, layout.host_views(buf.numpy()), tensors)
         if len(self._kept_inputs) > KEPT_INPUT_LAYOUTS:
             self._kept_inputs.popitem(last=False)
         return kept
@@ -310,7 +312,7 @@ class TargetEngine:
                 tail.commit(committed, graph.k_scratch, graph.v_scratch)
         else:
             splits = choose_num_splits(shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
-            if self.device.type == "cpu":  # the host buffer is the device's
+            if inputs.tensors is not None:  # a CPU: the host buffer is the device's
                 dev, views = inputs.buffer, inputs.tensors
             else:
                 dev = inputs.buffer.to(self.device, non_blocking=self._pinned)
