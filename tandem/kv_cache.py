@@ -168,8 +168,10 @@ class PagedKVCache:
     def host_slots(self, seq_id: str, start: int, stop: int) -> np.ndarray:
         """Flat slot indices (block * block_size + offset) of tokens [start, stop), on the host."""
         pos = np.arange(start, stop)
-        blocks = np.asarray(self.seqs[seq_id].blocks, dtype=np.int64)[pos // self.block_size]
-        return blocks * self.block_size + pos % self.block_size
+        seq = self.seqs[seq_id]
+        # The block table's host row is the block list as an array already (no list to convert).
+        held = self.block_table.host[seq.row] if self.block_table is not None else np.asarray(seq.blocks, np.int64)
+        return held[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def slots(self, seq_id: str, start: int, stop: int) -> torch.Tensor:
         """host_slots on the cache's device."""

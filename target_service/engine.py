@@ -153,28 +153,17 @@ class TargetEngine:
                 raise InvalidStep(f"unknown request {rid!r} (set create=true for a new sequence)")
             else:
                 prefix[b] = seq.length
-        n, nf = batch.num_nodes.astype(np.int64), batch.num_fixed.astype(np.int64)
-        starts = batch.starts
-        bad = (nf < 1) | (nf > n)  # so every item has a node
-        if len(batch.tokens) == batch.size:  # one node each (plain decode): its parent must be -1
-            bad |= batch.parents != -1
-        elif batch.tokens.size:
-            seq_of_row = np.repeat(np.arange(batch.size), n)
-            local = np.arange(len(batch.tokens)) - starts[:-1][seq_of_row]
-            nf_row = nf[seq_of_row]
-            p = batch.parents.astype(np.int64)
-            wrong = np.where(local < nf_row, p != local - 1, (p >= local) | (p < nf_row - 1))
-            bad |= np.bincount(seq_of_row[wrong], minlength=batch.size) > 0
-        # Each check asks .any() first: a valid step (the usual one) pays one reduction per check.
-        if bad.any():
-            b = int(np.argmax(bad))
-            problem = validate_tree(batch.parents[starts[b]: starts[b + 1]].tolist(), int(nf[b]))
-            raise InvalidStep(f"request {batch.request_ids[b]!r}: {problem}")
+        # Plain decode (each item one fixed node whose parent is -1) in one pass; any other step,
+        # or a plain one that fails it, through the check that names the malformed item.
+        plain = len(batch.tokens) == batch.size and not (
+            (batch.num_nodes != 1) | (batch.num_fixed != 1) | (batch.parents != -1)).any()
+        if not plain:
+            self._check_trees(batch)
         vocab = self.model.cfg.vocab_size
         out_of_range = outside(batch.tokens, vocab)
         if out_of_range.any():
             row = int(np.flatnonzero(out_of_range)[0])
-            b = int(np.searchsorted(starts, row, side="right") - 1)
+            b = int(np.searchsorted(batch.starts, row, side="right") - 1)
             raise InvalidStep(f"request {batch.request_ids[b]!r}: token id {int(batch.tokens[row])} out of range "
                               f"[0, {vocab})")
         t = batch.temperature
@@ -187,19 +176,43 @@ class TargetEngine:
                     "top_p must be a number" if np.isnan(batch.top_p[b]) else
                     f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
             raise InvalidStep(f"request {batch.request_ids[b]!r}: {what}")
-        depth = nf - 1
+        end = prefix + 1 if plain else prefix + self._tree_depths(batch) + 1
+        if end.max() > self.max_model_len:
+            b = int(np.argmax(end > self.max_model_len))
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "
+                              f"model's maximum length {self.max_model_len}")
+        return end
+
+    @staticmethod
+    def _check_trees(batch: StepBatch) -> None:
+        """Every item's nodes a chain of num_fixed >= 1 nodes, then drafted nodes whose parents
+        come before them, below the chain's last."""
+        n, nf = batch.num_nodes.astype(np.int64), batch.num_fixed.astype(np.int64)
+        bad = (nf < 1) | (nf > n)  # so every item has a node
+        if batch.tokens.size:
+            seq_of_row = np.repeat(np.arange(batch.size), n)
+            local = np.arange(len(batch.tokens)) - batch.starts[:-1][seq_of_row]
+            nf_row = nf[seq_of_row]
+            p = batch.parents.astype(np.int64)
+            wrong = np.where(local < nf_row, p != local - 1, (p >= local) | (p < nf_row - 1))
+            bad |= np.bincount(seq_of_row[wrong], minlength=batch.size) > 0
+        if bad.any():
+            b = int(np.argmax(bad))
+            nodes = slice(batch.starts[b], batch.starts[b + 1])
+            problem = validate_tree(batch.parents[nodes].tolist(), int(nf[b]))
+            raise InvalidStep(f"request {batch.request_ids[b]!r}: {problem}")
+
+    def _tree_depths(self, batch: StepBatch) -> np.ndarray:
+        """Each item's depth (its fixed chain's, then its drafted tree's), checked against
+        the batch-invariant mode's limit."""
+        depth = batch.num_fixed.astype(np.int64) - 1
         for b, parents in batch.drafted_trees.items():
             tree_depth = int(tree_depths(parents).max())
             if self.model.batch_invariant and tree_depth > MAX_TAIL:
                 raise InvalidStep(f"request {batch.request_ids[b]!r}: a drafted tree {tree_depth} deep; the "
                                   f"batch-invariant mode takes trees up to {MAX_TAIL} deep")
             depth[b] += tree_depth
-        end = prefix + depth + 1
-        if end.max() > self.max_model_len:
-            b = int(np.argmax(end > self.max_model_len))
-            raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "
-                              f"model's maximum length {self.max_model_len}")
-        return end
+        return depth
 
     # --- the step ---------------------------------------------------------
     def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...] = ()) -> list[SequenceResult]:

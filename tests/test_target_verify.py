@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -231,6 +233,25 @@ def test_negative_token_ids_and_top_logprobs_out_of_range_are_refused_by_name(mo
         with pytest.raises(InvalidStep, match=r"request 'a': top_logprobs must be in 0\.\.20"):
             engine.step([SequenceStep.chain("a", [5], top_logprobs=asked)])
     assert engine.length("a") == len(PROMPT)
+
+
+def test_steps_of_one_row_per_item_that_are_not_plain_decode_are_refused_by_the_malformed_items_name(model):
+    """Plain decode is checked in one pass; a step with as many rows as items that fails it
+    (two nodes beside none, a root whose parent is not -1, two fixed nodes in one) is named."""
+    engine = new_engine(model)
+    engine.step([SequenceStep.chain("a", PROMPT, create=True), SequenceStep.chain("b", PROMPT, create=True)])
+    cases = {
+        "request 'b': empty tree": [
+            SequenceStep("a", (5, 6), (-1, 0), num_fixed=1), SequenceStep("b", (), (), num_fixed=1)],
+        "request 'b': node 0 must have parent -1, got 0": [
+            SequenceStep.chain("a", [5]), SequenceStep("b", (5,), (0,), num_fixed=1)],
+        "request 'a': num_fixed must be between 1 and the number of nodes (1), got 2": [
+            SequenceStep("a", (5,), (-1,), num_fixed=2), SequenceStep.chain("b", [5])],
+    }
+    for message, items in cases.items():
+        with pytest.raises(InvalidStep, match=re.escape(message)):
+            engine.step(items)
+    assert engine.length("a") == engine.length("b") == len(PROMPT)
 
 
 def test_steps_after_one_that_outgrows_the_input_buffer_decode_as_a_fresh_engine_does(model):
