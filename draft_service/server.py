@@ -37,6 +37,7 @@ from tandem import telemetry, timeline
 from tandem.errors import Unavailable
 from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
+from tandem.lane import LaneMethod, LaneServer, add_lane_argument, lane_to_proto, start_lane
 from tandem.layers import DTYPES
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
@@ -90,6 +91,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.forcing: ForcedProposals | None = None  # benchmarks' scale track only
         # --target: where features held at the target are read (IngestItem.target_feature_rows).
         self.target_features: TargetFeatureReader | None = None
+        self.step_lane: LaneServer | None = None  # DraftStream on a same-host lane (--step-lane), named in GetInfo
         # One engine call at a time: requests' state and the KV cache are shared.
         self._lock = threading.Lock()
 
@@ -110,7 +112,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             max_tokens=info.max_tokens, max_steps=MAX_STEPS, max_topk=min(MAX_TOPK, info.draft_vocab_size),
             max_draft_tokens=MAX_DRAFT_TOKENS, dtype=info.dtype, device=info.device,
             load=load_to_proto(engine.load()), reads_target_features=self.target_features is not None,
-            feature_sink=self.target_features.sink if self.target_features is not None else "")
+            feature_sink=self.target_features.sink if self.target_features is not None else "",
+            step_lane=lane_to_proto(self.step_lane))
 
     def _with_features(self, items: list[IngestItem]) -> list[IngestItem]:
         """Items whose features the target holds, with those features read (outside the lock:
@@ -261,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_RING_BYTES >> 20}")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
+    add_lane_argument(p, "DraftStream")
     p.add_argument("--fused-tree-levels", action="store_true",
                    help="grow trees with each level's bookkeeping (the new candidates, the next frontier, its "
                         "tokens, positions and ancestor masks) in one Triton launch instead of about twenty torch "
@@ -340,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
     host.start()  # health says NOT_SERVING until the model is loaded
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)
+    if args.step_lane:
+        servicer.step_lane = start_lane(args.step_lane, f"draft-{host.port}",
+                                        {"DraftStream": LaneMethod(servicer.DraftStream, draft_pb2.DraftRequest)},
+                                        host)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
     compiles, collections = CompileWatch(log), GcWatch(log)
@@ -349,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         servicer.engine = build_engine(args)
     except Exception as exc:
         host.stop(0)
+        if servicer.step_lane is not None:
+            servicer.step_lane.stop()
         raise SystemExit(f"error: cannot load draft {args.model}: {exc}") from None
     info, load = servicer.engine.info(), servicer.engine.load()
     if forcing is not None:
@@ -365,7 +375,14 @@ def main(argv: list[str] | None = None) -> int:
                     "expanded (steps x topk per request)",
                     pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
-    host.run_until_signal(on_stop=servicer.target_features.close if servicer.target_features else None)
+
+    def stop() -> None:
+        if servicer.step_lane is not None:
+            servicer.step_lane.stop()
+        if servicer.target_features is not None:
+            servicer.target_features.close()
+
+    host.run_until_signal(on_stop=stop)
     telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -36,6 +36,7 @@ from tandem.channels import open_channel
 from tandem.errors import InvalidArgument
 from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
+from tandem.lane import LaneRefused, LaneStream
 from tandem.tensors import array_from_proto, dtype_from_name, tensor_from_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import target_pb2, target_pb2_grpc
@@ -86,6 +87,8 @@ class TargetFeatureReader:
         self._ring_refused = False
         self._closed = threading.Event()
         self._call = None
+        self._lane_offer: tuple[str, str] | None = None  # the target's step lane (path, token), to subscribe on
+        self._lane_refused = False
         self._thread = None
         if subscribe:
             self._thread = threading.Thread(target=self._subscribe, name="feature-subscription", daemon=True)
@@ -112,9 +115,10 @@ class TargetFeatureReader:
                 if ring is None:
                     ring = self._new_ring()  # about 0.1 s for 128 MB: not remade for every retry
                 try:
-                    self._call = self.stub.SubscribeFeatures(target_pb2.SubscribeFeaturesRequest(
+                    request = target_pb2.SubscribeFeaturesRequest(
                         sink=self.sink, batched=True, ring_name=ring.name if ring else "",
-                        ring_bytes=ring.data_bytes if ring else 0))
+                        ring_bytes=ring.data_bytes if ring else 0)
+                    self._call = self._open(request)
                     for msg in self._call:
                         if msg.request_ids:
                             timeline.mark("draft.push.recv")
@@ -125,6 +129,11 @@ class TargetFeatureReader:
                         else:
                             ring = self._went_live(msg, ring)
                             backoff = 0.1
+                            if self._take_lane_offer(msg):
+                                break  # and subscribe again there, now
+                            log.info("features from the target at %s are pushed to this draft%s%s", self.address,
+                                     " through shared memory" if ring is not None else "",
+                                     " on its step lane" if isinstance(self._call, LaneStream) else "")
                 except grpc.RpcError as exc:
                     if self._closed.is_set():
                         return
@@ -140,11 +149,37 @@ class TargetFeatureReader:
                     if self.ring is not None:  # the target had it, and its file is gone: the next needs a new one
                         self.ring.close()
                         self.ring = ring = None
-                self._closed.wait(backoff)
+                if self._lane_offer is None:  # no wait before taking the lane
+                    self._closed.wait(backoff)
                 backoff = min(2 * backoff, 2.0)
         finally:
             if ring is not None:
                 ring.close()
+
+    def _open(self, request: target_pb2.SubscribeFeaturesRequest):
+        """The subscription: on the target's step lane where it offered one that this host reaches (a
+        push then skips gRPC's threads: 0.3-0.4 ms from the target's reply leaving to the draft's
+        receipt against 0.5-0.6 on gRPC, dev machine), else over gRPC."""
+        offer, self._lane_offer = self._lane_offer, None
+        if offer is not None:
+            try:
+                stream = LaneStream(*offer, "SubscribeFeatures", target_pb2.FeatureRows)
+            except LaneRefused as exc:
+                self._lane_refused = True
+                log.info("the target's step lane is out of reach (%s); features are pushed over gRPC", exc)
+            else:
+                stream.send(request)
+                return stream
+        return self.stub.SubscribeFeatures(request)
+
+    def _take_lane_offer(self, msg: target_pb2.FeatureRows) -> bool:
+        """Whether to leave a live gRPC subscription for the target's step lane, which its first
+        message offered (once: an offer out of reach is not taken again)."""
+        if isinstance(self._call, LaneStream) or self._lane_refused or not msg.step_lane.path:
+            return False
+        self._lane_offer = (msg.step_lane.path, msg.step_lane.token)
+        self._call.cancel()
+        return True
 
     def _went_live(self, msg: target_pb2.FeatureRows, ring: FeatureRing | None) -> FeatureRing | None:
         """The subscription's first message. The ring's file goes now either way: the target has
@@ -157,8 +192,6 @@ class TargetFeatureReader:
                 self._ring_refused = True
         self.ring = ring
         self.live = True
-        log.info("features from the target at %s are pushed to this draft%s", self.address,
-                 " through shared memory" if ring is not None else "")
         return ring
 
     def _take_batch(self, msg: target_pb2.FeatureRows) -> None:

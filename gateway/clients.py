@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from tandem import timeline
 from tandem.channels import open_channel
 from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_tracing import instrument_channel
+from tandem.lane import LaneRefused, LaneStream
 from tandem.telemetry import stream_call_span
 from tandem.tensors import array_to_proto, tensor_to_proto
 from tandem.tls import ClientTLS
@@ -25,6 +27,8 @@ from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_
 from target_service.step_batch import StepBatch
 from target_service.types import KvLoad, SequenceResult, SequenceStep
 from target_service.wire import GrantStops, batch_to_proto, results_from_proto
+
+log = logging.getLogger(__name__)
 
 
 def _load(m: common_pb2.KvLoad) -> KvLoad:
@@ -104,6 +108,33 @@ class _CallStream:
     def close(self) -> None:
         self._calls.put(_END_OF_CALLS)
         self._replies.cancel()
+
+
+class _Lane:
+    """A service's same-host lane for one stream (StepLane in its GetInfo), while usable."""
+
+    def __init__(self, method: str, reply_type, who: str, enabled: bool):
+        self.method, self.reply_type, self.who = method, reply_type, who
+        self.enabled = enabled  # off: the gateway's --no-step-lane
+        self._where: tuple[str, str] | None = None  # (path, token) from the last GetInfo
+
+    def learn(self, lane: common_pb2.StepLane | None) -> None:
+        self._where = (lane.path, lane.token) if self.enabled and lane is not None and lane.path else None
+
+    def open(self) -> LaneStream | None:
+        """The stream on the lane, or None (no lane, or it cannot be reached from here: gRPC then, until
+        the next GetInfo names one again)."""
+        if self._where is None:
+            return None
+        path, token = self._where
+        try:
+            stream = LaneStream(path, token, self.method, self.reply_type)
+        except LaneRefused as exc:
+            log.warning("%s: its step lane is out of reach (%s); the stream goes over gRPC", self.who, exc)
+            self._where = None
+            return None
+        log.info("%s: %s on its step lane %s", self.who, self.method, path)
+        return stream
 
 
 class _Deadline:
@@ -204,15 +235,16 @@ class TargetGrant:
 
 
 class TargetClient:
-    def __init__(self, address: str, tls: ClientTLS | None = None):
+    def __init__(self, address: str, tls: ClientTLS | None = None, use_lane: bool = True):
         self.address = address
         self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(instrument_channel(self.channel))  # trace context out
-        self._stream: _CallStream | None = None
+        self._stream: _CallStream | LaneStream | None = None
+        self.lane = _Lane("StepStream", target_pb2.StepReply, f"target {address}", use_lane)
 
-    def _open_stream(self) -> _CallStream:
+    def _open_stream(self) -> _CallStream | LaneStream:
         if self._stream is None:
-            self._stream = _CallStream(self.stub.StepStream)
+            self._stream = self.lane.open() or _CallStream(self.stub.StepStream)
         return self._stream
 
     def _drop_stream(self) -> None:
@@ -254,6 +286,7 @@ class TargetClient:
             m = self.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=30)
         except grpc.RpcError as e:
             _raise_mapped(e, "target", TargetUnavailable)
+        self.lane.learn(m.step_lane if m.HasField("step_lane") else None)
         return TargetInfo(m.model_name, m.vocab_size, m.hidden_size, m.max_model_len,
                           tuple(m.eos_token_ids), tuple(m.default_feature_layers), _load(m.load))
 
@@ -307,14 +340,15 @@ class DraftClient:
     """One draft replica. Every failure surfaces as Unavailable (or InvalidArgument):
     the gateway then stops speculating for the replica's requests."""
 
-    def __init__(self, address: str, timeout: float = 30.0, tls: ClientTLS | None = None):
+    def __init__(self, address: str, timeout: float = 30.0, tls: ClientTLS | None = None, use_lane: bool = True):
         self.address = address
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = draft_pb2_grpc.DraftServiceStub(instrument_channel(self.channel))  # trace context out
         # Draft calls go over one DraftStream (a unary call costs about twice a message on an open
         # stream), opened on first use and again after a failure; each call carries its traceparent.
-        self._stream: _CallStream | None = None
+        self._stream: _CallStream | LaneStream | None = None
+        self.lane = _Lane("DraftStream", draft_pb2.DraftResponse, f"draft {address}", use_lane)
         self._deadline = _Deadline(f"draft-deadline-{address}")  # a replica that hangs is a lost replica
         # Learnt from info() (the pool's admission check asks it of every replica); until then
         # the gateway sends it features itself.
@@ -331,6 +365,7 @@ class DraftClient:
             _raise_mapped(e, f"draft {self.address}")
         self.reads_target_features = m.reads_target_features
         self.feature_sink = m.feature_sink
+        self.lane.learn(m.step_lane if m.HasField("step_lane") else None)
         return DraftInfo(tuple(m.feature_layers), m.max_tokens, m.max_steps, m.max_topk,
                          m.max_draft_tokens, _load(m.load), m.reads_target_features, m.feature_sink)
 
@@ -359,7 +394,7 @@ class DraftClient:
             req.items.add(request_id=rid, num_tokens=n).budget.CopyFrom(
                 draft_pb2.DraftBudget(steps=b.steps, topk=b.topk, num_draft_tokens=b.num_draft_tokens))
         if self._stream is None:
-            self._stream = _CallStream(self.stub.DraftStream)
+            self._stream = self.lane.open() or _CallStream(self.stub.DraftStream)
         stream = self._stream
         timeline.mark("gw.draft.send")
         stream.send(req)

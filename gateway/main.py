@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "past it they end with 503 / UNAVAILABLE, and the gateway serves again once the target "
                         f"is back (default {DEFAULT_TARGET_WAIT_S:g})")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
+    p.add_argument("--no-step-lane", action="store_true",
+                   help="keep the step streams to the target and drafts on gRPC even where a service offers a "
+                        "same-host lane (its --step-lane; by default the gateway uses one it can reach)")
     telemetry.add_otlp_argument(p)
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long running requests may finish before they are aborted")
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         source = parse_draft_source(args.draft, args.draft_resolve_interval)
     except ValueError as exc:
         raise SystemExit(f"error: --draft: {exc}") from None
-    target = TargetClient(args.target, tls=service_tls)
+    target = TargetClient(args.target, tls=service_tls, use_lane=not args.no_step_lane)
     try:
         wait_healthy(target.channel, timeout=600)
         info = target.info()
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     addresses = wait_for_replicas(source, args.draft_wait)
     if source.dynamic:
         log.info("draft replicas from %s: %s", source.describe(), ", ".join(addresses) or "none yet")
-    make_draft_client = functools.partial(DraftClient, tls=service_tls)
+    make_draft_client = functools.partial(DraftClient, tls=service_tls, use_lane=not args.no_step_lane)
     drafts = [make_draft_client(a) for a in addresses]
     cfg = CoreConfig(
         policy=policy,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import socket
 import ssl
@@ -138,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-args", metavar="ARGS", default="",
                    help="more arguments for the `tandem gateway` child, as one quoted string "
                         "(e.g. \"--grant-steps 1\"; see tandem gateway --help)")
+    p.add_argument("--no-step-lane", action="store_true",
+                   help="keep the gateway's step streams to the target and drafts on gRPC. By default the services "
+                        "also serve them on Unix sockets in a private temporary directory (tandem/lane.py), which "
+                        "skips gRPC's threads on each message of a round")
     p.add_argument("--log-dir", metavar="DIR", default=None,
                    help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
@@ -164,6 +169,7 @@ class Plan:
     draft: Path | None
     device: str
     log_dir: Path
+    lane_dir: Path | None = None  # the services' step lanes (sockets), None: gRPC only
     public_tls: ServerTLS | None = None  # the gateway's REST and gRPC
     service_tls: ServerTLS | None = None  # the target's and drafts' gRPC (mutual: client_ca is set)
     gateway_tls: ClientTLS | None = None  # the gateway's (and our probes') side towards the services
@@ -334,6 +340,10 @@ def _service_tls_flags(plan: Plan) -> list[str]:
     return ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.client_ca)]
 
 
+def _lane_flags(plan: Plan) -> list[str]:
+    return ["--step-lane", str(plan.lane_dir)] if plan.lane_dir is not None else []
+
+
 def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0,
                    port: int = 0) -> list[str]:
     cmd = ["target", "--model", str(plan.model), "--port", str(port), "--port-file", str(port_file),
@@ -346,7 +356,8 @@ def target_command(args: argparse.Namespace, plan: Plan, port_file: Path, metric
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb)]
     if args.deterministic:
         cmd.append("--deterministic")
-    return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.target_args)
+    return (cmd + _lane_flags(plan) + _observability_flags(args, metrics_port) + _service_tls_flags(plan)
+            + shlex.split(args.target_args))
 
 
 def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics_port: int = 0,
@@ -359,7 +370,8 @@ def draft_command(args: argparse.Namespace, plan: Plan, port_file: Path, metrics
         cmd += ["--target", target]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    return cmd + _observability_flags(args, metrics_port) + _service_tls_flags(plan) + shlex.split(args.draft_args)
+    return (cmd + _lane_flags(plan) + _observability_flags(args, metrics_port) + _service_tls_flags(plan)
+            + shlex.split(args.draft_args))
 
 
 def gateway_command(args: argparse.Namespace, plan: Plan, target: str, drafts: list[str]) -> list[str]:
@@ -622,6 +634,8 @@ class Supervisor:
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
+    if not args.no_step_lane:  # short (a socket's path has a limit of about 100 bytes) and private (0700)
+        plan.lane_dir = Path(tempfile.mkdtemp(prefix="tandem-lane-"))
     sup = Supervisor(plan.log_dir, args.startup_timeout)
     previous = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
@@ -668,6 +682,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                  *[f"  {c.name + ' metrics':<13}  http://127.0.0.1:{c.metrics_port}/metrics"
                    for c in [target, *drafts]],
                  f"  speculation    {args.speculation}" + ("" if drafts else " (no draft: never)"),
+                 f"  step lanes     {plan.lane_dir or 'off (gRPC)'}",
                  f"  logs           {plan.log_dir}",
                  "Press Ctrl-C to stop."]
         print("tandem serve: " + "\n".join(lines), flush=True)
@@ -685,6 +700,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         sup.stop_all()  # a no-op when already stopped; never leave children behind on a bug
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if plan.lane_dir is not None:
+            shutil.rmtree(plan.lane_dir, ignore_errors=True)
     return 0  # not reached: monitor() only returns by raising
 
 

@@ -22,6 +22,7 @@ from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
 from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
+from tandem.lane import LaneMethod, LaneServer, add_lane_argument, lane_to_proto, start_lane
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
@@ -149,6 +150,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.metrics = metrics  # None: --metrics-port is off, nothing is recorded
         self.model_name = model_dir.name
         self.engine: ParallelEngine | None = None
+        self.step_lane: LaneServer | None = None  # StepStream on a same-host lane (--step-lane), named in GetInfo
         # One step at a time: the KV cache and the TP ranks see one command stream.
         self._lock = threading.Lock()
 
@@ -166,7 +168,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             num_layers=cfg.num_layers, max_model_len=engine.engine.max_model_len,
             eos_token_ids=list(cfg.eos_token_ids), tp_size=engine.tp_size,
             dtype=str(engine.model.dtype).removeprefix("torch."), device=engine.model.device.type,
-            default_feature_layers=list(cfg.default_feature_layers), load=load_to_proto(engine.load()))
+            default_feature_layers=list(cfg.default_feature_layers), load=load_to_proto(engine.load()),
+            step_lane=lane_to_proto(self.step_lane))
 
     @map_errors
     def Step(self, request, context):
@@ -368,7 +371,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if sub.closed:  # the target is stopping
                 return
             # Live: steps naming this sink push here from now on.
-            yield target_pb2.FeatureRows(ring_attached=ring is not None)
+            yield target_pb2.FeatureRows(ring_attached=ring is not None, step_lane=lane_to_proto(self.step_lane))
             for batch in sub:
                 if request.batched:
                     yield batch_to_proto(batch, ring)
@@ -439,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "bytes) on http://HOST:P/metrics (0 picks a free port; default off)")
     telemetry.add_otlp_argument(p)
     add_server_tls_arguments(p, SERVICE_CA_HELP)
+    add_lane_argument(p, "StepStream")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
@@ -474,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     host.on_draining.append(servicer.feature_sinks.close_all)  # subscriptions must not hold the drain
     host.start()
     log.info("listening on %s:%d (loading %s, tp=%d)", args.host, host.port, args.model, args.tp)
+    if args.step_lane:
+        servicer.step_lane = start_lane(args.step_lane, f"target-{host.port}", {
+            "StepStream": LaneMethod(servicer.StepStream, target_pb2.StepCall),
+            # The drafts' feature pushes: after the lane the verify reply takes, the push came last.
+            "SubscribeFeatures": LaneMethod(servicer.SubscribeFeatures, target_pb2.SubscribeFeaturesRequest,
+                                            unary=True)}, host)
     if args.port_file:
         Path(args.port_file).write_text(str(host.port))
     compiles, collections = CompileWatch(log), GcWatch(log)
@@ -483,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         servicer.engine = ParallelEngine(spec, args.tp)
     except Exception as exc:
         host.stop(0)
+        if servicer.step_lane is not None:
+            servicer.step_lane.stop()
         raise SystemExit(f"error: cannot load {args.model}: {exc}") from None
     load = servicer.engine.load()
     collections.ready()
@@ -492,7 +504,13 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("emulating step cost: every step lasts at least %g ms + %g ms per token",
                     pacing.base_ms, pacing.per_token_ms)
     host.set_serving(True)
-    host.run_until_signal(on_stop=servicer.engine.shutdown)
+
+    def stop() -> None:
+        if servicer.step_lane is not None:  # its streams end before the engine goes
+            servicer.step_lane.stop()
+        servicer.engine.shutdown()
+
+    host.run_until_signal(on_stop=stop)
     telemetry.shutdown_tracing()  # flush the spans still queued
     log.info("stopped")
     return 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,9 +79,15 @@ class Stack(Gateway):
 
     def __init__(self, tmp: Path, target_dir: Path, draft_dirs: list[Path], *gateway_args: str,
                  target_args: tuple[str, ...] = ("--num-blocks", "256", "--block-size", "8"),
-                 draft_args: tuple[str, ...] = (), drafts_read_target: bool = False):
-        """drafts_read_target: the drafts get --target, and read the features the target holds."""
+                 draft_args: tuple[str, ...] = (), drafts_read_target: bool = False, step_lanes: bool = True):
+        """drafts_read_target: the drafts get --target, and read the features the target holds.
+        step_lanes: the services also serve their step streams on same-host lanes (as under `tandem
+        serve`), which the gateway then uses; off: gRPC only."""
         self.tmp = tmp
+        # A socket's path has a limit of about 100 bytes: a short directory of its own, not tmp.
+        self.lane_dir = Path(tempfile.mkdtemp(prefix="tandem-lane-")) if step_lanes else None
+        lane = ("--step-lane", str(self.lane_dir)) if step_lanes else ()
+        target_args, draft_args = (*target_args, *lane), (*draft_args, *lane)
         self.target = Service(["target", "--model", str(target_dir), *target_args], tmp, "target")
         if drafts_read_target:  # the target's address is known once its port is bound
             draft_args = (*draft_args, "--target", self.target.address)
@@ -97,3 +105,5 @@ class Stack(Gateway):
         for d in self.drafts:
             d.stop()
         self.target.stop()
+        if self.lane_dir is not None:
+            shutil.rmtree(self.lane_dir, ignore_errors=True)

@@ -341,8 +341,9 @@ def test_a_draft_that_takes_its_features_from_the_target_drafts_as_one_the_gatew
     rows = {source: draft.get(f'tandem_draft_target_feature_rows_total{{source="{source}"}}', 0)
             for source in ("pushed", "read", "absent")}
     assert rows["pushed"] > 0 and rows["read"] + rows["absent"] < 0.05 * rows["pushed"], rows
-    # Both services on this host: the rows went through the draft's shared-memory ring.
-    assert "through shared memory" in from_target.drafts[0].log_path.read_text()
+    # Both services on this host: the rows went through the draft's shared-memory ring, and the pushes
+    # that name them on the target's step lane (the stack gives its services lanes).
+    assert "through shared memory on its step lane" in from_target.drafts[0].log_path.read_text()
 
 
 def _metrics_url(service: Service) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from draft_service.target_features import TargetFeatureReader
 from tandem.feature_ring import HEADER_BYTES, RING_DIR, FeatureRing, RingUnavailable
+from tandem.lane import LaneMethod, LaneServer, LaneStream
 from tandem.tensors import array_to_proto
 from tandem.v1 import target_pb2, target_pb2_grpc
 from target_service.feature_sinks import CommittedRows
@@ -132,6 +133,26 @@ def test_a_steps_rows_reach_the_draft_in_one_message_through_the_ring_or_the_str
     finally:
         reader.close()
     assert reader.ring is None
+
+
+def test_a_draft_leaves_its_grpc_subscription_for_the_step_lane_the_target_offers_and_gets_its_rows_there(
+        target, tmp_path):
+    servicer, address = target
+    servicer.step_lane = LaneServer(tmp_path / "target.sock", {"SubscribeFeatures": LaneMethod(
+        servicer.SubscribeFeatures, target_pb2.SubscribeFeaturesRequest, unary=True)})
+    servicer.step_lane.start()
+    reader = TargetFeatureReader(address, ring_bytes=1 << 20)
+    try:
+        _until(lambda: reader.live and isinstance(reader._call, LaneStream))
+        assert reader.ring is not None  # a new ring for the lane's subscription, attached by the target
+        for step in range(3):
+            batch = [CommittedRows("r", 4 * step, rows(4 * step, 4))]
+            _until(lambda batch=batch: servicer.feature_sinks.push(reader.sink, batch))
+            assert reader.pushed.wait_for("r", 4 * step + 4, timeout=30)
+            assert torch.equal(reader.pushed.read("r", 4 * step, 4 * step + 4)[1], rows(4 * step, 4))
+    finally:
+        reader.close()
+        servicer.step_lane.stop()
 
 
 def test_a_subscriber_that_asks_for_no_batches_gets_a_message_per_sequence_as_before(target):

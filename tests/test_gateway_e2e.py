@@ -38,9 +38,9 @@ def stack(pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack_k1(pair, tmp_path_factory):
-    """One target call per step, as before grants."""
+    """One target call per step, as before grants; its step streams on gRPC (the other stack's on lanes)."""
     st = Stack(tmp_path_factory.mktemp("stack_k1"), *pair[:1], [pair[1]], "--no-profile", "--max-model-len", "256",
-               "--grant-steps", "1")
+               "--grant-steps", "1", step_lanes=False)
     yield st
     st.stop()
 
@@ -75,6 +75,17 @@ def test_greedy_output_is_the_same_with_and_without_speculation(which, request):
     wait_idle(stack)
     granted = stack.metrics().get("tandem_granted_steps_total", 0)
     assert granted > 0 if which == "stack" else granted == 0
+
+
+def test_step_streams_on_lanes_give_the_greedy_output_of_streams_on_grpc(stack, stack_k1):
+    """`stack`'s services offer same-host lanes and its gateway takes them; `stack_k1`'s stay on gRPC."""
+    for prompt in PROMPTS[:2]:
+        for mode in ("never", "always"):
+            assert greedy(stack, prompt, mode)[0] == greedy(stack_k1, prompt, mode)[0]
+    lane_log, grpc_log = stack.log_path.read_text(), stack_k1.log_path.read_text()
+    assert "StepStream on its step lane" in lane_log and "DraftStream on its step lane" in lane_log
+    assert "step lane" not in grpc_log
+    wait_idle(stack)
 
 
 def test_openai_client_against_the_real_stack(stack):

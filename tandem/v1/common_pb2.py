@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"x\n\x06KvLoad\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x18\n\x10\x66ree_token_slots\x18\x05 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\'\n\x08StepLane\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"x\n\x06KvLoad\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x18\n\x10\x66ree_token_slots\x18\x05 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=89
-  _globals['_KVLOAD']._serialized_start=91
-  _globals['_KVLOAD']._serialized_end=211
+  _globals['_STEPLANE']._serialized_start=91
+  _globals['_STEPLANE']._serialized_end=130
+  _globals['_KVLOAD']._serialized_start=132
+  _globals['_KVLOAD']._serialized_end=252
 # @@protoc_insertion_point(module_scope)

@@ -16,6 +16,14 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class StepLane(_message.Message):
+    __slots__ = ("path", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    token: str
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
 class KvLoad(_message.Message):
     __slots__ = ("num_sequences", "block_size", "total_blocks", "free_blocks", "free_token_slots")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]

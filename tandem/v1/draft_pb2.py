@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\x97\x03\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11target_model_name\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x18\n\x10\x64raft_vocab_size\x18\x04 \x01(\r\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\r\x12\x1a\n\x12target_hidden_size\x18\x06 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x07 \x03(\r\x12\x15\n\rfeature_width\x18\x08 \x01(\r\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x11\n\tmax_steps\x18\n \x01(\r\x12\x10\n\x08max_topk\x18\x0b \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x0c \x01(\r\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x1f\n\x04load\x18\x0f \x01(\x0b\x32\x11.tandem.v1.KvLoad\x12\x1d\n\x15reads_target_features\x18\x10 \x01(\x08\x12\x14\n\x0c\x66\x65\x61ture_sink\x18\x11 \x01(\t\"\x8a\x01\n\nIngestItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x1b\n\x13target_feature_rows\x18\x05 \x01(\r\"G\n\rIngestRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.tandem.v1.IngestItem\x12\x10\n\x08\x63\x61tch_up\x18\x02 \x01(\x08\"z\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_computed\x18\x03 \x01(\r\x12\x1c\n\x14num_missing_features\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x05 \x01(\x08\"]\n\x0eIngestResponse\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.tandem.v1.RequestStatus\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.tandem.v1.KvLoad\"D\n\x0b\x44raftBudget\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"[\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06\x62udget\x18\x02 \x01(\x0b\x32\x16.tandem.v1.DraftBudget\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\xa3\x01\n\x0c\x44raftRequest\x12%\n\x06ingest\x18\x01 \x03(\x0b\x32\x15.tandem.v1.IngestItem\x12#\n\x05items\x18\x02 \x03(\x0b\x32\x14.tandem.v1.DraftItem\x12\x1c\n\x14return_ancestor_mask\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x14\n\x0cpacked_trees\x18\x05 \x01(\x08\"\xc7\x01\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nroot_token\x18\x02 \x01(\x05\x12\x15\n\rroot_position\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x0e\n\x06scores\x18\x08 \x03(\x02\x12(\n\rancestor_mask\x18\t \x01(\x0b\x32\x11.tandem.v1.Tensor\"\xad\x01\n\rDraftResponse\x12#\n\x05trees\x18\x01 \x03(\x0b\x32\x14.tandem.v1.DraftTree\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.tandem.v1.KvLoad\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12&\n\x06packed\x18\x04 \x01(\x0b\x32\x16.tandem.v1.PackedTrees\x12\x17\n\x0fgraphs_captured\x18\x05 \x01(\r\"\xcd\x02\n\x0bPackedTrees\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12$\n\tnum_nodes\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12&\n\x0broot_tokens\x18\x03 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12)\n\x0eroot_positions\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12!\n\x06tokens\x18\x05 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\"\n\x07parents\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12!\n\x06\x64\x65pths\x18\x07 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12#\n\x08logprobs\x18\x08 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12!\n\x06scores\x18\t \x01(\x0b\x32\x11.tandem.v1.Tensor\"*\n\x13\x44raftReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"I\n\x14\x44raftReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.tandem.v1.KvLoad\"\x12\n\x10\x44raftLoadRequest2\x94\x03\n\x0c\x44raftService\x12<\n\x07GetInfo\x12\x1b.tandem.v1.DraftInfoRequest\x1a\x14.tandem.v1.DraftInfo\x12=\n\x06Ingest\x12\x18.tandem.v1.IngestRequest\x1a\x19.tandem.v1.IngestResponse\x12:\n\x05\x44raft\x12\x17.tandem.v1.DraftRequest\x1a\x18.tandem.v1.DraftResponse\x12\x44\n\x0b\x44raftStream\x12\x17.tandem.v1.DraftRequest\x1a\x18.tandem.v1.DraftResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.tandem.v1.DraftReleaseRequest\x1a\x1f.tandem.v1.DraftReleaseResponse\x12\x39\n\x07GetLoad\x12\x1b.tandem.v1.DraftLoadRequest\x1a\x11.tandem.v1.KvLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\xbf\x03\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11target_model_name\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x18\n\x10\x64raft_vocab_size\x18\x04 \x01(\r\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\r\x12\x1a\n\x12target_hidden_size\x18\x06 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x07 \x03(\r\x12\x15\n\rfeature_width\x18\x08 \x01(\r\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x11\n\tmax_steps\x18\n \x01(\r\x12\x10\n\x08max_topk\x18\x0b \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x0c \x01(\r\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\x1f\n\x04load\x18\x0f \x01(\x0b\x32\x11.tandem.v1.KvLoad\x12\x1d\n\x15reads_target_features\x18\x10 \x01(\x08\x12\x14\n\x0c\x66\x65\x61ture_sink\x18\x11 \x01(\t\x12&\n\tstep_lane\x18\x12 \x01(\x0b\x32\x13.tandem.v1.StepLane\"\x8a\x01\n\nIngestItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x1b\n\x13target_feature_rows\x18\x05 \x01(\r\"G\n\rIngestRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.tandem.v1.IngestItem\x12\x10\n\x08\x63\x61tch_up\x18\x02 \x01(\x08\"z\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_computed\x18\x03 \x01(\r\x12\x1c\n\x14num_missing_features\x18\x04 \x01(\r\x12\r\n\x05ready\x18\x05 \x01(\x08\"]\n\x0eIngestResponse\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.tandem.v1.RequestStatus\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.tandem.v1.KvLoad\"D\n\x0b\x44raftBudget\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"[\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06\x62udget\x18\x02 \x01(\x0b\x32\x16.tandem.v1.DraftBudget\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\xa3\x01\n\x0c\x44raftRequest\x12%\n\x06ingest\x18\x01 \x03(\x0b\x32\x15.tandem.v1.IngestItem\x12#\n\x05items\x18\x02 \x03(\x0b\x32\x14.tandem.v1.DraftItem\x12\x1c\n\x14return_ancestor_mask\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x14\n\x0cpacked_trees\x18\x05 \x01(\x08\"\xc7\x01\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nroot_token\x18\x02 \x01(\x05\x12\x15\n\rroot_position\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x0e\n\x06scores\x18\x08 \x03(\x02\x12(\n\rancestor_mask\x18\t \x01(\x0b\x32\x11.tandem.v1.Tensor\"\xad\x01\n\rDraftResponse\x12#\n\x05trees\x18\x01 \x03(\x0b\x32\x14.tandem.v1.DraftTree\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.tandem.v1.KvLoad\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12&\n\x06packed\x18\x04 \x01(\x0b\x32\x16.tandem.v1.PackedTrees\x12\x17\n\x0fgraphs_captured\x18\x05 \x01(\r\"\xcd\x02\n\x0bPackedTrees\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12$\n\tnum_nodes\x18\x02 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12&\n\x0broot_tokens\x18\x03 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12)\n\x0eroot_positions\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12!\n\x06tokens\x18\x05 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\"\n\x07parents\x18\x06 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12!\n\x06\x64\x65pths\x18\x07 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12#\n\x08logprobs\x18\x08 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12!\n\x06scores\x18\t \x01(\x0b\x32\x11.tandem.v1.Tensor\"*\n\x13\x44raftReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"I\n\x14\x44raftReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.tandem.v1.KvLoad\"\x12\n\x10\x44raftLoadRequest2\x94\x03\n\x0c\x44raftService\x12<\n\x07GetInfo\x12\x1b.tandem.v1.DraftInfoRequest\x1a\x14.tandem.v1.DraftInfo\x12=\n\x06Ingest\x12\x18.tandem.v1.IngestRequest\x1a\x19.tandem.v1.IngestResponse\x12:\n\x05\x44raft\x12\x17.tandem.v1.DraftRequest\x1a\x18.tandem.v1.DraftResponse\x12\x44\n\x0b\x44raftStream\x12\x17.tandem.v1.DraftRequest\x1a\x18.tandem.v1.DraftResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.tandem.v1.DraftReleaseRequest\x1a\x1f.tandem.v1.DraftReleaseResponse\x12\x39\n\x07GetLoad\x12\x1b.tandem.v1.DraftLoadRequest\x1a\x11.tandem.v1.KvLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTINFOREQUEST']._serialized_start=60
   _globals['_DRAFTINFOREQUEST']._serialized_end=78
   _globals['_DRAFTINFO']._serialized_start=81
-  _globals['_DRAFTINFO']._serialized_end=488
-  _globals['_INGESTITEM']._serialized_start=491
-  _globals['_INGESTITEM']._serialized_end=629
-  _globals['_INGESTREQUEST']._serialized_start=631
-  _globals['_INGESTREQUEST']._serialized_end=702
-  _globals['_REQUESTSTATUS']._serialized_start=704
-  _globals['_REQUESTSTATUS']._serialized_end=826
-  _globals['_INGESTRESPONSE']._serialized_start=828
-  _globals['_INGESTRESPONSE']._serialized_end=921
-  _globals['_DRAFTBUDGET']._serialized_start=923
-  _globals['_DRAFTBUDGET']._serialized_end=991
-  _globals['_DRAFTITEM']._serialized_start=993
-  _globals['_DRAFTITEM']._serialized_end=1084
-  _globals['_DRAFTREQUEST']._serialized_start=1087
-  _globals['_DRAFTREQUEST']._serialized_end=1250
-  _globals['_DRAFTTREE']._serialized_start=1253
-  _globals['_DRAFTTREE']._serialized_end=1452
-  _globals['_DRAFTRESPONSE']._serialized_start=1455
-  _globals['_DRAFTRESPONSE']._serialized_end=1628
-  _globals['_PACKEDTREES']._serialized_start=1631
-  _globals['_PACKEDTREES']._serialized_end=1964
-  _globals['_DRAFTRELEASEREQUEST']._serialized_start=1966
-  _globals['_DRAFTRELEASEREQUEST']._serialized_end=2008
-  _globals['_DRAFTRELEASERESPONSE']._serialized_start=2010
-  _globals['_DRAFTRELEASERESPONSE']._serialized_end=2083
-  _globals['_DRAFTLOADREQUEST']._serialized_start=2085
-  _globals['_DRAFTLOADREQUEST']._serialized_end=2103
-  _globals['_DRAFTSERVICE']._serialized_start=2106
-  _globals['_DRAFTSERVICE']._serialized_end=2510
+  _globals['_DRAFTINFO']._serialized_end=528
+  _globals['_INGESTITEM']._serialized_start=531
+  _globals['_INGESTITEM']._serialized_end=669
+  _globals['_INGESTREQUEST']._serialized_start=671
+  _globals['_INGESTREQUEST']._serialized_end=742
+  _globals['_REQUESTSTATUS']._serialized_start=744
+  _globals['_REQUESTSTATUS']._serialized_end=866
+  _globals['_INGESTRESPONSE']._serialized_start=868
+  _globals['_INGESTRESPONSE']._serialized_end=961
+  _globals['_DRAFTBUDGET']._serialized_start=963
+  _globals['_DRAFTBUDGET']._serialized_end=1031
+  _globals['_DRAFTITEM']._serialized_start=1033
+  _globals['_DRAFTITEM']._serialized_end=1124
+  _globals['_DRAFTREQUEST']._serialized_start=1127
+  _globals['_DRAFTREQUEST']._serialized_end=1290
+  _globals['_DRAFTTREE']._serialized_start=1293
+  _globals['_DRAFTTREE']._serialized_end=1492
+  _globals['_DRAFTRESPONSE']._serialized_start=1495
+  _globals['_DRAFTRESPONSE']._serialized_end=1668
+  _globals['_PACKEDTREES']._serialized_start=1671
+  _globals['_PACKEDTREES']._serialized_end=2004
+  _globals['_DRAFTRELEASEREQUEST']._serialized_start=2006
+  _globals['_DRAFTRELEASEREQUEST']._serialized_end=2048
+  _globals['_DRAFTRELEASERESPONSE']._serialized_start=2050
+  _globals['_DRAFTRELEASERESPONSE']._serialized_end=2123
+  _globals['_DRAFTLOADREQUEST']._serialized_start=2125
+  _globals['_DRAFTLOADREQUEST']._serialized_end=2143
+  _globals['_DRAFTSERVICE']._serialized_start=2146
+  _globals['_DRAFTSERVICE']._serialized_end=2550
 # @@protoc_insertion_point(module_scope)

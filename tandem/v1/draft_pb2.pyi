@@ -12,7 +12,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_name", "target_model_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "target_hidden_size", "feature_layers", "feature_width", "max_tokens", "max_steps", "max_topk", "max_draft_tokens", "dtype", "device", "load", "reads_target_features", "feature_sink")
+    __slots__ = ("model_name", "target_model_name", "hidden_size", "draft_vocab_size", "target_vocab_size", "target_hidden_size", "feature_layers", "feature_width", "max_tokens", "max_steps", "max_topk", "max_draft_tokens", "dtype", "device", "load", "reads_target_features", "feature_sink", "step_lane")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DraftInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     READS_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SINK_FIELD_NUMBER: _ClassVar[int]
+    STEP_LANE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     target_model_name: str
     hidden_size: int
@@ -47,7 +48,8 @@ class DraftInfo(_message.Message):
     load: _common_pb2.KvLoad
     reads_target_features: bool
     feature_sink: str
-    def __init__(self, model_name: _Optional[str] = ..., target_model_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_topk: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., reads_target_features: _Optional[bool] = ..., feature_sink: _Optional[str] = ...) -> None: ...
+    step_lane: _common_pb2.StepLane
+    def __init__(self, model_name: _Optional[str] = ..., target_model_name: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_hidden_size: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_topk: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., reads_target_features: _Optional[bool] = ..., feature_sink: _Optional[str] = ..., step_lane: _Optional[_Union[_common_pb2.StepLane, _Mapping]] = ...) -> None: ...
 
 class IngestItem(_message.Message):
     __slots__ = ("request_id", "start_position", "tokens", "features", "target_feature_rows")

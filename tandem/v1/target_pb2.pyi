@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "max_model_len", "eos_token_ids", "tp_size", "dtype", "device", "default_feature_layers", "load")
+    __slots__ = ("model_name", "vocab_size", "hidden_size", "num_layers", "max_model_len", "eos_token_ids", "tp_size", "dtype", "device", "default_feature_layers", "load", "step_lane")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class TargetInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_LANE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     hidden_size: int
@@ -35,7 +36,8 @@ class TargetInfo(_message.Message):
     device: str
     default_feature_layers: _containers.RepeatedScalarFieldContainer[int]
     load: _common_pb2.KvLoad
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., default_feature_layers: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ...) -> None: ...
+    step_lane: _common_pb2.StepLane
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., default_feature_layers: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[_common_pb2.KvLoad, _Mapping]] = ..., step_lane: _Optional[_Union[_common_pb2.StepLane, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -150,7 +152,7 @@ class ReadFeaturesRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[FeatureRange, _Mapping]]] = ...) -> None: ...
 
 class FeatureRows(_message.Message):
-    __slots__ = ("request_id", "start_position", "features", "request_ids", "start_positions", "row_counts", "ring_rows", "ring_attached")
+    __slots__ = ("request_id", "start_position", "features", "request_ids", "start_positions", "row_counts", "ring_rows", "ring_attached", "step_lane")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +161,7 @@ class FeatureRows(_message.Message):
     ROW_COUNTS_FIELD_NUMBER: _ClassVar[int]
     RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     RING_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_LANE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     features: _common_pb2.Tensor
@@ -167,7 +170,8 @@ class FeatureRows(_message.Message):
     row_counts: _common_pb2.Tensor
     ring_rows: RingRows
     ring_attached: bool
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., start_positions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., row_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_rows: _Optional[_Union[RingRows, _Mapping]] = ..., ring_attached: _Optional[bool] = ...) -> None: ...
+    step_lane: _common_pb2.StepLane
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., start_positions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., row_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_rows: _Optional[_Union[RingRows, _Mapping]] = ..., ring_attached: _Optional[bool] = ..., step_lane: _Optional[_Union[_common_pb2.StepLane, _Mapping]] = ...) -> None: ...
 
 class RingRows(_message.Message):
     __slots__ = ("start", "shape", "dtype")

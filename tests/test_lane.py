@@ -1,0 +1,132 @@
+"""The same-host step lane (tandem/lane.py): a stream handler served on a Unix socket, as gRPC would."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from tandem.lane import LaneError, LaneMethod, LaneRefused, LaneServer, LaneStream
+from tandem.v1 import target_pb2
+
+
+class Echo:
+    """A StepStream-shaped handler: one reply per call, its step_index the call's grant_steps; a call
+    of grant_steps 99 aborts with INVALID_ARGUMENT. It notes what ran after each reply left."""
+
+    def __init__(self):
+        self.after_reply: list[int] = []
+        self.closed = threading.Event()
+
+    def __call__(self, calls, context):
+        try:
+            for call in calls:
+                steps = call.step.grant_steps
+                if steps == 99:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grant_steps 99 is refused")
+                yield target_pb2.StepReply(step_index=steps, done=True)
+                self.after_reply.append(steps)
+        finally:
+            self.closed.set()
+
+
+def call(steps: int) -> target_pb2.StepCall:
+    return target_pb2.StepCall(step=target_pb2.PackedStep(grant_steps=steps))
+
+
+@pytest.fixture
+def lane(tmp_path):
+    handler = Echo()
+    server = LaneServer(tmp_path / "lane" / "target.sock", {"StepStream": LaneMethod(handler, target_pb2.StepCall)})
+    server.start()
+    server.handler = handler
+    yield server
+    server.stop()
+
+
+def open_stream(lane: LaneServer, token: str | None = None, method: str = "StepStream") -> LaneStream:
+    return LaneStream(lane.path, token or lane.token, method, target_pb2.StepReply)
+
+
+def test_calls_and_replies_travel_in_order_and_the_handler_resumes_after_each_reply_left(lane):
+    stream = open_stream(lane)
+    for steps in (1, 7, 3):
+        stream.send(call(steps))
+        assert stream.reply().step_index == steps
+    assert lane.handler.after_reply[:2] == [1, 7]
+    stream.close()
+    assert lane.handler.closed.wait(5)
+
+
+def test_an_abort_reaches_the_client_as_its_grpc_status_and_ends_the_stream(lane):
+    stream = open_stream(lane)
+    stream.send(call(99))
+    with pytest.raises(LaneError) as err:
+        stream.reply()
+    assert isinstance(err.value, grpc.RpcError)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details() == "grant_steps 99 is refused"
+    stream.send(call(1))  # the stream ended: a later call finds it so, never a stale reply
+    with pytest.raises((StopIteration, LaneError)):
+        stream.reply()
+
+
+def test_a_wrong_token_an_unknown_stream_or_no_socket_is_refused(lane, tmp_path):
+    with pytest.raises(LaneRefused, match="wrong lane token"):
+        open_stream(lane, token="0" * 32)
+    with pytest.raises(LaneRefused, match="no lane for 'DraftStream'"):
+        open_stream(lane, method="DraftStream")
+    with pytest.raises(LaneRefused):
+        LaneStream(str(tmp_path / "nothing.sock"), lane.token, "StepStream", target_pb2.StepReply)
+    assert open_stream(lane) is not None  # the refusals left the lane serving
+
+
+def test_cancel_from_another_thread_ends_a_waiting_reply_as_cancelled(lane):
+    stream = open_stream(lane)
+    threading.Timer(0.2, stream.cancel).start()
+    t0 = time.monotonic()
+    with pytest.raises(LaneError) as err:
+        stream.reply()  # nothing was sent: only the cancel ends the wait
+    assert err.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t0 < 5
+
+
+def test_a_stopped_service_ends_its_streams_and_takes_no_new_one(lane):
+    stream = open_stream(lane)
+    stream.send(call(2))
+    assert stream.reply().step_index == 2
+    lane.stop()
+    with pytest.raises(StopIteration):
+        stream.reply()
+    with pytest.raises(LaneRefused):
+        open_stream(lane)
+
+
+def test_a_client_gone_mid_stream_closes_the_handler(lane):
+    stream = open_stream(lane)
+    stream.send(call(4))
+    stream.reply()
+    stream.close()
+    assert lane.handler.closed.wait(5)
+
+
+def test_a_server_stream_learns_through_its_callback_that_its_client_left(tmp_path):
+    """SubscribeFeatures' shape: one request, replies as work comes, a callback that ends the wait."""
+    left = threading.Event()
+
+    def subscribe(request, context):
+        context.add_callback(left.set)
+        yield target_pb2.FeatureRows(ring_attached=request.batched)
+        left.wait(10)  # as a subscription waits for the next step's rows
+
+    server = LaneServer(tmp_path / "target.sock", {
+        "SubscribeFeatures": LaneMethod(subscribe, target_pb2.SubscribeFeaturesRequest, unary=True)})
+    server.start()
+    try:
+        stream = LaneStream(server.path, server.token, "SubscribeFeatures", target_pb2.FeatureRows)
+        stream.send(target_pb2.SubscribeFeaturesRequest(sink="draft-1", batched=True))
+        assert next(iter(stream)).ring_attached
+        stream.close()
+        assert left.wait(5)
+    finally:
+        server.stop()
