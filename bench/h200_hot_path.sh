@@ -49,6 +49,11 @@
 #   timeline after only: a speculative round at one request hop by hop (bench/round_timeline.py over the services'
 #            TANDEM_TIMELINE marks), scale track at 0.8 then demo track in bf16 (TIMELINE_TRACKS, TIMELINE_CONCURRENCY,
 #            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before)
+#   lane     after only: the step streams on same-host lanes (tandem/lane.py; `tandem serve`'s default) against
+#            gRPC (--no-step-lane), alternated LANE_REPEATS="1 2" times: `never` and `always` at LANE_CONCURRENCY
+#            (default 1,8) with each process's hop marks (bench/round_timeline.py), scale track at 0.8 then demo
+#            track in bf16 (LANE_TRACKS); first what one round trip costs on each (bench/grpc_stream_latency.py
+#            --transports tcp,socket)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
@@ -321,8 +326,8 @@ for stage in "$@"; do
           python3 bench/round_breakdown.py "$OUT/round_$how" $mode "${since[@]}" > "$OUT/round_${how}_$mode.txt"
         done
       done
-      run grpc_latency after 120 python3 bench/grpc_stream_latency.py
-      run grpc_latency_sleep after 120 python3 bench/grpc_stream_latency.py --sleep
+      run grpc_latency after 120 python3 bench/grpc_stream_latency.py --transports tcp,socket
+      run grpc_latency_sleep after 120 python3 bench/grpc_stream_latency.py --transports tcp,socket --sleep
       [[ ${ROUND_PROFILE:-1} == 1 ]] && run draft_profile after 150 python3 bench/draft_step.py --batches 1 \
         --budgets "5,4,8" --iters 10 --profile "$OUT/draft_profile.txt" ;;
     timeline)  # after only: a speculative round at one request hop by hop: `never` then `always` on a serve whose
@@ -343,6 +348,27 @@ for stage in "$@"; do
           python3 bench/round_timeline.py "$marks" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
           python3 bench/round_breakdown.py "$OUT/$name" always --since never > "$OUT/${name}_breakdown.txt" 2>&1
           cat "$OUT/$name.txt"
+        done
+      done ;;
+    lane)
+      run lane_latency after 240 python3 bench/grpc_stream_latency.py --servers sync --transports tcp,socket \
+        --work-ms 0,1,7 --sleep
+      for track in ${LANE_TRACKS:-scale demo}; do
+        if [[ $track == scale ]]; then
+          need_scale scale_track $scale && scale_serve $scale 0.8 && flags=("${serve[@]}")
+        else
+          flags=(--device cuda --dtype bfloat16)
+        fi
+        for repeat in ${LANE_REPEATS:-1 2}; do
+          for way in grpc lane; do
+            name=lane_${track}_${way}_$repeat
+            extra=(); [[ $way == grpc ]] && extra=(--no-step-lane)
+            run "$name" after 400 env SERVE_PORT=8470 TANDEM_TIMELINE="$OUT/$name/marks" \
+              BENCH_ARGS="${LANE_BENCH_ARGS:---requests-per-slot 8}" bash "$root/bench/serve_and_bench.sh" \
+              "$OUT/$name" "${LANE_CONCURRENCY:-1,8}" never,always 128 "${flags[@]}" "${extra[@]}"
+            python3 bench/round_timeline.py "$OUT/$name/marks" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+            tail -n 4 "$OUT/$name.txt"
+          done
         done
       done ;;
     features)
