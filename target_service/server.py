@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_lane:
         servicer.step_lane = start_lane(args.step_lane, f"target-{host.port}", {
             "StepStream": LaneMethod(servicer.StepStream, target_pb2.StepCall),
-            # The drafts' feature pushes: after the lane the verify reply takes, the push came last.
+            # The drafts' feature subscriptions too: with the verify reply on the lane and the push on
+            # gRPC, the push reached the draft after its next call (BENCHMARKS.md, "A same-host lane").
             "SubscribeFeatures": LaneMethod(servicer.SubscribeFeatures, target_pb2.SubscribeFeaturesRequest,
                                             unary=True)}, host)
     if args.port_file:
