@@ -1,4 +1,5 @@
-"""A same-host lane for the step streams: StepStream and DraftStream messages on a Unix socket.
+"""A same-host lane for the step streams: StepStream, DraftStream and the drafts' feature
+subscription (SubscribeFeatures) on a Unix socket.
 
 On one host the gateway's two streams (to the target, to each draft replica) may skip gRPC:
 each message, serialized as gRPC would send it, goes behind a 5-byte header (kind, length)
@@ -9,10 +10,10 @@ took 416-645 us on a gRPC stream against 145-259 us here (`bench/grpc_stream_lat
 --transports tcp,socket --sleep`; BENCHMARKS.md, "A same-host lane for the step streams").
 
 The lane is found through gRPC: a service that opens one names its socket and a random
-token in GetInfo (StepLane), and a client's first frame must carry that token and the
-stream's name, so only a caller that may call GetInfo (its TLS and API key) gets in.
-Everything else (health, info, release, ingest, the feature pushes) stays on gRPC, and a
-client that cannot reach the socket uses the gRPC stream instead.
+token in GetInfo (StepLane; the target also in a feature subscription's first message),
+and a client's first frame must carry that token and the stream's name, so only a caller
+that may call gRPC (its TLS and API key) gets in. Health, info, release and ingest stay
+on gRPC, and a client that cannot reach the socket uses the gRPC stream instead.
 
 Errors: a handler's context.abort(code, details) reaches the client as a LaneError, a
 grpc.RpcError with that code, and ends the stream, as gRPC would end it.
