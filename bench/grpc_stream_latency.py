@@ -9,10 +9,10 @@ a GPU runs), sync (grpc.server, our services) and asyncio (grpc.aio) servers
 alike; the client is the gateway's kind (a queue-fed request iterator, blocking
 next()). Prints the median round trip minus the work. --transports: over TCP on the
 loopback, over a Unix domain socket (gRPC's unix: addresses), or each in turn; and
-`socket`, no gRPC at all: the same serialized messages, each behind a 4-byte length, on
-a bare Unix socket that the client's thread writes and reads itself and one server
-thread serves (what a same-host lane for the step streams would cost; the `--servers`
-kind does not apply to it). The call is a one-request verify step of --nodes nodes, its
+`socket`, no gRPC at all: the same messages on a step lane (tandem/lane.py, as the
+services serve StepStream with --step-lane: a 5-byte header each, the client's thread
+writes and reads, one server thread serves; the `--servers` kind does not apply to it).
+The call is a one-request verify step of --nodes nodes, its
 reply that step's results, as the gateway and the target exchange them. A benchmark,
 not a test.
 """
@@ -23,12 +23,11 @@ import argparse
 import asyncio
 import os
 import queue
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,13 +37,12 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tandem.lane import LaneMethod, LaneServer, LaneStream  # noqa: E402
 from tandem.tensors import array_to_proto  # noqa: E402
 from tandem.v1 import target_pb2, target_pb2_grpc  # noqa: E402
 from target_service.step_batch import StepBatch  # noqa: E402
 from target_service.types import SequenceStep  # noqa: E402
 from target_service.wire import batch_to_proto  # noqa: E402
-
-_LENGTH = struct.Struct("<I")
 
 
 def verify_call(nodes: int) -> target_pb2.StepCall:
@@ -62,25 +60,6 @@ def verify_reply(nodes: int) -> target_pb2.StepReply:
         tokens=array_to_proto(np.arange(5, dtype=np.int32)), logprobs=array_to_proto(np.zeros(5, np.float32)),
         num_committed=array_to_proto(np.full(1, 1029, np.int64)))
     return target_pb2.StepReply(step_index=1, done=True, results=results, step_seconds=0.005)
-
-
-def _read_exactly(conn: socket.socket, size: int) -> bytes | None:
-    data = bytearray()
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return bytes(data)
-
-
-def _read_frame(conn: socket.socket) -> bytes | None:
-    head = _read_exactly(conn, _LENGTH.size)
-    return None if head is None else _read_exactly(conn, _LENGTH.unpack(head)[0])
-
-
-def _write_frame(conn: socket.socket, payload: bytes) -> None:
-    conn.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
 def _work(seconds: float, sleep: bool) -> None:
@@ -101,22 +80,22 @@ def _listen(server, port_file: str, transport: str) -> str:
     return f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
 
 
-def _serve_socket(port_file: str, seconds: float, sleep: bool, nodes: int) -> None:
-    path = str(Path(port_file).parent / "lane.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    Path(port_file).write_text(path)
-    conn, _ = listener.accept()
-    while (payload := _read_frame(conn)) is not None:
-        target_pb2.StepCall.FromString(payload)
-        _work(seconds, sleep)
-        _write_frame(conn, verify_reply(nodes).SerializeToString())
+def _serve_lane(port_file: str, seconds: float, sleep: bool, nodes: int) -> None:
+    """The same echo on a step lane (tandem/lane.py), as the services serve StepStream there."""
+    def echo(calls, context):
+        for _ in calls:
+            _work(seconds, sleep)
+            yield verify_reply(nodes)
+
+    lane = LaneServer(Path(port_file).parent / "lane.sock", {"StepStream": LaneMethod(echo, target_pb2.StepCall)})
+    lane.start()
+    Path(port_file).write_text(f"{lane.path}\n{lane.token}")
+    threading.Event().wait()  # the lane's threads serve until the process is stopped
 
 
 def _serve(kind: str, port_file: str, seconds: float, sleep: bool, transport: str, nodes: int) -> None:
     if transport == "socket":
-        _serve_socket(port_file, seconds, sleep, nodes)
+        _serve_lane(port_file, seconds, sleep, nodes)
         return
     if kind == "sync":
         from concurrent import futures
@@ -152,16 +131,16 @@ def _serve(kind: str, port_file: str, seconds: float, sleep: bool, transport: st
     asyncio.run(main())
 
 
-def _socket_round_trips(path: str, call: target_pb2.StepCall, calls: int) -> list[float]:
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(path)
+def _lane_round_trips(where: str, call: target_pb2.StepCall, calls: int) -> list[float]:
+    path, token = where.split("\n")
+    stream = LaneStream(path, token, "StepStream", target_pb2.StepReply)
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        _write_frame(conn, call.SerializeToString())
-        target_pb2.StepReply.FromString(_read_frame(conn))
+        stream.send(call)
+        stream.reply()
         times.append(time.perf_counter() - t0)
-    conn.close()
+    stream.close()
     return times
 
 
@@ -191,7 +170,7 @@ def _measure(kind: str, seconds: float, sleep: bool, calls: int, switch_ms: floa
     try:
         while not (port_file.exists() and port_file.read_text()):
             time.sleep(0.05)
-        round_trips = _socket_round_trips if transport == "socket" else _grpc_round_trips
+        round_trips = _lane_round_trips if transport == "socket" else _grpc_round_trips
         times = round_trips(port_file.read_text(), verify_call(nodes), calls)
         return 1e6 * (statistics.median(times[calls // 10:]) - seconds)
     finally:
