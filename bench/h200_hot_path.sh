@@ -53,7 +53,7 @@
 #            gRPC (--no-step-lane), alternated LANE_REPEATS="1 2" times: `never` and `always` at LANE_CONCURRENCY
 #            (default 1,8) with each process's hop marks (bench/round_timeline.py), scale track at 0.8 then demo
 #            track in bf16 (LANE_TRACKS); first what one round trip costs on each (bench/grpc_stream_latency.py
-#            --transports tcp,socket)
+#            --transports tcp,socket; LANE_LATENCY=0 skips it)
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
@@ -351,7 +351,7 @@ for stage in "$@"; do
         done
       done ;;
     lane)
-      run lane_latency after 240 python3 bench/grpc_stream_latency.py --servers sync --transports tcp,socket \
+      [[ ${LANE_LATENCY:-1} == 1 ]] && run lane_latency after 240 python3 bench/grpc_stream_latency.py --servers sync --transports tcp,socket \
         --work-ms 0,1,7 --sleep
       for track in ${LANE_TRACKS:-scale demo}; do
         if [[ $track == scale ]]; then
