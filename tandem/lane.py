@@ -25,9 +25,11 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +105,21 @@ def write_frame(conn: socket.socket, kind: int, payload: bytes) -> None:
         conn.sendall(payload)
 
 
+def _write_within(conn: socket.socket, data: bytes, timeout: float) -> None:
+    """All of data on a blocking socket, or TimeoutError once the reader has taken nothing for
+    `timeout` seconds (its buffer stayed full): a writer that must not wait on a stuck reader."""
+    view, deadline = memoryview(data), time.monotonic() + timeout
+    while view:
+        try:
+            view = view[conn.send(view, socket.MSG_DONTWAIT):]
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [conn], [], left)[1]:
+            raise TimeoutError(f"the lane's reader took nothing for {timeout:g} s")
+
+
 def _error_payload(code: grpc.StatusCode, details: str) -> bytes:
     return f"{code.name}\n{details}".encode()
 
@@ -132,12 +149,37 @@ class _Abort(Exception):
 
 class _LaneContext:
     """What the stream handlers use of a grpc.ServicerContext: abort, and callbacks run once when the
-    stream ends (the handler returned, or the client went away)."""
+    stream ends (the handler returned, or the client went away); and, beyond gRPC, send() (see
+    direct_sender)."""
 
-    def __init__(self):
+    def __init__(self, conn: socket.socket):
+        self._conn = conn
+        self._write_lock = threading.Lock()  # frames whole, whichever thread writes them
         self._callbacks: list[Callable[[], None]] = []
         self._ended = False
         self._lock = threading.Lock()
+
+    def write(self, kind: int, payload: bytes) -> None:
+        with self._write_lock:
+            write_frame(self._conn, kind, payload)
+
+    def send(self, reply: Message, timeout: float) -> None:
+        """Writes one reply now, on the caller's thread. Raises LaneError (UNAVAILABLE) when the
+        stream has ended or the client took nothing for `timeout` seconds; the stream is then shut
+        down, so its handler's callbacks run and the client sees it end."""
+        payload = reply.SerializeToString()
+        frame = _HEADER.pack(MESSAGE, len(payload)) + payload
+        try:
+            if self._ended:
+                raise OSError("the stream has ended")
+            with self._write_lock:
+                _write_within(self._conn, frame, timeout)
+        except OSError as exc:  # TimeoutError too
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane stream broke: {exc}") from None
 
     def abort(self, code: grpc.StatusCode, details: str):
         raise _Abort(code, details)
@@ -251,7 +293,7 @@ class LaneServer:
             while (frame := read_frame(conn)) is not None and frame[0] == MESSAGE:
                 yield method.request_type.FromString(frame[1])
 
-        context = _LaneContext()
+        context = _LaneContext(conn)
         if method.unary:
             request = next(requests(), None)
             if request is None:
@@ -266,17 +308,25 @@ class LaneServer:
             # Each reply is written before the handler resumes: what it does after a yield runs once the
             # reply has left, as under gRPC.
             for reply in replies:
-                write_frame(conn, MESSAGE, reply.SerializeToString())
+                context.write(MESSAGE, reply.SerializeToString())
         except _Abort as abort:
-            write_frame(conn, ERROR, _error_payload(abort.code, abort.details))
+            context.write(ERROR, _error_payload(abort.code, abort.details))
         except OSError:
             raise
         except Exception as exc:
             log.exception("lane stream handler failed")
-            write_frame(conn, ERROR, _error_payload(grpc.StatusCode.INTERNAL, f"internal error: {exc}"))
+            context.write(ERROR, _error_payload(grpc.StatusCode.INTERNAL, f"internal error: {exc}"))
         finally:
             replies.close()  # a client gone mid-stream: the handler's own clean-up runs now
             context.end()
+
+
+def direct_sender(context) -> Callable[[Message, float], None] | None:
+    """For a server stream served on a lane, a function that writes a reply at once from any
+    thread (reply, timeout in seconds; LaneError when it cannot): a producer on another thread
+    then need not hand each reply to the handler's thread and wait for it to hold the GIL. None
+    under gRPC, whose replies leave only by the handler's yield."""
+    return context.send if isinstance(context, _LaneContext) else None
 
 
 def _drain(conn: socket.socket) -> None:

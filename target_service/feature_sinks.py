@@ -16,9 +16,10 @@ and the rows are keyed by request id and position, as held rows are.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ from tandem.tensors import array_to_proto, dtype_name, tensor_to_proto
 from tandem.v1 import target_pb2
 from target_service.step_batch import StepResults
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CommittedRows:
@@ -63,18 +65,57 @@ _END = None  # what a closed subscription's queue ends with
 
 
 class Subscription:
-    """One subscriber's queue of pushed rows, a step's at a time; iterating yields them until it
-    is closed."""
+    """One subscriber's pushed rows, a step's at a time: queued for the subscription's own thread
+    (iterating yields them until it is closed), or, once deliver_directly() gave it a writer,
+    written by the pushing thread itself."""
 
     def __init__(self, name: str):
         self.name = name
         self._queue: queue.SimpleQueue[list[CommittedRows] | None] = queue.SimpleQueue()
+        self._write: Callable[[list[CommittedRows]], None] | None = None
+        # A direct write and close() never overlap: once closed, the handler frees what a write uses (its ring).
+        self._lock = threading.Lock()
         self.closed = False
 
-    def put(self, batch: list[CommittedRows]) -> None:
-        self._queue.put(batch)
+    def put(self, batch: list[CommittedRows]) -> bool:
+        """True when the rows were queued or written; False when closed, or when the direct write
+        failed (the subscription is then closed: its reader is gone or stuck)."""
+        with self._lock:
+            if self.closed:
+                return False
+            if self._write is None:
+                self._queue.put(batch)
+                return True
+            return self._write_or_close(batch)
+
+    def deliver_directly(self, write: Callable[[list[CommittedRows]], None]) -> None:
+        """From now on put() calls `write` on the pushing thread; rows queued before it are written
+        first, in order."""
+        with self._lock:
+            while not self.closed:
+                try:
+                    batch = self._queue.get_nowait()
+                except queue.Empty:
+                    self._write = write
+                    return
+                self._write = write
+                self._write_or_close(batch)
+
+    def _write_or_close(self, batch: list[CommittedRows]) -> bool:
+        try:
+            self._write(batch)
+            return True
+        except Exception as exc:
+            log.warning("feature sink %s: a push could not be written (%s); the subscription ends and its rows "
+                        "are held for a pull", self.name, exc)
+            self._close()
+            return False
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if not self.closed:
             self.closed = True
             self._queue.put(_END)
@@ -119,14 +160,11 @@ class FeatureSinks:
                 del self._subs[sub.name]
 
     def push(self, name: str, batch: list[CommittedRows]) -> bool:
-        """Queue one step's rows for the subscriber `name`; False when none is subscribed (the
-        caller then holds them for a pull)."""
+        """One step's rows to the subscriber `name`, queued or written; False when none is subscribed
+        or they could not go (the caller then holds them for a pull)."""
         with self._lock:
             sub = self._subs.get(name)
-            if sub is None or sub.closed:
-                return False
-            sub.put(batch)
-            return True
+        return sub is not None and sub.put(batch)  # outside the lock: a direct write may take a while
 
     def close_all(self) -> None:
         """End every subscription (the service is stopping: its streams must not hold the drain)."""

@@ -22,7 +22,7 @@ from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
 from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
-from tandem.lane import LaneMethod, LaneServer, add_lane_argument, lane_to_proto, start_lane
+from tandem.lane import LaneMethod, LaneServer, add_lane_argument, direct_sender, lane_to_proto, start_lane
 from tandem.load_proto import load_to_proto
 from tandem.pacing import StepPacing, add_pacing_argument, pacing_from_args
 from tandem.service_metrics import serve_metrics
@@ -48,6 +48,9 @@ log = logging.getLogger("tandem.target")
 STEP_CALL = "tandem.v1.TargetService/StepStream.call"  # one call on the stream, in traces
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 DEFAULT_HELD_FEATURES = 16384  # rows: 384 MiB at Llama-3.1-8B's 3 x 4096 bf16 features per token
+# A push written on a lane by the step's thread waits at most this long for a reader whose socket buffer is full
+# (a stuck draft); then its subscription ends and the rows are held for a pull, so the target never stalls on it.
+PUSH_WRITE_TIMEOUT_S = 2.0
 
 
 def item_from_proto(m: target_pb2.SequenceStep) -> SequenceStep:
@@ -372,6 +375,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 return
             # Live: steps naming this sink push here from now on.
             yield target_pb2.FeatureRows(ring_attached=ring is not None, step_lane=lane_to_proto(self.step_lane))
+            send = direct_sender(context)
+            if send is not None and request.batched:
+                # On a lane the step's thread writes each push itself once its reply has left: handed to this
+                # thread, a push waited for the step's thread to let go of the GIL (BENCHMARKS.md, "A same-host
+                # lane"). The loop below then only waits for the end.
+                sub.deliver_directly(lambda batch: send(batch_to_proto(batch, ring), PUSH_WRITE_TIMEOUT_S))
             for batch in sub:
                 if request.batched:
                     yield batch_to_proto(batch, ring)

@@ -126,6 +126,32 @@ def test_rows_are_pushed_only_to_a_live_subscriber_and_a_newer_one_replaces_it()
     assert sinks.subscribe("late").closed
 
 
+def test_a_subscription_that_delivers_directly_writes_on_the_pushing_thread_after_what_was_queued(caplog):
+    """On a lane the step's thread writes its push itself (SubscribeFeatures): rows queued before that
+    go first and in order, and a write that fails ends the subscription, so the caller holds the rows."""
+    sinks = FeatureSinks()
+    sub = sinks.subscribe("s")
+    early = [[CommittedRows("a", 0, rows(0, 1))], [CommittedRows("a", 1, rows(1, 1))]]
+    for batch in early:
+        assert sinks.push("s", batch)
+    written: list[tuple[list[CommittedRows], str]] = []
+    sub.deliver_directly(lambda batch: written.append((batch, threading.current_thread().name)))
+    late = [CommittedRows("a", 2, rows(2, 1))]
+    pusher = threading.Thread(target=sinks.push, args=("s", late), name="step-thread")
+    pusher.start()
+    pusher.join()
+    assert [batch for batch, _ in written] == [*early, late]
+    assert written[-1][1] == "step-thread"
+
+    def fail(batch):
+        raise OSError("the reader is gone")
+
+    sub._write = fail
+    assert not sinks.push("s", late) and sub.closed and not sinks.subscribed("s")
+    assert "held for a pull" in caplog.text
+    assert list(sub) == []  # its handler's loop ends
+
+
 def test_a_steps_features_are_pushed_once_its_reply_has_left_and_what_follows_it_never_raises(caplog):
     """The target keeps a step's rows for a sink with a live subscriber until _after_reply (the
     reply leaves first); rows for no sink, or a subscriber gone by then, are held for a pull; a

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from tandem.lane import LaneError, LaneMethod, LaneRefused, LaneServer, LaneStream
+from tandem.lane import LaneError, LaneMethod, LaneRefused, LaneServer, LaneStream, direct_sender
 from tandem.v1 import target_pb2
 
 
@@ -130,3 +130,80 @@ def test_a_server_stream_learns_through_its_callback_that_its_client_left(tmp_pa
         assert left.wait(5)
     finally:
         server.stop()
+
+
+def _server_stream(tmp_path, handler) -> LaneServer:
+    server = LaneServer(tmp_path / "target.sock", {
+        "SubscribeFeatures": LaneMethod(handler, target_pb2.SubscribeFeaturesRequest, unary=True)})
+    server.start()
+    return server
+
+
+def test_a_server_stream_on_a_lane_can_send_from_another_thread_after_its_first_reply(tmp_path):
+    """How the target's step thread writes a feature push itself: the replies arrive whole and in order."""
+    senders, left = [], threading.Event()
+
+    def subscribe(request, context):
+        context.add_callback(left.set)
+        yield target_pb2.FeatureRows(request_id="first")
+        senders.append(direct_sender(context))
+        left.wait(10)
+
+    server = _server_stream(tmp_path, subscribe)
+    try:
+        stream = LaneStream(server.path, server.token, "SubscribeFeatures", target_pb2.FeatureRows)
+        stream.send(target_pb2.SubscribeFeaturesRequest(sink="draft-1", batched=True))
+        replies = iter(stream)
+        assert next(replies).request_id == "first"
+        while not senders:
+            time.sleep(0.01)
+        pushers = [threading.Thread(target=lambda i=i: [senders[0](target_pb2.FeatureRows(
+            request_id=f"{i}-{n}", request_ids=["x" * 1000] * 50), 5.0) for n in range(20)]) for i in range(3)]
+        for pusher in pushers:
+            pusher.start()
+        got = [next(replies).request_id for _ in range(60)]  # read as they write: 3 MB fill any socket buffer
+        for pusher in pushers:
+            pusher.join()
+        for i in range(3):  # each thread's own order holds; whole frames only (a torn one would not parse)
+            assert [name for name in got if name.startswith(f"{i}-")] == [f"{i}-{n}" for n in range(20)]
+        stream.close()
+        assert left.wait(5)
+    finally:
+        server.stop()
+
+
+def test_a_send_to_a_client_that_stopped_reading_gives_up_and_ends_the_stream(tmp_path):
+    """A stuck draft must not stall the target: once the socket's buffer stays full past the timeout the
+    send raises, and the stream's end callbacks run."""
+    senders, left = [], threading.Event()
+
+    def subscribe(request, context):
+        context.add_callback(left.set)
+        yield target_pb2.FeatureRows()
+        senders.append(direct_sender(context))
+        left.wait(10)
+
+    server = _server_stream(tmp_path, subscribe)
+    try:
+        stream = LaneStream(server.path, server.token, "SubscribeFeatures", target_pb2.FeatureRows)
+        stream.send(target_pb2.SubscribeFeaturesRequest(sink="draft-1", batched=True))
+        next(iter(stream))
+        while not senders:
+            time.sleep(0.01)
+        big = target_pb2.FeatureRows(request_ids=["x" * 4096] * 64)  # about 260 kB: no socket buffer takes many
+        t0 = time.monotonic()
+        with pytest.raises(LaneError) as failed:
+            for _ in range(1000):
+                senders[0](big, 0.3)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 5
+        assert left.wait(5)
+        with pytest.raises(LaneError):  # and nothing more is written on it
+            senders[0](target_pb2.FeatureRows(), 0.3)
+        stream.close()
+    finally:
+        server.stop()
+
+
+def test_a_grpc_context_offers_no_direct_sender():
+    assert direct_sender(object()) is None
