@@ -391,6 +391,7 @@ class GatewayCore:
             timeline.mark("gw.execute.end")
             self._update(plan, outcome)
             t0 = time.perf_counter()
+            timeline.mark("gw.update.end")
             phase["update"].observe(t0 - t1)
             self._record(plan, outcome, round_start, phases=(*before, executed, t0 - t1))
             before = (0.0, 0.0)
