@@ -85,6 +85,7 @@ class PagedKVCache:
         self.k = list(self.k_all.unbind(0))
         self.v = list(self.v_all.unbind(0))
         self.block_size = block_size
+        self._block_offsets = np.arange(block_size, dtype=np.int64)  # a token's slot within its block
         self.num_blocks = num_blocks
         self.trash_slot = num_blocks * block_size
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -167,11 +168,14 @@ class PagedKVCache:
     # --- data -------------------------------------------------------------
     def host_slots(self, seq_id: str, start: int, stop: int) -> np.ndarray:
         """Flat slot indices (block * block_size + offset) of tokens [start, stop), on the host."""
-        pos = np.arange(start, stop)
         seq = self.seqs[seq_id]
         # The block table's host row is the block list as an array already (no list to convert).
         held = self.block_table.host[seq.row] if self.block_table is not None else np.asarray(seq.blocks, np.int64)
-        return held[pos // self.block_size] * self.block_size + pos % self.block_size
+        # Whole blocks' slots, then the span: three array operations where dividing every
+        # position by the block size took five (a CPU step builds its prefix's slots each time).
+        first = start // self.block_size
+        slots = (held[first: -(-stop // self.block_size), None] * self.block_size + self._block_offsets).reshape(-1)
+        return slots[start - first * self.block_size: stop - first * self.block_size]
 
     def slots(self, seq_id: str, start: int, stop: int) -> torch.Tensor:
         """host_slots on the cache's device."""

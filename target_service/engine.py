@@ -292,8 +292,8 @@ class TargetEngine:
         """Pack `batch` into host `views` with this engine's KV facts; returns each sequence's
         committed length (its prefix)."""
         seqs = [self.kv.seqs[rid] for rid in batch.request_ids]
-        prefix = np.fromiter((s.length for s in seqs), dtype=np.int64, count=len(seqs))
-        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        prefix = np.array([s.length for s in seqs], dtype=np.int64)
+        rows = np.array([s.row for s in seqs], dtype=np.int64)
         pack_step(batch, prefix_lens=prefix, table_rows=rows, updates=updates, shape=shape, views=views,
                   per_tile=block_m // self.group, padding_row=self.table.padding_row,
                   padding_update=self.table.padding_row * self.table.max_blocks, host_table=self.table.host,
@@ -309,7 +309,9 @@ class TargetEngine:
         if graph is not None:
             shape, block_m, splits = graph.shape, graph.block_m, graph.num_splits
         else:
-            block_m = choose_block_m(int(batch.num_nodes.max()), self.group)
+            # A validated step's items have a node each: as many rows as items is plain decode.
+            max_nodes = 1 if len(batch.tokens) == batch.size else int(batch.num_nodes.max())
+            block_m = choose_block_m(max_nodes, self.group)
             shape = shape_for(batch, max_tree(batch), len(updates), block_m // self.group)
         layout = graph.layout if graph is not None else layout_for(shape)
         inputs = self._host_inputs(layout)
@@ -466,9 +468,12 @@ class TargetEngine:
         if self._pinned:
             torch.cuda.current_stream().synchronize()
         raw = host.numpy()[:B]
-        count = raw[:, 0].copy()
-        new_tokens = raw[:, 2: 2 + M].copy()
-        logprobs = raw[:, 2 + M: 2 + 2 * M].copy().view(np.float32)
+        if host is not out:  # the engine's reused output buffer: results must not change under the caller
+            raw = raw.copy()
+        # Views of `raw` (a CPU step's own output): one copy at most instead of one per column.
+        count = raw[:, 0]
+        new_tokens = raw[:, 2: 2 + M]
+        logprobs = raw[:, 2 + M: 2 + 2 * M].view(np.float32)
         accepted = raw[:, 2 + 2 * M: 2 + 3 * M] + (batch.num_fixed[:, None] - 1)  # tree index -> node index
         committed_now = batch.num_fixed.astype(np.int64) + count
         num_committed = np.empty(B, dtype=np.int64)
@@ -482,9 +487,8 @@ class TargetEngine:
                               new_tokens=new_tokens, logprobs=logprobs, num_committed=num_committed)
         if top_k:
             at = 2 + 3 * M
-            results.top_ids = raw[:, at: at + M * top_k].reshape(B, M, top_k).copy()
-            results.top_logprobs = raw[:, at + M * top_k: at + 2 * M * top_k].copy().view(np.float32).reshape(
-                B, M, top_k)
+            results.top_ids = raw[:, at: at + M * top_k].reshape(B, M, top_k)
+            results.top_logprobs = raw[:, at + M * top_k: at + 2 * M * top_k].view(np.float32).reshape(B, M, top_k)
             results.top_k = batch.top_logprobs
         if layers and batch.drafted_trees:  # the first rows of `compacted`: each asking sequence's committed rows
             n = int(committed_now[batch.return_features].sum())

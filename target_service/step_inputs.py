@@ -152,7 +152,9 @@ def shape_for(batch: StepBatch, tree: int, updates: int, per_tile: int) -> Input
 
 
 def max_tree(batch: StepBatch) -> int:
-    return int((batch.num_nodes - batch.num_fixed).max(initial=0)) + 1
+    """The most nodes of any item's tree part (its root and drafted nodes), from the batch's
+    cached trees: no array operation for plain decode."""
+    return max(map(len, batch.drafted_trees.values()), default=1)
 
 
 def _pack_attention_metadata(batch: StepBatch, views: dict[str, np.ndarray], shape: InputShape,
@@ -207,14 +209,10 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     tiles, mask words); the torch reference attention takes its own description, so a CPU's
     eager step without controls skips them."""
     B, M = batch.size, shape.tree
-    n = batch.num_nodes.astype(np.int64)
-    nf = batch.num_fixed.astype(np.int64)
-    starts = batch.starts
-    R = int(starts[-1])
+    R = len(batch.tokens)
     if R > shape.rows or B > shape.seqs or max_tree(batch) > M or len(updates) > shape.updates:
         raise ValueError(f"a step of {R} rows, {B} sequences, trees of {max_tree(batch)} and {len(updates)} "
                          f"block-table updates does not fit {shape}")
-    tree_size = (n - nf + 1).astype(np.int32)
     tree_parent = views["tree_parent"].reshape(shape.seqs, M)
     tree_parent[:] = 0
     tree_row = views["tree_row"].reshape(shape.seqs, M)
@@ -226,7 +224,12 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
         views["positions"][:R] = prefix_lens
         row_tree[:R] = FIXED_ROW
         tree_row[:B, 0] = seq_of_row
+        views["tree_size"][:B] = 1
+        table_row_of_row = table_rows
     else:
+        n = batch.num_nodes.astype(np.int64)
+        nf = batch.num_fixed.astype(np.int64)
+        starts = batch.starts
         seq_of_row = np.repeat(np.arange(B), n)
         local = np.arange(R) - starts[:-1][seq_of_row]
         nf_row = nf[seq_of_row]
@@ -240,15 +243,15 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
         row_tree[:R] = np.where(local >= nf_row, seq_of_row * M + tree_idx, FIXED_ROW)
         in_tree = local >= nf_row - 1
         tree_row.reshape(-1)[(seq_of_row * M + tree_idx)[in_tree]] = np.flatnonzero(in_tree)
+        views["tree_size"][:B] = n - nf + 1
+        table_row_of_row = table_rows[seq_of_row]
     if attention_metadata:
         _pack_attention_metadata(batch, views, shape, local, per_tile=per_tile, prefix_lens=prefix_lens,
                                  table_rows=table_rows, padding_row=padding_row)
-    positions = views["positions"][:R]
-    table_row_of_row = table_rows[seq_of_row]
-    views["row_slot"][:R] = host_table[table_row_of_row, positions // block_size] * block_size + positions % block_size
+    block, offset = np.divmod(views["positions"][:R], block_size)
+    views["row_slot"][:R] = host_table[table_row_of_row, block] * block_size + offset
     views["tokens"][:R] = batch.tokens
     views["row_seq"][:R] = seq_of_row
-    views["tree_size"][:B] = tree_size
 
     index, block = views["update_index"], views["update_block"]
     if updates:
