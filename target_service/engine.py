@@ -288,9 +288,10 @@ class TargetEngine:
         return kept
 
     def pack(self, batch: StepBatch, updates: dict[int, int], shape: InputShape, block_m: int,
-             views: dict[str, np.ndarray]) -> np.ndarray:
+             views: dict[str, np.ndarray], decided_on_host: bool = False) -> np.ndarray:
         """Pack `batch` into host `views` with this engine's KV facts; returns each sequence's
-        committed length (its prefix)."""
+        committed length (its prefix). decided_on_host: the step is decided by
+        StepTail.greedy_on_host, which reads no sampling column."""
         seqs = [self.kv.seqs[rid] for rid in batch.request_ids]
         prefix = np.array([s.length for s in seqs], dtype=np.int64)
         rows = np.array([s.row for s in seqs], dtype=np.int64)
@@ -298,7 +299,7 @@ class TargetEngine:
                   per_tile=block_m // self.group, padding_row=self.table.padding_row,
                   padding_update=self.table.padding_row * self.table.max_blocks, host_table=self.table.host,
                   block_size=self.kv.block_size, trash_slot=self.kv.trash_slot,
-                  attention_metadata=self.triton or batch.controls is not None)
+                  attention_metadata=self.triton or batch.controls is not None, sampling=not decided_on_host)
         return prefix
 
     def _execute(self, batch: StepBatch, layers: tuple[int, ...]) -> StepResults:
@@ -315,7 +316,8 @@ class TargetEngine:
             shape = shape_for(batch, max_tree(batch), len(updates), block_m // self.group)
         layout = graph.layout if graph is not None else layout_for(shape)
         inputs = self._host_inputs(layout)
-        prefix = self.pack(batch, updates, shape, block_m, inputs.arrays)
+        on_host = graph is None and greedy_only and self.device.type == "cpu"  # _decide_eagerly's host walk
+        prefix = self.pack(batch, updates, shape, block_m, inputs.arrays, decided_on_host=on_host)
         if graph is not None:
             graph.load_inputs(inputs.buffer)
             committed, out = graph.replay(greedy_only)
@@ -326,7 +328,9 @@ class TargetEngine:
                 committed = self._decide_eagerly(tail, logits, batch, out, top_k, greedy_only)
                 tail.commit(committed, graph.k_scratch, graph.v_scratch)
         else:
-            splits = choose_num_splits(shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
+            # Splits are for a GPU's attention programs; a CPU's is always 1 (no max of the prefixes to take).
+            splits = 1 if self.device.type == "cpu" else choose_num_splits(
+                shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
             if inputs.tensors is not None:  # a CPU: the host buffer is the device's
                 dev, views = inputs.buffer, inputs.tensors
             else:
@@ -387,7 +391,7 @@ class TargetEngine:
         """Acceptance and results into `out`; returns the committed rows (StepTail.committed_rows).
         greedy_only: every sequence greedy, no top log-probs and no logits controls."""
         if batch.controls is None:
-            if greedy_only and logits.device.type == "cpu":
+            if greedy_only and logits.device.type == "cpu":  # (its step was packed without sampling columns)
                 return tail.committed_rows(tail.greedy_on_host(logits, out))
             decided = tail.greedy(logits)
             if not batch.greedy.all():

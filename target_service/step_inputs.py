@@ -62,6 +62,8 @@ _REGIONS = (
 # (the demo target compiled its tree attention for 0.77 s while serving, its mask words' view
 # 8 bytes off), so a served step could wait for a compile.
 REGION_ALIGN_WORDS = 4
+# What only sampling reads (pack_step's `sampling`); a greedy step decided on the host skips them.
+SAMPLING_REGIONS = ("temperature", "top_k", "top_p", "seed_lo", "seed_hi", "greedy")
 _FLOATS = {"temperature", "top_p"}
 
 
@@ -197,17 +199,31 @@ def _pack_attention_metadata(batch: StepBatch, views: dict[str, np.ndarray], sha
     info[B:] = (0, 0, 0, padding_row)
 
 
+def _pack_sampling(batch: StepBatch, views: dict[str, np.ndarray]) -> None:
+    """Each sequence's sampling columns (SAMPLING_REGIONS)."""
+    B = batch.size
+    views["temperature"][:B] = batch.temperature
+    views["top_k"][:B] = batch.top_k
+    views["top_p"][:B] = np.where((batch.top_p > 0) & (batch.top_p < 1), batch.top_p, 1.0)
+    seed = batch.seed.view(np.uint32).reshape(B, 2)  # little-endian: low word first
+    views["seed_lo"][:B] = seed[:, 0]
+    views["seed_hi"][:B] = seed[:, 1]
+    views["greedy"][:B] = batch.greedy
+
+
 def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarray, updates: dict[int, int],
               shape: InputShape, views: dict[str, np.ndarray], per_tile: int, padding_row: int,
               padding_update: int, host_table: np.ndarray, block_size: int, trash_slot: int,
-              attention_metadata: bool = True) -> None:
+              attention_metadata: bool = True, sampling: bool = True) -> None:
     """Write `batch` into host views of a buffer laid out for `shape` (>= the batch's own
     shape). prefix_lens / table_rows: per sequence, its committed length and its row of
     the block table (host_table: its host copy, blocks already reserved for the step);
     updates: device block-table entries to set before the forward. attention_metadata:
     also the regions that the Triton attention and the logits controls read (sequence info,
     tiles, mask words); the torch reference attention takes its own description, so a CPU's
-    eager step without controls skips them."""
+    eager step without controls skips them. sampling: also the sampling columns (temperature,
+    top-k, top-p, seeds, greedy flags), which only the device tail's sampling and result
+    packing read; a CPU's greedy step decides on the host without them (SAMPLING_REGIONS)."""
     B, M = batch.size, shape.tree
     R = len(batch.tokens)
     if R > shape.rows or B > shape.seqs or max_tree(batch) > M or len(updates) > shape.updates:
@@ -260,13 +276,8 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     index[len(updates):] = padding_update
     block[len(updates):] = 0
 
-    views["temperature"][:B] = batch.temperature
-    views["top_k"][:B] = batch.top_k
-    views["top_p"][:B] = np.where((batch.top_p > 0) & (batch.top_p < 1), batch.top_p, 1.0)
-    seed = batch.seed.view(np.uint32).reshape(B, 2)  # little-endian: low word first
-    views["seed_lo"][:B] = seed[:, 0]
-    views["seed_hi"][:B] = seed[:, 1]
-    views["greedy"][:B] = batch.greedy
+    if sampling:
+        _pack_sampling(batch, views)
     # Padding (a graph bucket's shape is larger than its step); an exact shape (a CPU's eager
     # step) has none, and skipping its empty writes saves a dozen numpy calls a step.
     if R < shape.rows:
@@ -277,9 +288,10 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
         row_tree[R:] = PADDING_ROW
     if B < shape.seqs:
         views["tree_size"][B:] = 0
-        views["temperature"][B:] = 0
-        views["top_k"][B:] = 0
-        views["top_p"][B:] = 1.0
-        views["seed_lo"][B:] = 0
-        views["seed_hi"][B:] = 0
-        views["greedy"][B:] = 1
+        if sampling:
+            views["temperature"][B:] = 0
+            views["top_k"][B:] = 0
+            views["top_p"][B:] = 1.0
+            views["seed_lo"][B:] = 0
+            views["seed_hi"][B:] = 0
+            views["greedy"][B:] = 1

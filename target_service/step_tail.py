@@ -23,6 +23,8 @@ sampled sequences or top log-probs run it eagerly.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -91,6 +93,17 @@ def target_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
     return torch.softmax(scaled, -1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _children(tree_parents: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """Each node's children in order, of a tree part given by its nodes' parents (the root's
+    first, not read). Cached: a step's trees repeat few shapes, and building the map took a
+    16-node tree about 10 us. Shared between calls: read it, never change it."""
+    children: dict[int, list[int]] = {}
+    for m in range(1, len(tree_parents)):
+        children.setdefault(tree_parents[m], []).append(m)
+    return {node: tuple(kids) for node, kids in children.items()}
 
 
 def _kept_path(take: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
@@ -197,13 +210,12 @@ class StepTail:
         size = v["tree_size"].numpy()
         paths = []
         for b in range(B):
-            children: dict[int, list[int]] = {}
-            for m in range(1, int(size[b])):
-                children.setdefault(int(parent[b, m]), []).append(m)
+            children = _children(tuple(parent[b, : size[b]].tolist()))
+            best_next, drafted = argmax[b].tolist(), tokens[b].tolist()  # Python ints: cheaper to compare
             node, path = 0, []
             while True:
-                want = argmax[b, node]
-                nxt = next((c for c in children.get(node, ()) if tokens[b, c] == want), None)
+                want = best_next[node]
+                nxt = next((c for c in children.get(node, ()) if drafted[c] == want), None)
                 if nxt is None:
                     break
                 path.append(nxt)
@@ -211,8 +223,8 @@ class StepTail:
             paths.append((path, node))
         # Log-probs only of the rows whose token is committed (the root and the kept path): the
         # log-sum-exp over the vocabulary is the costly part, and most of a tree is rejected.
-        rows = np.concatenate([b * M + np.array([0, *path], dtype=np.int64) for b, (path, _) in enumerate(paths)])
-        lse = torch.logsumexp(logits[torch.from_numpy(rows)], -1).numpy()
+        rows = np.array([b * M + m for b, (path, _) in enumerate(paths) for m in (0, *path)], dtype=np.int64)
+        lse = torch.logsumexp(logits.index_select(0, torch.from_numpy(rows)), -1).numpy()
         lp = (best[rows] - lse).astype(np.float32, copy=False).view(np.int32)
         at = 0
         for b, (path, node) in enumerate(paths):
@@ -332,7 +344,9 @@ class StepTail:
         """Write every committed row's K/V (all layers) to its cache slot; the rest to trash.
         committed None: every row is fixed (nothing drafted), padding already points at trash."""
         slots = self.v["row_slot"]
-        if committed is not None:
+        if committed is not None and committed.device.type == "cpu":  # one numpy op, not a tensor op
+            slots = torch.from_numpy(np.where(committed.numpy(), slots.numpy(), self.trash_slot))
+        elif committed is not None:
             slots = torch.where(committed, slots, self.trash_slot)
         rows = slots.shape[0]
         if self.use_triton:

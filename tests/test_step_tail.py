@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from target_service.step_batch import StepBatch
-from target_service.step_inputs import InputShape, layout_for, max_tree, pack_step
+from target_service.step_inputs import SAMPLING_REGIONS, InputShape, layout_for, max_tree, pack_step
 from target_service.step_tail import StepTail, output_width
 from target_service.types import SequenceStep
 
@@ -112,9 +112,10 @@ def test_the_row_invariant_tail_decides_as_the_default_and_its_log_probs_agree_o
             torch.testing.assert_close(as_float[0][:, floats], as_float[1][:, floats], rtol=1e-6, atol=1e-6)
 
 
-def test_a_step_packed_without_attention_metadata_differs_only_in_the_triton_attentions_regions():
+def test_a_step_packed_without_attention_metadata_or_sampling_differs_only_in_those_regions():
     """A CPU's eager step without logits controls skips the sequence info, tiles and mask words
-    (the torch attention takes its own description); every other region is packed alike."""
+    (the torch attention takes its own description), and a greedy one decided on the host the
+    sampling columns; every other region is packed alike."""
     rng = random.Random(3)
     for trial in range(12):
         items = []
@@ -128,14 +129,15 @@ def test_a_step_packed_without_attention_metadata_differs_only_in_the_triton_att
         R = int(batch.num_nodes.sum())
         shape = InputShape(rows=R + 2, seqs=batch.size + 1, tree=max_tree(batch), tiles=R + 1, updates=2, words=1)
         layout = layout_for(shape)
-        packed = []
-        for metadata, fill in ((True, 0), (False, -3)):
+        packed = {}
+        for metadata, sampling, fill in ((True, True, 0), (False, True, -3), (True, False, -3)):
             buf = np.full(layout.size, fill, dtype=np.int32)
             pack_step(batch, prefix_lens=np.arange(batch.size) + 5, table_rows=np.arange(batch.size),
                       updates={3: 7}, shape=shape, views=layout.host_views(buf), per_tile=4, padding_row=63,
                       padding_update=0, host_table=np.arange(64 * 8).reshape(64, 8), block_size=4, trash_slot=999,
-                      attention_metadata=metadata)
-            packed.append(buf)
-        for name, (at, n) in layout.spans.items():
-            same = np.array_equal(packed[0][at: at + n], packed[1][at: at + n])
-            assert same == (name not in ("seq_info", "tiles", "mask")), (trial, name)
+                      attention_metadata=metadata, sampling=sampling)
+            packed[metadata, sampling] = buf
+        for skipped, regions in (((False, True), ("seq_info", "tiles", "mask")), ((True, False), SAMPLING_REGIONS)):
+            for name, (at, n) in layout.spans.items():
+                same = np.array_equal(packed[True, True][at: at + n], packed[skipped][at: at + n])
+                assert same == (name not in regions), (trial, skipped, name)
