@@ -18,6 +18,7 @@ what each part cost on an H200.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 from collections import OrderedDict
@@ -79,6 +80,12 @@ def outside(values: np.ndarray, stop: int) -> np.ndarray:
     if values.dtype == np.int32:
         return values.view(np.uint32) >= stop
     return (values < 0) | (values >= stop)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_well_formed(tree_parents: tuple[int, ...]) -> bool:
+    """A tree part (StepBatch.drafted_trees) whose every drafted node's parent comes before it."""
+    return all(0 <= parent < m for m, parent in enumerate(tree_parents) if m)
 
 
 def batch_of_items(items: list[SequenceStep]) -> StepBatch:
@@ -160,9 +167,8 @@ class TargetEngine:
         if not plain:
             self._check_trees(batch)
         vocab = self.model.cfg.vocab_size
-        out_of_range = outside(batch.tokens, vocab)
-        if out_of_range.any():
-            row = int(np.flatnonzero(out_of_range)[0])
+        if not self._tokens_in_range(batch.tokens, vocab):
+            row = int(np.flatnonzero(outside(batch.tokens, vocab))[0])
             b = int(np.searchsorted(batch.starts, row, side="right") - 1)
             raise InvalidStep(f"request {batch.request_ids[b]!r}: token id {int(batch.tokens[row])} out of range "
                               f"[0, {vocab})")
@@ -184,9 +190,19 @@ class TargetEngine:
         return end
 
     @staticmethod
+    def _tokens_in_range(tokens: np.ndarray, vocab: int) -> bool:
+        """Every id in [0, vocab): an int32 column's largest id read as uint32 (a negative one is at
+        least 2**31), one reduction where a mask then its any() took two."""
+        if tokens.dtype != np.int32 or not tokens.size:
+            return not outside(tokens, vocab).any()
+        return int(tokens.view(np.uint32).max()) < vocab
+
+    @staticmethod
     def _check_trees(batch: StepBatch) -> None:
         """Every item's nodes a chain of num_fixed >= 1 nodes, then drafted nodes whose parents
         come before them, below the chain's last."""
+        if TargetEngine._verify_step_well_formed(batch):
+            return
         n, nf = batch.num_nodes.astype(np.int64), batch.num_fixed.astype(np.int64)
         bad = (nf < 1) | (nf > n)  # so every item has a node
         if batch.tokens.size:
@@ -201,6 +217,17 @@ class TargetEngine:
             nodes = slice(batch.starts[b], batch.starts[b + 1])
             problem = validate_tree(batch.parents[nodes].tolist(), int(nf[b]))
             raise InvalidStep(f"request {batch.request_ids[b]!r}: {problem}")
+
+    @staticmethod
+    def _verify_step_well_formed(batch: StepBatch) -> bool:
+        """True for a well-formed verify step (every item one fixed node, its root, then its drafted
+        tree): the root's parent is -1 and each tree is checked once per shape (_tree_well_formed),
+        half the array operations of the general check. False means only: not shown here."""
+        if not ((batch.num_fixed == 1).all() and (batch.num_nodes > 0).all()):
+            return False
+        if not (batch.parents[batch.starts[:-1]] == -1).all():
+            return False
+        return all(_tree_well_formed(tree) for tree in batch.drafted_trees.values())
 
     def _tree_depths(self, batch: StepBatch) -> np.ndarray:
         """Each item's depth (its fixed chain's, then its drafted tree's), checked against
@@ -225,17 +252,19 @@ class TargetEngine:
         self._validate_controls(batch)
         layers = self.resolve_feature_layers(feature_layers) if batch.return_features.any() else ()
         kv = self.kv
-        need = sum(kv.extra_blocks_needed(rid, int(e)) for rid, e in zip(batch.request_ids, end))
+        ends = end.tolist()  # Python ints: the allocator's arithmetic is per sequence
+        need = sum(kv.extra_blocks_needed(rid, e) for rid, e in zip(batch.request_ids, ends))
         if need > kv.free_blocks:
             raise OutOfCapacity(f"step needs {need} more KV blocks, {kv.free_blocks} free")
-        created = [rid for rid, new in zip(batch.request_ids, batch.create) if new]
+        creates = batch.create.tolist()
+        created = [rid for rid, new in zip(batch.request_ids, creates) if new]
         if len(created) > kv.free_rows:
             raise OutOfCapacity(f"step creates {len(created)} sequences, {kv.free_rows} sequence slots free")
         try:
-            for rid, new, e in zip(batch.request_ids, batch.create, end):
+            for rid, new, e in zip(batch.request_ids, creates, ends):
                 if new:
                     kv.create(rid)
-                kv.reserve(rid, int(e))
+                kv.reserve(rid, e)
             if batch.controls is not None:
                 for b in np.flatnonzero(batch.controls.needs_history & batch.create).tolist():
                     self.penalty_history.create(batch.request_ids[b])
@@ -305,7 +334,7 @@ class TargetEngine:
     def _execute(self, batch: StepBatch, layers: tuple[int, ...]) -> StepResults:
         updates = self.table.take_pending()
         top_k = int(batch.top_logprobs.max())
-        greedy_only = bool(batch.greedy.all()) and top_k == 0 and batch.controls is None
+        greedy_only = top_k == 0 and batch.controls is None and not (batch.temperature > 0).any()
         graph = self.graphs.bucket_for(batch, layers, len(updates)) if self.graphs is not None else None
         if graph is not None:
             shape, block_m, splits = graph.shape, graph.block_m, graph.num_splits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 from scipy.stats import chi2_contingency
 
 import target_service.acceptance as acceptance
+from tandem.tree import validate_tree
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel
+from target_service.step_batch import StepBatch
 from target_service.types import InvalidStep, SamplingParams, SequenceStep
 from tests.tiny_models import make_tiny_llama
 
@@ -269,3 +272,30 @@ def test_steps_after_one_that_outgrows_the_input_buffer_decode_as_a_fresh_engine
     while len(out) < 12:
         out += engine.step([SequenceStep.chain("x", [out[-1]])])[0].tokens
     assert out[:12] == expected
+
+
+def test_a_step_is_refused_exactly_when_one_of_its_trees_is_malformed_and_by_that_items_name():
+    """Verify steps (one fixed node each) are accepted by a shortcut (each tree checked once per
+    shape); against tandem.tree.validate_tree on random trees, some broken, with chains among them."""
+    rng = random.Random(11)
+    refused = 0
+    for _ in range(300):
+        items = []
+        for b in range(rng.randint(1, 4)):
+            n = rng.randint(1, 9)
+            parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+            num_fixed = 1 if rng.random() < 0.8 else rng.randint(1, n)
+            if num_fixed > 1:
+                parents[1:num_fixed] = range(num_fixed - 1)
+            if rng.random() < 0.15:  # break one parent (or the root's)
+                parents[rng.randrange(n)] = rng.randint(-2, n)
+            items.append(SequenceStep(f"s{b}", tuple(range(n)), tuple(parents), num_fixed))
+        bad = next((it for it in items if validate_tree(it.parents, it.num_fixed)), None)
+        batch = StepBatch.from_items(items)
+        if bad is None:
+            TargetEngine._check_trees(batch)
+        else:
+            refused += 1
+            with pytest.raises(InvalidStep, match=re.escape(f"request {bad.request_id!r}: ")):
+                TargetEngine._check_trees(batch)
+    assert 30 < refused < 270
