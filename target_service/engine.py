@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import random
 import time
 from collections import OrderedDict
@@ -72,6 +73,7 @@ class HostInputs(NamedTuple):
     buffer: torch.Tensor
     arrays: dict[str, np.ndarray]
     tensors: dict[str, torch.Tensor] | None
+    tail: StepTail | None  # on a CPU, the step tail over `tensors` (it keeps nothing of a step)
 
 
 def outside(values: np.ndarray, stop: int) -> np.ndarray:
@@ -311,7 +313,8 @@ class TargetEngine:
             self._kept_inputs.clear()  # they would keep the old buffer alive
         buf = self._host_buf[: layout.size]
         tensors = layout.device_views(buf) if self.device.type == "cpu" else None
-        kept = self._kept_inputs[layout] = HostInputs(buf, layout.host_views(buf.numpy()), tensors)
+        tail = self.new_tail(tensors, layout.shape) if tensors is not None else None
+        kept = self._kept_inputs[layout] = HostInputs(buf, layout.host_views(buf.numpy()), tensors, tail)
         if len(self._kept_inputs) > KEPT_INPUT_LAYOUTS:
             self._kept_inputs.popitem(last=False)
         return kept
@@ -340,9 +343,9 @@ class TargetEngine:
             shape, block_m, splits = graph.shape, graph.block_m, graph.num_splits
         else:
             # A validated step's items have a node each: as many rows as items is plain decode.
-            max_nodes = 1 if len(batch.tokens) == batch.size else int(batch.num_nodes.max())
-            block_m = choose_block_m(max_nodes, self.group)
-            shape = shape_for(batch, max_tree(batch), len(updates), block_m // self.group)
+            plain = len(batch.tokens) == batch.size
+            block_m = choose_block_m(1 if plain else int(batch.num_nodes.max()), self.group)
+            shape = shape_for(batch, 1 if plain else max_tree(batch), len(updates), block_m // self.group)
         layout = graph.layout if graph is not None else layout_for(shape)
         inputs = self._host_inputs(layout)
         on_host = graph is None and greedy_only and self.device.type == "cpu"  # _decide_eagerly's host walk
@@ -361,11 +364,11 @@ class TargetEngine:
             splits = 1 if self.device.type == "cpu" else choose_num_splits(
                 shape.tiles * self.model.kv_heads_local, int(prefix.max()), self.device)
             if inputs.tensors is not None:  # a CPU: the host buffer is the device's
-                dev, views = inputs.buffer, inputs.tensors
+                dev, views, tail = inputs.buffer, inputs.tensors, inputs.tail
             else:
                 dev = inputs.buffer.to(self.device, non_blocking=self._pinned)
                 views = layout.device_views(dev)
-            tail = self.new_tail(views, shape)
+                tail = self.new_tail(views, shape)
             if updates:
                 tail.apply_table_updates()
             k_scratch, v_scratch = self.model.new_scratch(shape.rows)
@@ -408,12 +411,13 @@ class TargetEngine:
 
     def _torch_layout(self, batch: StepBatch, prefix: np.ndarray) -> StepLayout:
         """The reference attention's per-sequence description (CPU path)."""
-        starts = batch.starts.tolist()
+        counts = batch.num_nodes.tolist()
+        starts = [0, *itertools.accumulate(counts)]  # Python ints, which the loop and StepLayout take
         slots, masks = [], []
         for b, (rid, length) in enumerate(zip(batch.request_ids, prefix.tolist())):
             slots.append(torch.from_numpy(self.kv.host_slots(rid, 0, length)))
             masks.append(ancestor_mask(batch.parents[starts[b]: starts[b + 1]].tolist()))
-        return StepLayout(tuple(starts[:-1]), tuple(batch.num_nodes.tolist()), tuple(slots), tuple(masks))
+        return StepLayout(tuple(starts[:-1]), tuple(counts), tuple(slots), tuple(masks))
 
     def _decide_eagerly(self, tail: StepTail, logits: torch.Tensor, batch: StepBatch, out: torch.Tensor,
                         top_k: int, greedy_only: bool) -> torch.Tensor | None:

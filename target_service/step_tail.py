@@ -349,10 +349,12 @@ class StepTail:
         elif committed is not None:
             slots = torch.where(committed, slots, self.trash_slot)
         rows = slots.shape[0]
+        if k_scratch.shape[1] != rows:  # a graph's scratch, sized for its largest bucket
+            k_scratch, v_scratch = k_scratch[:, :rows], v_scratch[:, :rows]
         if self.use_triton:
-            kv_commit_triton(self.k_cache, self.v_cache, k_scratch[:, :rows], v_scratch[:, :rows], slots)
+            kv_commit_triton(self.k_cache, self.v_cache, k_scratch, v_scratch, slots)
         else:
-            kv_commit_reference(self.k_cache, self.v_cache, k_scratch[:, :rows], v_scratch[:, :rows], slots)
+            kv_commit_reference(self.k_cache, self.v_cache, k_scratch, v_scratch, slots)
 
     def apply_table_updates(self) -> None:
         """Set this step's new block-table entries (before the forward reads the table)."""
