@@ -102,6 +102,7 @@ class TreeAttnMetadata:
         return self
 
 
+@functools.cache  # a step asks each time, for a few (nodes, group) pairs
 def choose_block_m(max_nodes: int, group: int) -> int:
     lo = max(MIN_BLOCK_M, _next_pow2(group))
     hi = max(MAX_BLOCK_M, lo)

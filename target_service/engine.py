@@ -424,7 +424,7 @@ class TargetEngine:
         """Acceptance and results into `out`; returns the committed rows (StepTail.committed_rows).
         greedy_only: every sequence greedy, no top log-probs and no logits controls."""
         if batch.controls is None:
-            if greedy_only and logits.device.type == "cpu":  # (its step was packed without sampling columns)
+            if greedy_only and logits.is_cpu:  # (its step was packed without sampling columns)
                 return tail.committed_rows(tail.greedy_on_host(logits, out))
             decided = tail.greedy(logits)
             if not batch.greedy.all():
@@ -472,7 +472,7 @@ class TargetEngine:
                       committed: torch.Tensor | None, features: torch.Tensor | None,
                       layers: tuple[int, ...]) -> StepResults:
         B = batch.size
-        if out.device.type == "cpu":
+        if out.is_cpu:
             host = out
         else:
             host = self._out_buffer(out.numel()).view(out.shape)

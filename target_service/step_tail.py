@@ -332,7 +332,7 @@ class StepTail:
         has no drafted node (M == 1), so every real row is kept."""
         if self.M == 1:
             return None
-        if kept.device.type == "cpu":  # the same in numpy: a few array ops instead of tensor ops
+        if kept.is_cpu:  # the same in numpy: a few array ops instead of tensor ops
             row_tree = self.v["row_tree"].numpy()
             on_path = kept.numpy().reshape(-1)[np.maximum(row_tree, 0)]
             return torch.from_numpy((row_tree == FIXED_ROW) | ((row_tree >= 0) & on_path))
@@ -344,7 +344,7 @@ class StepTail:
         """Write every committed row's K/V (all layers) to its cache slot; the rest to trash.
         committed None: every row is fixed (nothing drafted), padding already points at trash."""
         slots = self.v["row_slot"]
-        if committed is not None and committed.device.type == "cpu":  # one numpy op, not a tensor op
+        if committed is not None and committed.is_cpu:  # one numpy op, not a tensor op
             slots = torch.from_numpy(np.where(committed.numpy(), slots.numpy(), self.trash_slot))
         elif committed is not None:
             slots = torch.where(committed, slots, self.trash_slot)
