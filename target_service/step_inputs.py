@@ -232,17 +232,19 @@ def pack_step(batch: StepBatch, *, prefix_lens: np.ndarray, table_rows: np.ndarr
     tree_parent = views["tree_parent"].reshape(shape.seqs, M)
     tree_parent[:] = 0
     tree_row = views["tree_row"].reshape(shape.seqs, M)
-    tree_row[:] = 0
     row_tree = views["row_tree"]
     if R == B:  # every sequence one node (plain decode): one row, a root, no tree
         seq_of_row = np.arange(B)
         local = None
         views["positions"][:R] = prefix_lens
         row_tree[:R] = FIXED_ROW
+        if M > 1 or B < shape.seqs:  # cells the sequences' roots do not fill (none in an exact shape)
+            tree_row[:] = 0
         tree_row[:B, 0] = seq_of_row
         views["tree_size"][:B] = 1
         table_row_of_row = table_rows
     else:
+        tree_row[:] = 0
         n = batch.num_nodes.astype(np.int64)
         nf = batch.num_fixed.astype(np.int64)
         starts = batch.starts
