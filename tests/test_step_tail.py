@@ -21,10 +21,10 @@ def random_tree(rng: random.Random, size: int) -> tuple[list[int], list[int]]:
     return [rng.randrange(VOCAB) for _ in range(size)], parents
 
 
-def tail_for(items: list[SequenceStep], *, row_invariant: bool = False,
-             spare_nodes: int = 1) -> tuple[StepTail, StepBatch, InputShape]:
+def tail_for(items: list[SequenceStep], *, row_invariant: bool = False, spare_nodes: int = 1,
+             device: str = "cpu") -> tuple[StepTail, StepBatch, InputShape]:
     """A step tail over the packed views of these items (a padding sequence, spare rows and
-    `spare_nodes` of tree width beside them)."""
+    `spare_nodes` of tree width beside them), on `device`."""
     batch = StepBatch.from_items(items)
     M = max_tree(batch)
     shape = InputShape(rows=int(batch.num_nodes.sum()) + 3, seqs=batch.size + 1, tree=M + spare_nodes, tiles=64,
@@ -35,9 +35,9 @@ def tail_for(items: list[SequenceStep], *, row_invariant: bool = False,
     pack_step(batch, prefix_lens=np.full(batch.size, 3), table_rows=np.arange(batch.size), updates={},
               shape=shape, views=layout.host_views(buf), per_tile=16, padding_row=63, padding_update=0,
               host_table=host_table, block_size=4, trash_slot=999)
-    views = layout.device_views(torch.from_numpy(buf))
+    views = layout.device_views(torch.from_numpy(buf).to(device))
     tail = StepTail(views=views, seqs=shape.seqs, tree=shape.tree, trash_slot=999,
-                    block_table=torch.zeros(65, 8, dtype=torch.int32), k_cache=None, v_cache=None,
+                    block_table=torch.zeros(65, 8, dtype=torch.int32, device=device), k_cache=None, v_cache=None,
                     use_triton=False, row_invariant=row_invariant)
     return tail, batch, shape
 
@@ -81,14 +81,17 @@ def test_host_and_device_greedy_tails_agree_on_random_trees_with_duplicate_sibli
 def test_the_row_invariant_tail_decides_as_the_default_and_its_log_probs_agree_on_every_path():
     """The batch-invariant mode's tail (kernels.logsumexp, interpreted here) against torch's
     log-sum-exp: the same tokens and kept paths; log-probs within float32 rounding, for greedy,
-    sampled and top log-probs, in a tree step and in a plain one (M = 1)."""
+    sampled and top log-probs, in a tree step and in a plain one (M = 1). On a GPU machine the
+    tensors live on the GPU, where the compiled kernel runs (Triton cannot read host tensors)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     rng = random.Random(9)
     trees = [SequenceStep(f"s{b}", *random_tree(rng, size), 1) for b, size in enumerate((5, 1, 8))]
     plain = [SequenceStep.chain(f"p{b}", (rng.randrange(VOCAB),)) for b in range(3)]
     for items, spare in ((trees, 1), (plain, 0)):
-        default, _, shape = tail_for(items, spare_nodes=spare)
-        invariant, _, _ = tail_for(items, row_invariant=True, spare_nodes=spare)
-        logits = 3 * torch.randn(shape.seqs * shape.tree, VOCAB, generator=torch.Generator().manual_seed(len(items)))
+        default, _, shape = tail_for(items, spare_nodes=spare, device=device)
+        invariant, _, _ = tail_for(items, row_invariant=True, spare_nodes=spare, device=device)
+        logits = 3 * torch.randn(shape.seqs * shape.tree, VOCAB,
+                                 generator=torch.Generator().manual_seed(len(items))).to(device)
         width = output_width(shape.tree, 2)
         for decide in ("greedy", "sampled"):
             outs = []
@@ -96,7 +99,7 @@ def test_the_row_invariant_tail_decides_as_the_default_and_its_log_probs_agree_o
                 decided = tail.greedy(logits)
                 if decide == "sampled":
                     decided = tail.sampled(logits, decided)
-                out = torch.zeros((shape.seqs, width), dtype=torch.int32)
+                out = torch.zeros((shape.seqs, width), dtype=torch.int32, device=device)
                 kept = tail.pack(decided, out, top_k=2, logits=logits)
                 outs.append((kept, out))
             (kept_a, out_a), (kept_b, out_b) = outs
