@@ -174,10 +174,10 @@ class TargetEngine:
             b = int(np.searchsorted(batch.starts, row, side="right") - 1)
             raise InvalidStep(f"request {batch.request_ids[b]!r}: token id {int(batch.tokens[row])} out of range "
                               f"[0, {vocab})")
-        t = batch.temperature
-        bad = (~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)
-               | outside(batch.top_logprobs, MAX_TOP_LOGPROBS + 1))
-        if bad.any():
+        if not self._sampling_fields_valid(batch):
+            t = batch.temperature
+            bad = (~(t >= 0) | (batch.top_k < 0) | np.isnan(batch.top_p)
+                   | outside(batch.top_logprobs, MAX_TOP_LOGPROBS + 1))
             b = int(np.argmax(bad))
             what = (f"temperature must be >= 0, got {t[b]}" if not t[b] >= 0 else
                     f"top_k must be >= 0, got {batch.top_k[b]}" if batch.top_k[b] < 0 else
@@ -190,6 +190,15 @@ class TargetEngine:
             raise InvalidStep(f"request {batch.request_ids[b]!r}: sequence would reach {end[b]} tokens, over the "
                               f"model's maximum length {self.max_model_len}")
         return end
+
+    @staticmethod
+    def _sampling_fields_valid(batch: StepBatch) -> bool:
+        """Every temperature >= 0 (not NaN), top_k >= 0, top_p a number and top_logprobs in
+        0..MAX_TOP_LOGPROBS, from five reductions read as Python numbers (a NaN makes a min NaN and
+        its comparison false); the masks that name the culprit are built only when this fails."""
+        least_top_p = batch.top_p.min()
+        return bool(batch.temperature.min() >= 0 and batch.top_k.min() >= 0 and least_top_p == least_top_p
+                    and 0 <= batch.top_logprobs.min() and batch.top_logprobs.max() <= MAX_TOP_LOGPROBS)
 
     @staticmethod
     def _tokens_in_range(tokens: np.ndarray, vocab: int) -> bool:

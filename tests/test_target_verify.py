@@ -238,6 +238,22 @@ def test_negative_token_ids_and_top_logprobs_out_of_range_are_refused_by_name(mo
     assert engine.length("a") == len(PROMPT)
 
 
+def test_bad_sampling_fields_are_refused_by_the_item_that_has_them_and_change_nothing(model):
+    """The sampling check reads five reductions and builds the naming masks only when they fail: a NaN
+    or a negative value in any item's column is still found and named."""
+    from target_service.types import SamplingParams
+    engine = new_engine(model)
+    engine.step([SequenceStep.chain("a", PROMPT, create=True), SequenceStep.chain("b", PROMPT, create=True)])
+    cases = {"temperature must be >= 0": SamplingParams(temperature=-0.5),
+             "temperature must be >= 0, got nan": SamplingParams(temperature=float("nan")),
+             "top_k must be >= 0": SamplingParams(temperature=1.0, top_k=-2),
+             "top_p must be a number": SamplingParams(temperature=1.0, top_p=float("nan"))}
+    for message, bad in cases.items():
+        with pytest.raises(InvalidStep, match=rf"request 'b': {message}"):
+            engine.step([SequenceStep.chain("a", [5]), SequenceStep.chain("b", [6], sampling=bad)])
+    assert engine.length("a") == engine.length("b") == len(PROMPT)
+
+
 def test_steps_of_one_row_per_item_that_are_not_plain_decode_are_refused_by_the_malformed_items_name(model):
     """Plain decode is checked in one pass; a step with as many rows as items that fails it
     (two nodes beside none, a root whose parent is not -1, two fixed nodes in one) is named."""
