@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -259,11 +260,12 @@ class TargetClient:
 
     def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
               stops: GrantStops | None = None, hold_features: bool = False,
-              feature_sinks: list[str] | None = None) -> TargetGrant:
+              feature_sinks: list[str] | None = None, release: Sequence[str] = ()) -> TargetGrant:
         batch = StepBatch.from_items(items)
         span, traceparent = stream_call_span(STEP_CALL)
         call = target_pb2.PackedStep(items=batch_to_proto(batch), feature_layers=list(feature_layers),
-                                     grant_steps=grant_steps, traceparent=traceparent, hold_features=hold_features)
+                                     grant_steps=grant_steps, traceparent=traceparent, hold_features=hold_features,
+                                     release_request_ids=release)
         if stops is not None:
             call.stops.CopyFrom(stops.to_proto())
         if hold_features and feature_sinks and any(feature_sinks):
@@ -291,19 +293,23 @@ class TargetClient:
                           tuple(m.eos_token_ids), tuple(m.default_feature_layers), _load(m.load))
 
     def step(self, items: list[SequenceStep], feature_layers: tuple[int, ...], hold_features: bool = False,
-             feature_sinks: list[str] | None = None) -> tuple[list[SequenceResult], KvLoad, float]:
+             feature_sinks: list[str] | None = None,
+             release: Sequence[str] = ()) -> tuple[list[SequenceResult], KvLoad, float]:
         """One step over the stream (packed columns both ways). hold_features: the target keeps
         the features asked for, for the draft replicas to read, instead of returning them;
-        feature_sinks (per item, "" for none): or pushes them to that subscriber."""
+        feature_sinks (per item, "" for none): or pushes them to that subscriber. release:
+        sequences the target releases before the step (finished ones; no Release call of their own)."""
         return next(iter(self._call(items, feature_layers, hold_features=hold_features,
-                                    feature_sinks=feature_sinks)))
+                                    feature_sinks=feature_sinks, release=release)))
 
     def grant(self, items: list[SequenceStep], feature_layers: tuple[int, ...], steps: int,
-              stops: GrantStops, hold_features: bool = False, feature_sinks: list[str] | None = None) -> TargetGrant:
+              stops: GrantStops, hold_features: bool = False, feature_sinks: list[str] | None = None,
+              release: Sequence[str] = ()) -> TargetGrant:
         """Up to `steps` plain-decode steps that the target feeds forward itself; items that ask
-        for features get each step's, held or pushed as `step` has them (a fed grant)."""
+        for features get each step's, held or pushed as `step` has them (a fed grant); `release`
+        as for step."""
         return self._call(items, feature_layers, steps, stops, hold_features=hold_features,
-                          feature_sinks=feature_sinks)
+                          feature_sinks=feature_sinks, release=release)
 
     def release(self, request_ids: list[str]) -> KvLoad:
         try:

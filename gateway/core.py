@@ -216,6 +216,11 @@ class GatewayCore:
         # Finished requests whose target release failed because the target was unreachable:
         # released when it answers again after the loss (if it never restarted, it holds them).
         self._unreleased: list[str] = []
+        # Finished requests whose target release rides on the next step (PackedStep.release_request_ids)
+        # while others still run: a Release call of its own stood on the round's critical path (1-3 ms
+        # on the H200's host); their blocks show as free from that step's reply on.
+        self._release_next: list[str] = []
+        self._release_next_blocks = 0  # their blocks: free for the step that releases them, so planned as free
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -405,7 +410,7 @@ class GatewayCore:
         self._detach_lost_drafts()
         # A verified tree commits at most its depth: that bounds the KV a decode may need.
         max_depth = max(b.steps for b in [*self.cfg.policy.auto_options(), self.cfg.policy.fixed_budget])
-        plan = plan_step(self.cfg.scheduler, self.running, self.waiting, self._free_blocks, max_depth)
+        plan = plan_step(self.cfg.scheduler, self.running, self.waiting, self._plannable_blocks, max_depth)
         for req in plan.preempted:
             self._preempt(req)
         if plan.admitted:
@@ -419,7 +424,7 @@ class GatewayCore:
             if plan.preempted:
                 return None
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
-                               f"{self._free_blocks} KV blocks free")
+                               f"{self._plannable_blocks} KV blocks free")
         plan.load = max(len(self.running) + len(self.waiting), len(plan.items))
         self._dormancy = self._wake_schedule_for(len(plan.items))
         plan.budgets = self._budgets(plan)
@@ -837,7 +842,8 @@ class GatewayCore:
                 hold = self._hold_features(plan, steps)
                 sinks = self._feature_sinks(plan, steps) if hold else None
                 results, load, _ = self.target.step(steps, self.feature_layers, hold_features=hold,
-                                                    feature_sinks=sinks)
+                                                    feature_sinks=sinks, release=self._release_next)
+                self._release_next, self._release_next_blocks = [], 0
                 pairs = zip(plan.items, steps, strict=True)
                 yield StepOutcome(items=plan.items, results=results, load=load,
                                   seconds=time.perf_counter() - t0, trees=trees, granted=0, held_features=hold,
@@ -875,7 +881,7 @@ class GatewayCore:
         while k > 1:
             need = sum(blocks_for(it.request.target_len + k, bs) - blocks_for(it.request.target_len, bs)
                        for it in plan.items)
-            if need <= self._free_blocks:
+            if need <= self._plannable_blocks:
                 break
             k //= 2
         return k
@@ -901,7 +907,9 @@ class GatewayCore:
         fed = any(step.return_features for step in steps)
         hold = fed and self._hold_features(plan, steps)
         sinks = self._feature_sinks(plan, steps) if hold else None
-        grant = self.target.grant(steps, self.feature_layers, k, stops, hold_features=hold, feature_sinks=sinks)
+        grant = self.target.grant(steps, self.feature_layers, k, stops, hold_features=hold, feature_sinks=sinks,
+                                  release=self._release_next)
+        self._release_next, self._release_next_blocks = [], 0
         by_id = {it.request.request_id: it for it in plan.items}
         index = 0
         try:
@@ -1243,6 +1251,11 @@ class GatewayCore:
     def _draft_usage(self, load: KvLoad) -> None:
         self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
 
+    @property
+    def _plannable_blocks(self) -> int:
+        """KV blocks the next step may use: the target's last free count and what it frees first."""
+        return self._free_blocks + self._release_next_blocks
+
     def _target_usage(self, load: KvLoad) -> None:
         """The target's KV load as it last reported it: what the scheduler plans with, and the gauge."""
         self._free_blocks = load.free_blocks
@@ -1276,7 +1289,12 @@ class GatewayCore:
         self.running = [req for req in self.running if req.phase != Phase.FINISHED]
         self.waiting = [req for req in self.waiting if req.phase != Phase.FINISHED]
         ids = [req.request_id for req in done if req.target_created]
-        if ids:
+        if ids and self.running:  # a step follows: the release goes with it
+            self._release_next += ids
+            self._release_next_blocks += sum(blocks_for(req.target_len, self._block_size)
+                                             for req in done if req.target_created)
+        elif ids or self._release_next:  # nothing left to step with: free them now, for whoever arrives
+            ids, self._release_next, self._release_next_blocks = self._release_next + ids, [], 0
             try:
                 self._target_usage(self.target.release(ids))
             except TargetUnavailable as exc:
@@ -1349,8 +1367,9 @@ class GatewayCore:
         tokens (as preemption does); release its draft state. Returns the ids the target may still
         hold, should it not have restarted after all (a broken stream to a live target)."""
         held = self.running + self._release_after_grant  # finished ones included: none was released
-        forget = [req.request_id for req in held if req.target_created] + self._unreleased
-        self.running, self._release_after_grant, self._unreleased = [], [], []
+        forget = [req.request_id for req in held if req.target_created] + self._unreleased + self._release_next
+        self.running, self._release_after_grant, self._unreleased, self._release_next = [], [], [], []
+        self._release_next_blocks = 0
         requeued = []
         for req in held:
             self._detach_draft(req, release=True)

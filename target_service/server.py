@@ -294,6 +294,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         index = 0
         try:
             engine = self._ready()
+            if call.release_request_ids:  # finished requests' release, riding on this step (before it)
+                self._release(engine, list(call.release_request_ids))
             batch = batch_from_proto(call.items)
             layers = tuple(call.feature_layers)
             if call.grant_steps <= 1:
@@ -337,12 +339,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @map_errors
     def Release(self, request, context):
-        engine = self._ready()
-        with self._lock:
-            n = engine.release(list(request.request_ids))
-            load = engine.load()
-        self.held_features.release(list(request.request_ids))
+        n, load = self._release(self._ready(), list(request.request_ids))
         return target_pb2.ReleaseResponse(released=n, load=load_to_proto(load))
+
+    def _release(self, engine: ParallelEngine, request_ids: list[str]) -> tuple[int, KvLoad]:
+        """Free these sequences' KV and held features; how many were held, and the load after."""
+        with self._lock:
+            n = engine.release(request_ids)
+            load = engine.load()
+        self.held_features.release(request_ids)
+        return n, load
 
     @map_errors
     def ReadFeatures(self, request, context):

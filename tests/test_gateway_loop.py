@@ -51,6 +51,8 @@ class FakeTarget:
         self.fed_round_trips = 0  # single steps that asked for features
         self.held: list[bool] = []  # per step: whether the gateway asked the target to hold features
         self.sinks: list[list[str] | None] = []  # per step: the feature sink named for each item
+        self.release_calls: list[list[str]] = []  # Release calls of their own
+        self.released_with_steps: list[list[str]] = []  # ids released by a step or grant call, before it ran
 
     def info(self) -> TargetInfo:
         return TargetInfo("fake", VOCAB, 8, 4096, (), (1, 2, 3), self.load())
@@ -59,10 +61,18 @@ class FakeTarget:
         used = sum(-(-n // self.block_size) for n in self.lengths.values())
         return KvLoad(len(self.lengths), self.block_size, self.blocks, self.blocks - used)
 
-    def step(self, items, feature_layers, hold_features=False, feature_sinks=None):
+    def step(self, items, feature_layers, hold_features=False, feature_sinks=None, release=()):
         self.round_trips += 1
         self.fed_round_trips += any(it.return_features for it in items)
+        self._release_first(release)
         return self.run(items, hold_features, feature_sinks)
+
+    def _release_first(self, ids) -> None:
+        """As the real target: a call's release ids go before its step, refused or not."""
+        if ids:
+            self.released_with_steps.append(list(ids))
+            for rid in ids:
+                self.lengths.pop(rid, None)
 
     def run(self, items, hold_features=False, feature_sinks=None):
         """One step of the fake model (a call's, or a granted one's)."""
@@ -93,12 +103,15 @@ class FakeTarget:
                                           [-0.5] * (len(accepted) + 1), [], feats, length + committed))
         return results, self.load(), 0.001
 
-    def grant(self, items, feature_layers, steps: int, stops: GrantStops, hold_features=False, feature_sinks=None):
+    def grant(self, items, feature_layers, steps: int, stops: GrantStops, hold_features=False, feature_sinks=None,
+              release=()):
         self.grants += 1
         self.round_trips += 1
+        self._release_first(release)
         return FakeGrant(self, items, steps, stops, hold_features, feature_sinks)
 
     def release(self, ids):
+        self.release_calls.append(list(ids))
         for rid in ids:
             self.lengths.pop(rid, None)
         return self.load()
@@ -402,6 +415,25 @@ def test_requests_that_end_together_are_released_on_their_draft_in_one_call_and_
     core._release_finished()
     core.pool.replicas[0].submit(lambda: None).result()
     assert draft.release_calls == []
+
+
+def test_a_finished_requests_target_release_rides_on_the_next_step_while_others_run(tokenizer):
+    """No Release call of its own while a step follows (it stood on the round's critical path): the next
+    step's call carries it, its blocks count as free for that step's plan, and the last request to
+    finish, with nothing left to step with, is released by a call at once."""
+    core, target, _ = new_core(tokenizer, mode="always")
+    short = submit(core, "short", [30, 31, 32], max_tokens=3)
+    submit(core, "long", [40, 41, 42], max_tokens=40)
+    core._take_inbox()
+    while not any(delta.finish_reason for delta in short):
+        core._step()
+    assert target.release_calls == [] and "short" in target.lengths  # finished, its release not sent yet
+    assert core._plannable_blocks > core._free_blocks
+    core._step()
+    assert target.released_with_steps == [["short"]] and "short" not in target.lengths
+    assert core._plannable_blocks == core._free_blocks
+    run_until_idle(core)
+    assert target.release_calls == [["long"]] and target.lengths == {}
 
 
 def _batch_of_eight(tokenizer, plain_won_below: bool) -> tuple:
@@ -1123,9 +1155,11 @@ class PacedTarget(FakeTarget):
         time.sleep(0.002 if self.granting else 0.006)
         return super().run(items, hold_features, feature_sinks)
 
-    def grant(self, items, feature_layers, steps: int, stops: GrantStops, hold_features=False, feature_sinks=None):
+    def grant(self, items, feature_layers, steps: int, stops: GrantStops, hold_features=False, feature_sinks=None,
+              release=()):
         self.grants += 1
         self.round_trips += 1
+        self._release_first(release)
         target = self
 
         class Paced(FakeGrant):

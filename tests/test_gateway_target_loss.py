@@ -47,7 +47,7 @@ class RestartingTarget(FakeTarget):
     def come_back(self) -> None:
         self.down = False
 
-    def step(self, items, feature_layers, hold_features=False, feature_sinks=None):
+    def step(self, items, feature_layers, hold_features=False, feature_sinks=None, release=()):
         self.calls += 1
         if self.calls == self.die_at_step:
             self.down = True
@@ -55,7 +55,7 @@ class RestartingTarget(FakeTarget):
                 self.lengths = {}
         if self.down:
             raise TargetUnavailable("target failed: UNAVAILABLE: Socket closed")
-        return super().step(items, feature_layers)
+        return super().step(items, feature_layers, release=release)
 
     def release(self, ids):
         if self.down:

@@ -149,6 +149,28 @@ def test_release_after_many_requests_frees_every_block(target):
     assert resp.released == 6 and resp.load.free_blocks == resp.load.total_blocks == 64
 
 
+def test_a_steps_release_ids_are_released_before_it_runs_even_when_the_step_is_refused(target):
+    """The gateway sends finished requests' release with its next step (PackedStep.release_request_ids):
+    the step's reply already counts their blocks free, and a refused step still releases them."""
+    from gateway.clients import TargetClient
+    from tandem.errors import InvalidArgument
+    from target_service.types import SequenceStep
+
+    stub = target_pb2_grpc.TargetServiceStub(target.channel)
+    client = TargetClient(target.address)
+    try:
+        client.step([SequenceStep.chain(rid, PROMPT, create=True) for rid in ("done1", "done2", "live")], ())
+        results, load, _ = client.step([SequenceStep.chain("live", [7])], (), release=["done1", "done2", "unknown"])
+        assert load.num_sequences == 1 and results[0].num_committed == len(PROMPT) + 1
+        client.step([SequenceStep.chain("done3", PROMPT, create=True)], ())
+        with pytest.raises(InvalidArgument):
+            client.step([SequenceStep.chain("live", [10 ** 6])], (), release=["done3"])
+        assert stub.GetLoad(target_pb2.GetLoadRequest()).num_sequences == 1
+    finally:
+        stub.Release(target_pb2.ReleaseRequest(request_ids=["live"]))
+        client.close()
+
+
 def test_health_and_reflection(target):
     assert target.health() == health_pb2.HealthCheckResponse.SERVING
     stub = reflection_pb2_grpc.ServerReflectionStub(target.channel)

@@ -277,7 +277,7 @@ class GrantStops(_message.Message):
     def __init__(self, max_new_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PackedStep(_message.Message):
-    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent", "hold_features", "feature_sinks", "item_feature_sink")
+    __slots__ = ("items", "feature_layers", "grant_steps", "stops", "traceparent", "hold_features", "feature_sinks", "item_feature_sink", "release_request_ids")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     GRANT_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class PackedStep(_message.Message):
     HOLD_FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SINKS_FIELD_NUMBER: _ClassVar[int]
     ITEM_FEATURE_SINK_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     items: PackedItems
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     grant_steps: int
@@ -294,7 +295,8 @@ class PackedStep(_message.Message):
     hold_features: bool
     feature_sinks: _containers.RepeatedScalarFieldContainer[str]
     item_feature_sink: _common_pb2.Tensor
-    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ..., hold_features: _Optional[bool] = ..., feature_sinks: _Optional[_Iterable[str]] = ..., item_feature_sink: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    release_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Union[PackedItems, _Mapping]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., grant_steps: _Optional[int] = ..., stops: _Optional[_Union[GrantStops, _Mapping]] = ..., traceparent: _Optional[str] = ..., hold_features: _Optional[bool] = ..., feature_sinks: _Optional[_Iterable[str]] = ..., item_feature_sink: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., release_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Interrupt(_message.Message):
     __slots__ = ()
