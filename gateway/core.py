@@ -221,6 +221,9 @@ class GatewayCore:
         # on the H200's host); their blocks show as free from that step's reply on.
         self._release_next: list[str] = []
         self._release_next_blocks = 0  # their blocks: free for the step that releases them, so planned as free
+        # Their drafts' Release calls, per replica, sent behind the next round's draft calls: in the replica's
+        # queue ahead of a call, a release made the call wait for its round trip.
+        self._draft_releases_next: dict[int, list[str]] = {}
 
     # --- lifecycle ----------------------------------------------------------
     def start(self, timeout: float = 300.0) -> None:
@@ -760,6 +763,7 @@ class GatewayCore:
                                            for req, item in self._ingest_queue.get(idx, ()))
         self._flush_ingests()
         if not by_replica:
+            self._flush_draft_releases()
             return {}
         futures = {}
         timeline.mark("gw.draft.submit")
@@ -778,6 +782,7 @@ class GatewayCore:
         for idx, held in after_calls.items():  # behind the calls in each replica's queue
             self._ingest_queue.setdefault(idx, []).extend(held)
         self._flush_ingests()
+        self._flush_draft_releases()
         trees: dict[str, DraftTree] = {}
         for idx, fut in futures.items():
             try:
@@ -1251,6 +1256,13 @@ class GatewayCore:
     def _draft_usage(self, load: KvLoad) -> None:
         self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
 
+    def _flush_draft_releases(self) -> None:
+        """One Release call per replica for the requests that finished on it, on its worker."""
+        releases, self._draft_releases_next = self._draft_releases_next, {}
+        for idx, rids in releases.items():
+            replica = self.pool.replicas[idx]
+            replica.submit(lambda replica=replica, rids=rids: replica.client.release(rids))
+
     @property
     def _plannable_blocks(self) -> int:
         """KV blocks the next step may use: the target's last free count and what it frees first."""
@@ -1310,8 +1322,9 @@ class GatewayCore:
             with self._lock:
                 self._ids.discard(req.request_id)
         for idx, rids in releases.items():
-            replica = self.pool.replicas[idx]
-            replica.submit(lambda replica=replica, rids=rids: replica.client.release(rids))
+            self._draft_releases_next.setdefault(idx, []).extend(rids)
+        if not self.running:  # no draft call follows to send them behind
+            self._flush_draft_releases()
         if not self.running and not self.waiting:  # idle: the draft gauge must not keep the last step's value
             for rep in self.pool.healthy():  # queued after the releases above, on the replica's FIFO worker
                 rep.submit(lambda rep=rep: self._draft_usage(rep.client.info().load))

@@ -419,9 +419,13 @@ def test_requests_that_end_together_are_released_on_their_draft_in_one_call_and_
 
 def test_a_finished_requests_target_release_rides_on_the_next_step_while_others_run(tokenizer):
     """No Release call of its own while a step follows (it stood on the round's critical path): the next
-    step's call carries it, its blocks count as free for that step's plan, and the last request to
-    finish, with nothing left to step with, is released by a call at once."""
-    core, target, _ = new_core(tokenizer, mode="always")
+    step's call carries it, its blocks count as free for that step's plan, its draft's release goes
+    behind the next draft call, and the last request to finish, with nothing left to step with, is
+    released by a call at once."""
+    core, target, (draft,) = new_core(tokenizer, mode="always")
+    releases_after_calls: list[tuple[list[str], int]] = []  # (ids, the draft calls made by then)
+    draft_release = draft.release
+    draft.release = lambda ids: releases_after_calls.append((list(ids), draft.draft_calls)) or draft_release(ids)
     short = submit(core, "short", [30, 31, 32], max_tokens=3)
     submit(core, "long", [40, 41, 42], max_tokens=40)
     core._take_inbox()
@@ -429,9 +433,13 @@ def test_a_finished_requests_target_release_rides_on_the_next_step_while_others_
         core._step()
     assert target.release_calls == [] and "short" in target.lengths  # finished, its release not sent yet
     assert core._plannable_blocks > core._free_blocks
+    calls_before = draft.draft_calls
     core._step()
     assert target.released_with_steps == [["short"]] and "short" not in target.lengths
     assert core._plannable_blocks == core._free_blocks
+    core.pool.replicas[0].submit(lambda: None).result()  # the replica's worker has run what it was given
+    # The draft's release went behind that round's draft call, not ahead of it in the replica's queue.
+    assert releases_after_calls == [(["short"], calls_before + 1)]
     run_until_idle(core)
     assert target.release_calls == [["long"]] and target.lengths == {}
 
