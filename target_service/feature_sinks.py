@@ -32,6 +32,7 @@ from target_service.step_batch import StepResults
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class CommittedRows:
     """The features of positions start .. start + len(rows) - 1 of one sequence, on the host."""
