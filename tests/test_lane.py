@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -132,77 +134,63 @@ def test_a_server_stream_learns_through_its_callback_that_its_client_left(tmp_pa
         server.stop()
 
 
-def _server_stream(tmp_path, handler) -> LaneServer:
-    server = LaneServer(tmp_path / "target.sock", {
-        "SubscribeFeatures": LaneMethod(handler, target_pb2.SubscribeFeaturesRequest, unary=True)})
-    server.start()
-    return server
-
-
-def test_a_server_stream_on_a_lane_can_send_from_another_thread_after_its_first_reply(tmp_path):
-    """How the target's step thread writes a feature push itself: the replies arrive whole and in order."""
+@contextmanager
+def direct_stream(tmp_path, first: target_pb2.FeatureRows) -> Iterator[tuple[LaneStream, Callable, threading.Event]]:
+    """A SubscribeFeatures-shaped server stream on a lane, its client subscribed and its first reply
+    (`first`) read: (the client's stream, the handler's direct sender, set once the stream ended)."""
     senders, left = [], threading.Event()
 
     def subscribe(request, context):
         context.add_callback(left.set)
-        yield target_pb2.FeatureRows(request_id="first")
+        yield first
         senders.append(direct_sender(context))
         left.wait(10)
 
-    server = _server_stream(tmp_path, subscribe)
+    server = LaneServer(tmp_path / "target.sock", {
+        "SubscribeFeatures": LaneMethod(subscribe, target_pb2.SubscribeFeaturesRequest, unary=True)})
+    server.start()
     try:
         stream = LaneStream(server.path, server.token, "SubscribeFeatures", target_pb2.FeatureRows)
         stream.send(target_pb2.SubscribeFeaturesRequest(sink="draft-1", batched=True))
-        replies = iter(stream)
-        assert next(replies).request_id == "first"
+        assert stream.reply() == first
         while not senders:
             time.sleep(0.01)
-        pushers = [threading.Thread(target=lambda i=i: [senders[0](target_pb2.FeatureRows(
+        yield stream, senders[0], left
+    finally:
+        server.stop()
+
+
+def test_a_server_stream_on_a_lane_can_send_from_another_thread_after_its_first_reply(tmp_path):
+    """How the target's step thread writes a feature push itself: the replies arrive whole and in order."""
+    with direct_stream(tmp_path, target_pb2.FeatureRows(request_id="first")) as (stream, send, left):
+        pushers = [threading.Thread(target=lambda i=i: [send(target_pb2.FeatureRows(
             request_id=f"{i}-{n}", request_ids=["x" * 1000] * 50), 5.0) for n in range(20)]) for i in range(3)]
         for pusher in pushers:
             pusher.start()
-        got = [next(replies).request_id for _ in range(60)]  # read as they write: 3 MB fill any socket buffer
+        got = [stream.reply().request_id for _ in range(60)]  # read as they write: 3 MB fill any socket buffer
         for pusher in pushers:
             pusher.join()
         for i in range(3):  # each thread's own order holds; whole frames only (a torn one would not parse)
             assert [name for name in got if name.startswith(f"{i}-")] == [f"{i}-{n}" for n in range(20)]
         stream.close()
         assert left.wait(5)
-    finally:
-        server.stop()
 
 
 def test_a_send_to_a_client_that_stopped_reading_gives_up_and_ends_the_stream(tmp_path):
     """A stuck draft must not stall the target: once the socket's buffer stays full past the timeout the
     send raises, and the stream's end callbacks run."""
-    senders, left = [], threading.Event()
-
-    def subscribe(request, context):
-        context.add_callback(left.set)
-        yield target_pb2.FeatureRows()
-        senders.append(direct_sender(context))
-        left.wait(10)
-
-    server = _server_stream(tmp_path, subscribe)
-    try:
-        stream = LaneStream(server.path, server.token, "SubscribeFeatures", target_pb2.FeatureRows)
-        stream.send(target_pb2.SubscribeFeaturesRequest(sink="draft-1", batched=True))
-        next(iter(stream))
-        while not senders:
-            time.sleep(0.01)
+    with direct_stream(tmp_path, target_pb2.FeatureRows()) as (stream, send, left):
         big = target_pb2.FeatureRows(request_ids=["x" * 4096] * 64)  # about 260 kB: no socket buffer takes many
         t0 = time.monotonic()
         with pytest.raises(LaneError) as failed:
             for _ in range(1000):
-                senders[0](big, 0.3)
+                send(big, 0.3)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - t0 < 5
         assert left.wait(5)
         with pytest.raises(LaneError):  # and nothing more is written on it
-            senders[0](target_pb2.FeatureRows(), 0.3)
+            send(target_pb2.FeatureRows(), 0.3)
         stream.close()
-    finally:
-        server.stop()
 
 
 def test_a_grpc_context_offers_no_direct_sender():
