@@ -30,6 +30,7 @@ import torch
 
 from kernels.kv_write import kv_commit_reference, kv_commit_triton
 from kernels.logsumexp import logsumexp_rows
+from tandem.tree import children as child_lists
 from target_service import acceptance
 from target_service.step_inputs import FIXED_ROW
 
@@ -96,14 +97,11 @@ def target_probs_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
 
 
 @functools.lru_cache(maxsize=4096)
-def _children(tree_parents: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+def _children(tree_parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """Each node's children in order, of a tree part given by its nodes' parents (the root's
-    first, not read). Cached: a step's trees repeat few shapes, and building the map took a
-    16-node tree about 10 us. Shared between calls: read it, never change it."""
-    children: dict[int, list[int]] = {}
-    for m in range(1, len(tree_parents)):
-        children.setdefault(tree_parents[m], []).append(m)
-    return {node: tuple(kids) for node, kids in children.items()}
+    first, not read: packed as 0). Cached: a step's trees repeat few shapes, and building the
+    map took a 16-node tree about 10 us."""
+    return tuple(map(tuple, child_lists((-1, *tree_parents[1:]))))
 
 
 def _kept_path(take: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
@@ -210,12 +208,12 @@ class StepTail:
         size = v["tree_size"].numpy()
         paths = []
         for b in range(B):
-            children = _children(tuple(parent[b, : size[b]].tolist()))
+            kids = _children(tuple(parent[b, : size[b]].tolist()))
             best_next, drafted = argmax[b].tolist(), tokens[b].tolist()  # Python ints: cheaper to compare
             node, path = 0, []
             while True:
                 want = best_next[node]
-                nxt = next((c for c in children.get(node, ()) if drafted[c] == want), None)
+                nxt = next((c for c in kids[node] if drafted[c] == want), None)
                 if nxt is None:
                     break
                 path.append(nxt)
