@@ -223,12 +223,14 @@ class HostPhases:
         self._undo.append((owner, name, None if isinstance(owner, TargetEngine) else inner))
         setattr(owner, name, timed)
 
-    def measure(self, engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str) -> dict[str, float]:
-        """Microseconds per step of each part, over `iters` + 3 steps (after 4 untimed ones)."""
-        time_steps(engine, ids, nodes, 1, device)  # warm-up
+    def measure(self, engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str,
+                features: bool = False) -> dict[str, float]:
+        """Microseconds per step of each part, over `iters` + 3 steps (after 4 untimed ones);
+        features: as time_steps takes it."""
+        time_steps(engine, ids, nodes, 1, device, features)  # warm-up
         self.seconds.clear()
         t0 = time.perf_counter()
-        time_steps(engine, ids, nodes, iters, device)
+        time_steps(engine, ids, nodes, iters, device, features)
         steps = iters + 3
         total = time.perf_counter() - t0
         parts = {label: round(1e6 * s / steps, 1) for label, s in self.seconds.items()}
@@ -294,9 +296,12 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
             phases = HostPhases(engine)
             try:
                 for n in nodes:
-                    parts = phases.measure(engine, ids, n, max(args.iters, 8), device)
-                    rows.append({"mode": f"{mode}-phases", "batch": b, "nodes": n, "us": parts})
-                    print(f"phases batch {b:>4} nodes {n:>3}: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+                    parts = phases.measure(engine, ids, n, max(args.iters, 8), device, args.features)
+                    rows.append({"mode": f"{mode}-phases", "batch": b, "nodes": n, "features": args.features,
+                                 "us": parts})
+                    asked = " with features" if args.features else ""
+                    print(f"phases batch {b:>4} nodes {n:>3}{asked}: "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
                           + " us per step", flush=True)
             finally:
                 phases.close()

@@ -19,7 +19,8 @@
 #            timed with every item asking for the target's features and their rows copied to the host, as a step
 #            that feeds a draft runs in the served target (batch 1/8/64, decode and verify 8)
 #   phases   after only: bench/engine_step.py --phases, a standalone step's host time part by part (validate,
-#            pack, graph replay, the wait for the GPU, results), batch 1/8/64, decode and verify 8
+#            pack, graph replay, the wait for the GPU, results), batch 1/8/64 (PHASES_BATCHES), decode and
+#            verify 8; PHASES_FEATURES=1 has every item ask for features, as a served step that feeds a draft
 #   stack    the full stack (tandem serve + tandem bench), `never`, concurrency 1/8/64, scale track
 #            (STACK_CONCURRENCY and STACK_MODES override the levels and modes)
 #   rest     the REST layer alone (no GPU): bench/rest_stream.py, the OpenAI server over the fake engine, server CPU a
@@ -48,7 +49,8 @@
 #            batch 1, budget 5/4/8 (bench/draft_step.py --profile; ROUND_PROFILE=0 skips it)
 #   timeline after only: a speculative round at one request hop by hop (bench/round_timeline.py over the services'
 #            TANDEM_TIMELINE marks), scale track at 0.8 then demo track in bf16 (TIMELINE_TRACKS, TIMELINE_CONCURRENCY,
-#            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before)
+#            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before;
+#            TIMELINE_TAG=T names the runs timeline_TRACK_T, as for a second run with DRAFT_EXTRA flags)
 #   lane     after only: the step streams on same-host lanes (tandem/lane.py; `tandem serve`'s default) against
 #            gRPC (--no-step-lane), alternated LANE_REPEATS="1 2" times: `never` and `always` at LANE_CONCURRENCY
 #            (default 1,8) with each process's hop marks (bench/round_timeline.py), scale track at 0.8 then demo
@@ -260,8 +262,9 @@ for stage in "$@"; do
           --iters 20 --modes graphs --features --out "$OUT/engine_features_$tree.json"
       done ;;
     phases)  # after only: where a standalone step's host time goes, part by part (bench/engine_step.py --phases)
-      run engine_phases after 240 python3 bench/engine_step.py --batches 1,8,64 --nodes 1,8 --iters 20 \
-        --modes graphs --phases --out "$OUT/engine_phases.json" ;;
+      run engine_phases after 240 python3 bench/engine_step.py --batches "${PHASES_BATCHES:-1,8,64}" --nodes 1,8 \
+        --iters 20 --modes graphs --phases $([[ ${PHASES_FEATURES:-0} == 1 ]] && echo --features) \
+        --out "$OUT/engine_phases.json" ;;
     drafttests)
       run drafttests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_tree.py \
         tests/test_topk.py tests/test_tree_level.py ;;
@@ -340,7 +343,7 @@ for stage in "$@"; do
           flags=(--device cuda --dtype bfloat16)
         fi
         for tree in ${TIMELINE_TREES:-after}; do
-          name=timeline_$track; [[ $tree == before ]] && name+=_before
+          name=timeline_$track${TIMELINE_TAG:+_$TIMELINE_TAG}; [[ $tree == before ]] && name+=_before
           marks=$OUT/$name/marks
           run "$name" $tree 400 env SERVE_PORT=8450 TANDEM_TIMELINE="$marks" \
             BENCH_ARGS="${TIMELINE_BENCH_ARGS:---requests-per-slot 8}" bash "$root/bench/serve_and_bench.sh" \

@@ -50,6 +50,16 @@ ASIDE = [
     ("draft.reply", "draft.sent", "draft: until gRPC resumes the handler after its reply"),
     ("target.reply", "target.sent", "target: until gRPC resumes the handler after its reply"),
     ("target.sent", "target.pushed", "target: features pushed, metrics recorded"),
+    # Inside the engines (marks of the thirty-eighth session): host work before the launch, the wait for the
+    # GPU, and what follows it. The served engines took 0.5-0.9 ms more than bench/engine_step.py and
+    # bench/draft_step.py time the same shapes alone; these say whether host or GPU.
+    ("target.engine.start", "target.engine.launched", "target engine: validate, pack, inputs in, graph launched"),
+    ("target.engine.launched", "target.engine.synced", "target engine: until the GPU's results are in"),
+    ("target.engine.synced", "target.engine.end", "target engine: results read, KV lengths, features"),
+    ("draft.engine.start", "draft.catchup.end", "draft engine: ingest, catch-up"),
+    ("draft.catchup.end", "draft.grow.launched", "draft engine: growth loaded and launched"),
+    ("draft.grow.launched", "draft.grow.read", "draft engine: until the GPU's trees are in, trees read"),
+    ("draft.grow.read", "draft.engine.end", "draft engine: trees filled in"),
     ("target.sent", "draft.push.recv", "target's push -> draft's subscriber thread"),
     ("draft.push.recv", "draft.push.stored", "draft: the push stored"),
 ]

@@ -36,6 +36,7 @@ from draft_service.types import (
     RequestStatus,
 )
 from kernels.tree_attention import StepLayout
+from tandem import timeline
 from tandem.tree import ancestor_mask
 
 MAX_REQUESTS = 1024  # rows of the device block table: requests one replica holds at once
@@ -348,6 +349,7 @@ class DraftEngine:
         for ing in ingest:
             self._apply(ing)
         self._catch_up(list(lengths))
+        timeline.mark("draft.catchup.end")
         trees = self._grow(items)
         self.last_call_seconds = time.perf_counter() - t0
         return trees
@@ -407,7 +409,10 @@ class DraftEngine:
                     [self.computed(rid) for rid in rids], [self.kv.seqs[rid].row for rid in rids],
                     self.table.padding_row, host_slots)
         growth.run()
-        for (tree, _), (tokens, parents, depths, lps, scores) in zip(members, growth.trees(len(members))):
+        timeline.mark("draft.grow.launched")
+        grown = growth.trees(len(members))  # waits for the GPU
+        timeline.mark("draft.grow.read")
+        for (tree, _), (tokens, parents, depths, lps, scores) in zip(members, grown):
             tree.tokens, tree.parents, tree.depths, tree.logprobs, tree.scores = tokens, parents, depths, lps, scores
 
     def _tree_level(self, active: list[_Growing]) -> None:

@@ -32,6 +32,7 @@ import torch
 from kernels.invariant_attention import MAX_TAIL
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import TreeAttnMetadata, choose_block_m, choose_num_splits
+from tandem import timeline
 from tandem.tree import ancestor_mask, validate_tree
 from target_service.cuda_graphs import GraphConfig, StepGraphs
 from target_service.grant import GrantStep, check_grant, run_grant
@@ -387,6 +388,7 @@ class TargetEngine:
             out = torch.empty(shape.seqs, output_width(shape.tree, top_k), dtype=torch.int32, device=self.device)
             committed = self._decide_eagerly(tail, logits, batch, out, top_k, greedy_only)
             tail.commit(committed, k_scratch, v_scratch)
+        timeline.mark("target.engine.launched")
         return self._read_results(batch, shape.tree, out, top_k, tail, committed, features, layers)
 
     # --- device work ----------------------------------------------------------
@@ -513,6 +515,7 @@ class TargetEngine:
             compacted = features[: want.shape[0]][first]
         if self._pinned:
             torch.cuda.current_stream().synchronize()
+        timeline.mark("target.engine.synced")
         raw = host.numpy()[:B]
         if host is not out:  # the engine's reused output buffer: results must not change under the caller
             raw = raw.copy()
