@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted per verify step (default 2)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--grow-only", action="store_true", help="calls that ingest nothing: the tree growth alone")
-    ap.add_argument("--fused-tree-levels", action="store_true",
-                    help="each growth level's bookkeeping in one Triton launch (tandem draft --fused-tree-levels)")
+    ap.add_argument("--fused-tree-levels", action=argparse.BooleanOptionalAction, default=True,
+                    help="each growth level's bookkeeping in one Triton launch, as `tandem draft` does by default "
+                         "(--no-fused-tree-levels: the torch ops)")
     ap.add_argument("--ab-fused", type=int, default=0, metavar="N",
                     help="time each shape without and with --fused-tree-levels, two engines on one model in one "
                          "process, alternated N times (--iters calls each time): between processes the same "

@@ -284,7 +284,7 @@ for stage in "$@"; do
         for fused in off on; do
           run "draft_fused_${fused}_$rep" after 200 python3 bench/draft_step.py --batches "${DRAFT_BATCHES:-1,8,64}" \
             --budgets "${DRAFT_BUDGETS:-3,1,4;5,4,8;6,8,16}" --iters "${DRAFT_ITERS:-20}" \
-            $([[ $fused == on ]] && echo --fused-tree-levels) --out "$OUT/draft_fused_${fused}_$rep.json"
+            $([[ $fused == on ]] && echo --fused-tree-levels || echo --no-fused-tree-levels) --out "$OUT/draft_fused_${fused}_$rep.json"
         done
       done ;;
     fusedab)  # after only: the same comparison inside one process, two engines alternated FUSED_TURNS times a shape
@@ -303,14 +303,17 @@ for stage in "$@"; do
       run draft_profile_after_b64 after 150 python3 bench/draft_step.py --batches 64 --budgets "5,4,8" \
         --iters 3 --profile "$OUT/draft_profile_after_b64.txt" ;;
     spec)  # always against never on the scale track (forced acceptance 0.8) and the demo track (bf16);
-           # SPEC_TREES="before after" runs .before/ first, as spec_*_before; SPEC_FUSED="off on" also serves the
-           # scale track with the draft's fused growth levels (tandem draft --fused-tree-levels), as spec_scale_fused
+           # SPEC_TREES="before after" runs .before/ first, as spec_*_before; SPEC_FUSED="off on" serves the scale
+           # track without the draft's fused growth levels (--no-fused-tree-levels) and then with them (the
+           # default), as spec_scale and spec_scale_fused
       [[ ${SPEC_SCALE:-1} == 1 ]] && need_scale scale_track $scale
       for tree in ${SPEC_TREES:-after}; do
         suffix=""; [[ $tree == before ]] && suffix=_before
-        for fused in ${SPEC_FUSED:-off}; do
+        for fused in ${SPEC_FUSED:-on}; do
           [[ ${SPEC_SCALE:-1} == 1 ]] || break
-          DRAFT_EXTRA=$([[ $fused == on ]] && echo --fused-tree-levels) scale_serve $scale 0.8
+          # the draft's default since the thirty-eighth session; a tree from before knows only --fused-tree-levels (off by default there)
+          off=--no-fused-tree-levels; [[ $tree == before ]] && off=""
+          DRAFT_EXTRA=$([[ $fused == on ]] && echo --fused-tree-levels || echo $off) scale_serve $scale 0.8
           SERVE_TREE=$tree serve_bench "spec_scale$suffix$([[ $fused == on ]] && echo _fused)" 8200 \
             "${SPEC_CONCURRENCY:-1,2,4,8}" never,always "${serve[@]}"
         done

@@ -83,10 +83,10 @@ LONG_GAP = 8
 
 
 class DraftEngine:
-    def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16, *, fused_levels: bool = False):
+    def __init__(self, model: Eagle3Draft, num_blocks: int, block_size: int = 16, *, fused_levels: bool = True):
         """fused_levels: the device growth's bookkeeping between levels, and its selection of the kept
         nodes, in one Triton launch each (kernels.tree_level), and each level's q, k and v written into
-        their slots by the RoPE kernel, where attention runs on Triton; off, the same in torch ops."""
+        their slots by the RoPE kernel, where attention runs on Triton (the default); off, the same in torch ops."""
         self.model = model
         self.fused_levels = fused_levels and model.attention.name == "triton"
         self.kv = model.new_kv_cache(num_blocks, block_size)

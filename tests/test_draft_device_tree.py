@@ -126,4 +126,5 @@ def test_fused_growth_levels_are_taken_only_where_attention_runs_on_triton(pair)
     for backend, fused in (("torch", False), ("triton", True)):
         model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
         assert DraftEngine(model, num_blocks=8, block_size=4, fused_levels=True).fused_levels is fused
-        assert DraftEngine(model, num_blocks=8, block_size=4).fused_levels is False  # off by default
+        assert DraftEngine(model, num_blocks=8, block_size=4).fused_levels is fused  # on by default, where it can
+        assert DraftEngine(model, num_blocks=8, block_size=4, fused_levels=False).fused_levels is False
