@@ -154,6 +154,16 @@ def medians(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in runs.items()}
 
 
+def round_spread(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
+    """(mode, concurrency) -> its slowest round's total tok/s over its fastest's (levels run in more
+    than one round): how far one mode moves between rounds with nothing changed, the resolution that
+    auto / max(never, always) is read at."""
+    runs: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        runs.setdefault((row.mode, row.concurrency), []).append(row.total_tok_s)
+    return {key: min(values) / max(values) for key, values in runs.items() if len(values) > 1 and max(values) > 0}
+
+
 def auto_over_best(tok_s: dict[tuple[str, int], float], concurrencies: list[int]) -> str | None:
     """"c=C: R, ..." with R = auto / max(never, always) from (mode, concurrency) -> tok/s; None where a
     mode is missing."""
@@ -293,6 +303,14 @@ def print_table(rows: list[LevelResult]) -> None:
                                   concs)
             if line:
                 print(f"\nround {round_number}, auto / max(never, always): {line}")
+        spread = round_spread(rows)
+        if spread:
+            # On the H200 demo track (2026-12-05) `never`'s own rounds differed by up to 18% at one level:
+            # an auto / max below 0.97 can be that spread and nothing of auto's.
+            print("\neach mode's slowest round over its fastest: " + "; ".join(
+                f"{mode} " + ", ".join(f"c={conc}: {spread[(mode, conc)]:.2f}" for conc in concs
+                                       if (mode, conc) in spread)
+                for mode in dict.fromkeys(r.mode for r in rows)))
         median_tok_s = medians(rows)
         print("\nmedian tok/s over the rounds: " + "; ".join(
             f"{mode} " + ", ".join(f"c={conc}: {median_tok_s[(mode, conc)]:.1f}" for conc in concs

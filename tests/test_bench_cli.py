@@ -197,6 +197,7 @@ def test_auto_over_the_better_mode_is_reported_per_round_and_on_the_medians(caps
     assert "round 1, auto / max(never, always): c=2: 0.95" in out
     assert "round 2, auto / max(never, always): c=2: 1.10" in out
     assert "round 3, auto / max(never, always): c=2: 0.82" in out
+    assert "each mode's slowest round over its fastest: never c=2: 0.55; always c=2: 0.84; auto c=2: 0.93" in out
     assert "median tok/s over the rounds: never c=2: 100.0; always c=2: 90.0; auto c=2: 90.0" in out
     assert "auto / max(never, always) on the medians: c=2: 0.90" in out
 
