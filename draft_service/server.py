@@ -270,9 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens, positions and ancestor masks) in one Triton launch instead of about twenty torch "
                         "ops, each level's q, k and v written into their slots by the RoPE kernel, and the kept "
                         "nodes' selection in one launch instead of about fifteen; Triton attention only (a GPU). "
-                        "On by default: on the H200 the draft call took 0.85-0.95 of its time without, at batch "
-                        "1, 8 and 64, and a served round at one request 0.28 ms less (BENCHMARKS.md, \"A growth "
-                        "level's bookkeeping in one launch\"); --no-fused-tree-levels: the torch ops")
+                        "On by default: on the H200 a draft call took 0.85-0.95 of the time it takes without, at "
+                        "batch 1, 8 and 64, and a served round at one request 0.28 ms less (BENCHMARKS.md, \"A "
+                        "growth level's bookkeeping in one launch\"); --no-fused-tree-levels: the torch ops")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # tests: where the port was bound
     return p
 
