@@ -238,10 +238,15 @@ def test_negative_token_ids_and_top_logprobs_out_of_range_are_refused_by_name(mo
     assert engine.length("a") == len(PROMPT)
 
 
-def test_bad_sampling_fields_are_refused_by_the_item_that_has_them_and_change_nothing(model):
-    """The sampling check reads five reductions and builds the naming masks only when they fail: a NaN
-    or a negative value in any item's column is still found and named."""
+@pytest.mark.parametrize("small_step", [8, 0], ids=["python-numbers", "numpy-reductions"])
+def test_bad_sampling_fields_are_refused_by_the_item_that_has_them_and_change_nothing(model, small_step,
+                                                                                     monkeypatch):
+    """The sampling check reads a small step's columns as Python numbers and a larger one's as five
+    reductions (SMALL_STEP), and builds the naming masks only when they fail: a NaN or a negative value
+    in any item's column is still found and named, either way."""
+    import target_service.engine as engine_module
     from target_service.types import SamplingParams
+    monkeypatch.setattr(engine_module, "SMALL_STEP", small_step)
     engine = new_engine(model)
     engine.step([SequenceStep.chain("a", PROMPT, create=True), SequenceStep.chain("b", PROMPT, create=True)])
     cases = {"temperature must be >= 0": SamplingParams(temperature=-0.5),
@@ -254,9 +259,14 @@ def test_bad_sampling_fields_are_refused_by_the_item_that_has_them_and_change_no
     assert engine.length("a") == engine.length("b") == len(PROMPT)
 
 
-def test_steps_of_one_row_per_item_that_are_not_plain_decode_are_refused_by_the_malformed_items_name(model):
-    """Plain decode is checked in one pass; a step with as many rows as items that fails it
-    (two nodes beside none, a root whose parent is not -1, two fixed nodes in one) is named."""
+@pytest.mark.parametrize("small_step", [8, 0], ids=["python-numbers", "numpy-reductions"])
+def test_steps_of_one_row_per_item_that_are_not_plain_decode_are_refused_by_the_malformed_items_name(
+        model, small_step, monkeypatch):
+    """Plain decode is checked in one pass (a small step's columns as Python numbers, a larger one's by
+    numpy, SMALL_STEP); a step with as many rows as items that fails it (two nodes beside none, a root
+    whose parent is not -1, two fixed nodes in one) is named."""
+    import target_service.engine as engine_module
+    monkeypatch.setattr(engine_module, "SMALL_STEP", small_step)
     engine = new_engine(model)
     engine.step([SequenceStep.chain("a", PROMPT, create=True), SequenceStep.chain("b", PROMPT, create=True)])
     cases = {
