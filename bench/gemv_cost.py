@@ -17,27 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as `python3 bench/gemv_cost.py`, as the H200 call did
+
+from tandem.graph_capture import capture_graphs  # noqa: E402
+
 # (name, out_features, in_features) of Llama-3.1-8B's linear layers, q/k/v and gate/up fused as the target has them.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
           ("lm_head", 128256, 4096)]
-
-
-def graph_of(calls) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return graph
 
 
 def time_graph(graph: torch.cuda.CUDAGraph, iters: int) -> float:
@@ -80,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         row = {"name": name, "n": n, "k": k, "calls": layers, "mv_vs_linear_rel_err": err}
         for way, calls in ways.items():
-            ms = time_graph(graph_of(calls), args.iters)
+            ms = time_graph(capture_graphs(calls)[0], args.iters)
             us = 1e3 * ms / layers
             row[f"{way}_us"] = round(us, 2)
             row[f"{way}_tb_s"] = round(2 * n * k / (us * 1e-6) / 1e12, 3)

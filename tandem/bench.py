@@ -146,22 +146,25 @@ def level_schedule(levels: list[int], modes: list[str], rounds: int) -> list[tup
             for mode in modes]
 
 
-def medians(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
-    """(mode, concurrency) -> the median total tok/s over its rounds."""
+def _rounds_tok_s(rows: list[LevelResult]) -> dict[tuple[str, int], list[float]]:
+    """(mode, concurrency) -> the total tok/s of each of its rounds."""
     runs: dict[tuple[str, int], list[float]] = {}
     for row in rows:
         runs.setdefault((row.mode, row.concurrency), []).append(row.total_tok_s)
-    return {key: statistics.median(values) for key, values in runs.items()}
+    return runs
+
+
+def medians(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
+    """(mode, concurrency) -> the median total tok/s over its rounds."""
+    return {key: statistics.median(values) for key, values in _rounds_tok_s(rows).items()}
 
 
 def round_spread(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
     """(mode, concurrency) -> its slowest round's total tok/s over its fastest's (levels run in more
     than one round): how far one mode moves between rounds with nothing changed, the resolution that
     auto / max(never, always) is read at."""
-    runs: dict[tuple[str, int], list[float]] = {}
-    for row in rows:
-        runs.setdefault((row.mode, row.concurrency), []).append(row.total_tok_s)
-    return {key: min(values) / max(values) for key, values in runs.items() if len(values) > 1 and max(values) > 0}
+    return {key: min(values) / max(values) for key, values in _rounds_tok_s(rows).items()
+            if len(values) > 1 and max(values) > 0}
 
 
 def auto_over_best(tok_s: dict[tuple[str, int], float], concurrencies: list[int]) -> str | None:
