@@ -16,8 +16,10 @@ run whose bench.json it is given (each level's window: its started_at and ended_
 time went: decode steps with trees, plain decode steps that fed no draft, plain steps that fed the drafts, and
 steps that carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
 the load gate must charge an arm beyond its decode steps); then, where the lines carry them, the mean phases
-of each level's tree steps, and its tree rounds right after a step with a prompt chunk (where the draft takes the
-joining prompt in) beside its other tree rounds.
+of each level's tree steps, its tree rounds right after a step with a prompt chunk (where the draft takes the
+joining prompt in) beside its other tree rounds, and the steps whose plans the load gate judged at a lighter load
+than the level's (between a request's end and its client's next request; where that load's verdict differs, they
+wake or put to sleep the level's requests).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def phase_means(logged: list[list[float]]) -> str:
     """The mean of each phase over these steps, as columns under PHASE_HEAD ("" for no step)."""
     return " ".join(f"{sum(column) / len(logged):>8.2f}" for column in zip(*logged)) if logged else ""
 PLAN = re.compile(r"gateway DEBUG step (\d+): \d+ items, \d+ tokens, trees \[([^\]]*)\]")
+GATE = re.compile(r"gateway DEBUG step \d+: .*, gate (\d+)-(\d+) sequences")  # the load the plan was judged at
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # the logging module's asctime
 STEP_KINDS = ("trees", "plain", "fed", "prompt")
 
@@ -141,13 +144,18 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
         except (OSError, ValueError, KeyError) as e:
             print(f"cannot read the levels of {path}: {e}", file=sys.stderr)
             return 1
-    steps = []  # (epoch seconds, kind, committed, ms, the step's phases in ms or None)
+    # (epoch seconds, kind, committed, ms, the step's phases in ms or None, the top of the gate's bucket at its plan)
+    steps = []
+    judged_at = 0  # the top of the bucket the last plan's gate line named (0: none yet)
     for line in text.splitlines():
-        stamp, step = STAMP.match(line), STEP.search(line)
+        stamp, step, gate = STAMP.match(line), STEP.search(line), GATE.search(line)
+        if gate:
+            judged_at = int(gate.group(2))
         if stamp and step:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             row = step.groups()
-            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), parse_phases(row[10])))
+            steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), parse_phases(row[10]),
+                          judged_at))
     levels = sorted((r for r in results if r.get("started_at") is not None and r.get("ended_at") is not None),
                     key=lambda r: r["started_at"])
     if not levels:
@@ -168,7 +176,33 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
               f"{total_ms:>9.1f} {share} {sum(committed.values()):>9} {rate:>8.1f} {decode_rate:>12.1f}")
     print_level_phases(levels, steps)
     print_rounds_after_prompts(levels, steps)
+    print_load_dips(levels, steps)
     return 0
+
+
+def print_load_dips(levels: list[dict], steps: list[tuple]) -> None:
+    """Per level, the steps planned after its first one judged at the level's own load that were judged at a
+    lighter one (a request ended, its client's next not yet in): how many spells, their steps, their share of
+    the level's step ms, and how many of them drafted trees or fed the drafts. Where the lighter load's verdict
+    differs, these are the steps that wake (or put to sleep) a level's requests between two plans."""
+    rows = []
+    for level in levels:
+        inside = [s for s in steps if level["started_at"] <= s[0] <= level["ended_at"]]
+        total_ms = sum(s[3] for s in inside)
+        full = next((i for i, s in enumerate(inside) if s[5] >= level["concurrency"]), None)
+        if full is None or not total_ms:
+            continue
+        dipped = [s for s in inside[full:] if 0 < s[5] < level["concurrency"]]
+        spells = sum(1 for prev, cur in zip(inside[full:], inside[full + 1:])
+                     if prev[5] >= level["concurrency"] and 0 < cur[5] < level["concurrency"])
+        woke = sum(1 for s in dipped if s[1] in ("trees", "fed"))
+        rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {spells:>6} "
+                    f"{len(dipped):>6} {100 * sum(s[3] for s in dipped) / total_ms:>6.1f} {woke:>13}")
+    if rows:
+        print("\nsteps judged at a lighter load than the level's, after its first at its own: spells, steps, % of the "
+              f"level's step ms, and of them trees or fed\n{'mode':<7} {'conc':>5} {'round':>5} {'spells':>6} "
+              f"{'steps':>6} {'ms %':>6} {'trees or fed':>13}")
+        print("\n".join(rows))
 
 
 def print_level_phases(levels: list[dict], steps: list[tuple]) -> None:

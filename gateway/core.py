@@ -37,6 +37,7 @@ from gateway.policy import (
     BudgetSearch,
     Candidate,
     CostModel,
+    HeldLoad,
     LoadGate,
     PolicyConfig,
     batch_bucket,
@@ -101,6 +102,9 @@ class CoreConfig:
     # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch, see there for why
     # 2); below it the cost model's figures alone decide.
     gate_min_batch: int = 2
+    # Plans for which the load gate keeps judging the highest load it met (HeldLoad, see there for why; 1: each
+    # plan at its own load).
+    gate_load_hold_plans: int = 16
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 
@@ -115,6 +119,8 @@ class CoreConfig:
             raise ValueError(f"gate close-probe steps must be >= 0, got {self.gate_close_probe_steps}")
         if self.gate_min_batch < 1:
             raise ValueError(f"gate min batch must be >= 1, got {self.gate_min_batch}")
+        if self.gate_load_hold_plans < 1:
+            raise ValueError(f"gate load hold must be >= 1 plan, got {self.gate_load_hold_plans}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -174,6 +180,7 @@ class GatewayCore:
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)
+        self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans)
         self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()
@@ -428,8 +435,8 @@ class GatewayCore:
                 return None
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
                                f"{self._plannable_blocks} KV blocks free")
-        plan.load = max(len(self.running) + len(self.waiting), len(plan.items))
-        self._dormancy = self._wake_schedule_for(len(plan.items))
+        plan.load = self._held_load.hold(max(len(self.running) + len(self.waiting), len(plan.items)))
+        self._dormancy = self._wake_schedule_for(plan.load)
         plan.budgets = self._budgets(plan)
         self._track_quiet(plan)
         if log.isEnabledFor(logging.DEBUG):
@@ -599,7 +606,7 @@ class GatewayCore:
         # fed, ungranted steps and a wake-up 128 steps later (at 0.6: 8.4-11.6 ms a fed step against
         # 4.8-5.2 granted, 6% of the level; 2026-12-03), and a client asking for `always` would keep
         # every auto request beside it awake.
-        sched = self._wake_schedule_for(len(plan.items))
+        sched = self._wake_schedule_for(plan.load)
         if not self._explored and any(
                 self._mode(it.request) == SpecMode.AUTO and not plan.budgets.get(it.request.request_id, NO_SPEC).empty
                 for it in plan.items):

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences from which the load gate measures speculation against plain decoding and "
                         "decides between them; below N the cost model's predictions alone decide. Default 2 "
                         "(from 4: measured on the H200, BENCHMARKS.md, \"The gate from two sequences\")")
+    p.add_argument("--gate-load-hold-plans", type=int, default=16, metavar="N",
+                   help="judge each plan at the most requests the gateway held in the last N plans, so that a "
+                        "load that dips for a plan or two (a request ended, its client's next one not yet in) "
+                        "keeps the verdict of the load it held. 1 = each plan at its own load; default 16")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --gate-close-probe-steps must be >= 0")
     if args.gate_min_batch < 1:
         raise SystemExit("error: --gate-min-batch must be at least 1")
+    if args.gate_load_hold_plans < 1:
+        raise SystemExit("error: --gate-load-hold-plans must be at least 1")
     try:
         policy = PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens,
                               option_margin=args.spec_option_margin)
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
-        gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch)
+        gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch,
+        gate_load_hold_plans=args.gate_load_hold_plans)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

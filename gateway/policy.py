@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -787,6 +788,34 @@ class PromptCharges:
         if rate <= 0:
             return rate
         return 1.0 / (1.0 / rate + self.seconds_per_token(spec, bucket))
+
+
+@dataclass
+class HeldLoad:
+    """The load the gate judges: the most requests the gateway held at any of the last `plans` plans.
+
+    A load that falls is believed only once it has stayed down that long. Between a request's end and its
+    client's next request the gateway holds one request fewer for a plan or a few; where that crosses a
+    bucket whose verdict differs (trees at 8-15 sequences, plain decoding at 16-31), each such dip woke the
+    dormant requests, had their drafts catch up on the tokens they slept through and drafted trees on the
+    joining prompts' steps. On the H200 scale track at 16 requests (0.8, 2026-12-05) the load dipped to 15 in
+    6-9 spells a level, of 1 to 6 plans (8-200 ms) each; the dips' 20-25 steps took 540-550 ms of levels of
+    3.4-3.5 s, and auto delivered 0.84 of `never`. A load that rises counts at once: the plan that meets it
+    is judged at it. `plans` 1: every plan at its own load.
+    """
+
+    plans: int = 16
+    recent: deque[int] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.plans < 1:
+            raise ValueError(f"a load is held for at least 1 plan, got {self.plans}")
+        self.recent = deque(self.recent, maxlen=self.plans)
+
+    def hold(self, load: int) -> int:
+        """The load to judge at a plan made while the gateway holds `load` requests."""
+        self.recent.append(load)
+        return max(self.recent)
 
 
 class Probe(NamedTuple):

@@ -228,11 +228,12 @@ def tokenizer(tmp_path_factory):
 
 
 def new_core(tokenizer, mode: str = "always", drafts: int = 1, grant_steps: int = 1, fed_grants: bool = False,
-             **target_kw):
+             load_hold_plans: int = CoreConfig.gate_load_hold_plans, **target_kw):
     target = FakeTarget(**target_kw)
     clients = [FakeDraft(f"draft{i}") for i in range(drafts)]
     cfg = CoreConfig(policy=PolicyConfig(mode), scheduler=SchedulerConfig(block_size=target.block_size),
-                     profile=False, grant_steps=grant_steps, fed_grants=fed_grants)
+                     profile=False, grant_steps=grant_steps, fed_grants=fed_grants,
+                     gate_load_hold_plans=load_hold_plans)
     core = GatewayCore(target, clients, tokenizer, cfg, "fake")
     core.configure()
     core._ready = True
@@ -505,6 +506,44 @@ def test_a_burst_whose_prompts_take_several_steps_is_judged_at_its_load_not_at_e
     full = [i for i, step in enumerate(seeded) if len(step) == 8]
     assert full and len(seeded[0]) == 2, "the eight never decoded in one step"
     assert not any(fed_or_drafted(step) for step in seeded[:full[-1] + 1])
+
+
+def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_keeps_its_verdict(tokenizer):
+    """Issue 14: sixteen auto requests where plain decoding won at 16-31 sequences and trees at 8-15. One
+    ends; its client's next request comes two plans later. Judged plan by plan, the fifteen left woke in
+    those plans: they fed their drafts the target's features (and drafted trees once caught up) only to go
+    dormant again when the next request came. Judged at the load held over the last plans, they stay
+    dormant throughout."""
+    from gateway.policy import Arm
+
+    def dip_steps(hold_plans: int) -> list[list[SequenceStep]]:
+        core, target, _ = new_core(tokenizer, mode="auto", load_hold_plans=hold_plans)
+        for seqs, trees, plain in ((8, 2000.0, 1600.0), (16, 2500.0, 3200.0)):
+            b = batch_bucket(seqs)
+            core.gate.arms[(b, True)] = Arm(goodput=trees, seconds=0.016, samples=20)
+            core.gate.arms[(b, False)] = Arm(goodput=plain, seconds=0.005, samples=20)
+            core.gate._verdict[b] = trees > plain
+        first = submit(core, "r0", [40, 2, 3], max_tokens=6)
+        for i in range(1, 16):
+            submit(core, f"r{i}", [40 + i, 2, 3], max_tokens=30)
+        core._take_inbox()
+        while not (first and first[-1].finish_reason):
+            core._step()
+            core._take_inbox()
+        ended = len(target.steps)
+        for _ in range(2):  # the client's turnaround
+            core._step()
+        submit(core, "r16", [60, 2, 3], max_tokens=8)
+        run_until_idle(core)
+        joined = next(i for i, step in enumerate(target.steps) if any(it.request_id == "r16" for it in step))
+        assert joined - ended == 2
+        return target.steps[ended:joined + 1]
+
+    def fed_or_drafted(step: list[SequenceStep]) -> bool:
+        return any(it.return_features or len(it.tokens) > it.num_fixed for it in step)
+
+    assert any(fed_or_drafted(step) for step in dip_steps(hold_plans=1)), "the dip woke nobody: no control"
+    assert not any(fed_or_drafted(step) for step in dip_steps(hold_plans=CoreConfig.gate_load_hold_plans))
 
 
 def test_prompts_that_feed_the_drafts_charge_trees_and_prompts_that_do_not_charge_plain(tokenizer):
@@ -1216,14 +1255,15 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     # A step with a tree the figures chose (not an exploration) resets the schedule.
     core._dormancy.spell_start, core._dormancy.quiet = 600, 700
     plan = SimpleNamespace(items=[SimpleNamespace(request=_stub_request("r"), is_decode=True)],
-                           budgets={"r": DraftBudget(3, 1, 3)})
+                           budgets={"r": DraftBudget(3, 1, 3)}, load=1)
     core._explored = False
     core._track_quiet(plan)
     assert (core._dormancy.quiet, core._dormancy.spell_start, core._dormancy.wake_every) == (0, 0, core.WAKE_EVERY)
 
 
 def _stub_request(key: str, mode: SpecMode | None = None) -> SimpleNamespace:
-    """What GatewayCore._track_quiet reads of a request: its id and its mode (None: the gateway's)."""
+    """What GatewayCore._track_quiet reads of a request: its id and its mode (None: the gateway's); of the
+    plan it reads the items, the budgets and the load."""
     return SimpleNamespace(request_id=key, params=SimpleNamespace(speculation=mode))
 
 
@@ -1239,7 +1279,7 @@ def test_trees_at_one_load_leave_the_wake_schedule_of_another_load_as_it_was(tok
         keys = [f"r{i}" for i in range(seqs)]
         budget = DraftBudget(3, 1, 3) if trees else DraftBudget(0, 0, 0)
         return SimpleNamespace(items=[SimpleNamespace(request=_stub_request(key), is_decode=True)
-                                      for key in keys], budgets=dict.fromkeys(keys, budget))
+                                      for key in keys], budgets=dict.fromkeys(keys, budget), load=seqs)
 
     alone = core._wake_schedule_for(1)
     alone.quiet, alone.spell_start, alone.wake_every = 700, 600, 8 * core.WAKE_EVERY
@@ -1263,11 +1303,11 @@ def test_an_always_requests_trees_leave_the_auto_wake_schedule_as_it_was(tokeniz
     alone = core._wake_schedule_for(1)
     alone.quiet, alone.spell_start, alone.wake_every = 700, 600, 8 * core.WAKE_EVERY
     always_tree = SimpleNamespace(items=[SimpleNamespace(request=_stub_request("a", SpecMode.ALWAYS), is_decode=True)],
-                                  budgets={"a": DraftBudget(3, 1, 3)})
+                                  budgets={"a": DraftBudget(3, 1, 3)}, load=1)
     core._track_quiet(always_tree)
     assert (alone.spell_start, alone.wake_every) == (600, 8 * core.WAKE_EVERY) and alone.quiet >= 700
     auto_tree = SimpleNamespace(items=[SimpleNamespace(request=_stub_request("b"), is_decode=True)],
-                                budgets={"b": DraftBudget(3, 1, 3)})
+                                budgets={"b": DraftBudget(3, 1, 3)}, load=1)
     core._track_quiet(auto_tree)
     assert (alone.quiet, alone.spell_start, alone.wake_every) == (0, 0, core.WAKE_EVERY)
 

@@ -14,6 +14,7 @@ from gateway.policy import (
     AuditArm,
     Candidate,
     CostModel,
+    HeldLoad,
     LevelRates,
     LoadGate,
     MainPath,
@@ -1080,3 +1081,30 @@ def test_the_gate_min_batch_flag_reaches_the_load_gate_and_a_bad_value_is_refuse
     gate = LoadGate(min_batch=CoreConfig(gate_min_batch=2).gate_min_batch)
     assert gate.allow_spec(2, lambda: False) is False  # measured from 2 on: plain decoding probed first
     assert gate.allow_spec(1, lambda: False) is True  # below it the figures alone decide
+
+
+def test_a_held_load_counts_a_rise_at_once_and_a_fall_only_once_it_has_lasted_the_hold():
+    """HeldLoad: the gate judges the most requests the gateway held in the last `plans` plans, so a
+    request's end and its client's next request do not flip a load's verdict for a plan or two."""
+    held = HeldLoad(plans=4)
+    loads = (16, 15, 15, 16, 15, 15, 15, 15, 8, 9)
+    assert [held.hold(load) for load in loads] == [16, 16, 16, 16, 16, 16, 16, 15, 15, 15]
+    assert held.hold(32) == 32  # a rise counts at the plan that meets it
+    alone = HeldLoad(plans=1)
+    assert [alone.hold(load) for load in (16, 15, 16)] == [16, 15, 16]
+    with pytest.raises(ValueError, match="at least 1 plan"):
+        HeldLoad(plans=0)
+
+
+def test_the_gate_load_hold_flag_reaches_the_core_and_a_bad_value_is_refused():
+    """--gate-load-hold-plans sets HeldLoad's plans (default 16, as CoreConfig's and HeldLoad's)."""
+    from gateway.core import CoreConfig
+    from gateway.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--target", "t:1"]).gate_load_hold_plans == 16 == CoreConfig().gate_load_hold_plans
+    assert HeldLoad().plans == 16
+    assert parser.parse_args(["--target", "t:1", "--gate-load-hold-plans", "1"]).gate_load_hold_plans == 1
+    assert "--gate-load-hold-plans N" in " ".join(parser.format_help().split())
+    with pytest.raises(ValueError, match="gate load hold"):
+        CoreConfig(gate_load_hold_plans=0)

@@ -145,3 +145,27 @@ def test_levels_table_ends_with_the_tree_rounds_right_after_a_prompt_step_beside
     assert table[1].split() == ["mode", "conc", "round", "after", "draft", "ms", "others", "draft", "ms"]
     # (a level's first step has no step before it inside the level: it is neither)
     assert table[2].split() == ["always", "3", "1", "1", "14.00", "24.00", "1", "6.00", "16.00"]
+
+
+def test_levels_table_counts_the_steps_judged_at_a_lighter_load_than_the_levels_own(tmp_path):
+    """Between a request's end and its client's next request the gateway holds one request fewer: --levels
+    counts, per level, the spells and steps whose plan the gate judged below the level's concurrency (after
+    its first plan at it), their share of the level's step ms, and how many of them drafted trees or fed."""
+
+    def planned(at: float, lo: int, hi: int) -> str:
+        return f"{stamped(at)} gateway DEBUG step 1: 4 items, 4 tokens, trees [], gate {lo}-{hi} sequences: trees"
+
+    def line(at: float, trees: int, fed: bool, ms: float) -> str:
+        return (f"{stamped(at)} gateway DEBUG step 1 done: 4 seqs, {trees} trees, granted 0, fed draft {fed}, "
+                f"decode True, 4 committed, {ms:.2f} ms, quiet 0")
+
+    table = levels_table(tmp_path, [
+        planned(0.05, 2, 3), line(0.1, 0, False, 10.0),  # the level filling: not counted
+        planned(0.15, 4, 7), line(0.2, 0, False, 10.0),
+        planned(0.25, 2, 3), line(0.3, 0, True, 10.0),  # a dip, fed
+        planned(0.35, 2, 3), line(0.4, 4, True, 20.0),  # the same dip, trees
+        planned(0.45, 4, 7), line(0.5, 0, False, 10.0),
+        planned(0.55, 2, 3), line(0.6, 0, False, 10.0),  # a second dip, plain
+    ], [{"mode": "auto", "concurrency": 4, "round": 1, "started_at": START, "ended_at": START + 1}])
+    assert table[1].split() == ["mode", "conc", "round", "spells", "steps", "ms", "%", "trees", "or", "fed"]
+    assert table[2].split() == ["auto", "4", "1", "2", "3", "57.1", "2"]
