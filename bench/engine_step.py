@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kernels.l2_prefetch import WeightPrefetch  # noqa: E402
 from target_service.cuda_graphs import GraphConfig  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
 from target_service.parallel import EngineSpec, ParallelEngine  # noqa: E402
@@ -429,10 +430,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --prompt-tokens and graphs, also time the joining prompt with ragged graphs of up "
                     "to ROWS rows (GraphConfig.ragged_rows, as tandem target --graph-ragged-rows serves), "
                     "captured in the warm-up steps")
+    ap.add_argument("--l2-prefetch-mb", type=int, default=0, metavar="MIB",
+                    help="ask L2 for up to MIB MiB of each GEMM's weight ahead of it (kernels.l2_prefetch, as "
+                    "tandem target --l2-prefetch-mb serves; default 0: off; TP=1 on CUDA only)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error("--tp must be at least 1")
+    if args.l2_prefetch_mb < 0:
+        ap.error("--l2-prefetch-mb must be >= 0")
+    if args.l2_prefetch_mb and (args.tp > 1 or args.tiny):
+        ap.error("--l2-prefetch-mb is timed at TP=1 on CUDA")
     if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None):
         ap.error("--matmul, --attention and --attention-rows set module globals in this process only, not on the "
                  "other ranks")
@@ -461,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp == 1:  # at TP > 1 every rank draws its own share
         model = random_llama_model(cfg, torch.bfloat16 if device == "cuda" else torch.float32, device,
                                    batch_invariant=args.deterministic)
+        if args.l2_prefetch_mb:
+            model.weight_prefetch = WeightPrefetch(model.device, args.l2_prefetch_mb << 20)
     # + a block per request for the joining-prompt steps' decode items, and room for one joining prompt
     blocks = (max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
               + (max(batches) * (len(args.prompt_tokens) * 2 * (args.iters + 3) // 16 + 1)

@@ -109,6 +109,12 @@
 #            then never and always (RAGGED_MODES) at RAGGED_CONCURRENCY (default 8,16,64), scale track at 0.8, on a
 #            serve with `--graph-ragged-rows 0` (today) and one with RAGGED_ROWS, back to back (RAGGED_ROUNDS
 #            interleaved rounds, default 2)
+#   l2prefetch  after only: each GEMM's weight asked of L2 ahead of it (kernels/l2_prefetch.py, `--l2-prefetch-mb`):
+#            bench/l2_prefetch_cost.py (one-row GEMMs behind an idle window, per shape, window and cap); the forward
+#            with caps L2_CAPS (default 0,16,32,0,16,32: off and on alternated in one process, batch 1/8/64, decode and
+#            verify 8, bench/step_cost.py); whole engine steps off then with L2_ENGINE_MB (default 32), batch 1/64
+#            (bench/engine_step.py); then `never` at L2_CONCURRENCY (default 1,64) on a scale-track serve without and
+#            with `--l2-prefetch-mb L2_ENGINE_MB`
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -500,6 +506,23 @@ for stage in "$@"; do
           "ragged_rows$rows" $((8750 + rows % 100)) "${RAGGED_CONCURRENCY:-8,16,64}" "${RAGGED_MODES:-never,always}" \
           "${joined[@]}"
         run "ragged_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/ragged_rows$rows"
+      done ;;
+    l2prefetch)  # after only: weights asked of L2 ahead of their GEMM, off against on
+      run l2prefetch_tests after 240 python3 -m pytest -q -x tests/test_l2_prefetch.py
+      run l2prefetch_cost after 300 python3 bench/l2_prefetch_cost.py --out "$OUT/l2prefetch_cost.json"
+      run forward_l2prefetch after 300 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 30 \
+        --l2-prefetch-mb "${L2_CAPS:-0,16,32,0,16,32}" --out "$OUT/forward_l2prefetch.json"
+      for mb in 0 "${L2_ENGINE_MB:-32}"; do
+        run "engine_l2prefetch_$mb" after 240 python3 bench/engine_step.py --batches 1,64 --nodes 1,8 --iters 20 \
+          --modes graphs --l2-prefetch-mb "$mb" --out "$OUT/engine_l2prefetch_$mb.json"
+      done
+      need_scale scale_track $scale
+      scale_serve $scale
+      port=8770
+      for mb in 0 "${L2_ENGINE_MB:-32}"; do
+        with_target_args "--l2-prefetch-mb $mb"
+        serve_bench "stack_l2prefetch_$mb" $port "${L2_CONCURRENCY:-1,64}" never "${joined[@]}"
+        port=$((port + 10))
       done ;;
     fixedtrees)
       need_scale scale_track $scale

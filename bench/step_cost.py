@@ -2,6 +2,7 @@
 
     python bench/step_cost.py --out step_cost.json              # one GPU: bf16, triton attention
     python bench/step_cost.py --tiny --out /tmp/step_cost.json  # CPU smoke run of the same code
+    python bench/step_cost.py --batches 1,64 --nodes 8 --l2-prefetch-mb 0,32 --out pf.json  # L2 prefetch A/B
 
 (with the package installed, `pip install -e .`, or PYTHONPATH set to the repo root).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.l2_prefetch import WeightPrefetch
 from kernels.tree_attention import StepLayout
 from tandem.kv_cache import PagedKVCache
 from tandem.model_config import LlamaConfig
@@ -63,6 +66,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph timings")
+    ap.add_argument("--l2-prefetch-mb", default="0", metavar="MIB,...",
+                    help="time each step with each of these L2 prefetch caps (kernels.l2_prefetch; 0: off), one "
+                         "after the other on the same model: e.g. 0,32 (default 0)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of each step (the graph where there is one) and print its "
                          "kernels: count and device time per step, grouped, beside the step's wall time")
@@ -72,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     args.nodes = [int(n) for n in (args.nodes or ("4,8" if small else "4,8,16,32")).split(",")]
     args.prefix = args.prefix if args.prefix is not None else (40 if small else 1024)
     args.iters = args.iters or (2 if small else 20)
+    args.l2_prefetch_mb = [int(mb) for mb in args.l2_prefetch_mb.split(",")]
+    if any(mb < 0 for mb in args.l2_prefetch_mb):
+        ap.error("--l2-prefetch-mb: caps must be >= 0")
     return args
 
 
@@ -287,7 +296,7 @@ def main() -> None:
 
     blocks_per_seq = -(-(args.prefix + max(args.nodes + [1])) // args.block_size)
     kv = model.new_kv_cache(max(args.batches) * blocks_per_seq + 1, args.block_size)
-    header = (f"{'batch':>5} {'nodes':>5} {'tokens':>6} {'plan ms':>8} {'eager ms':>9} {'graph ms':>9} "
+    header = (f"{'batch':>5} {'nodes':>5} {'tokens':>6} {'L2 MiB':>6} {'plan ms':>8} {'eager ms':>9} {'graph ms':>9} "
               f"{'mem floor':>9} {'roofline':>9} {'best/roof':>9}")
     print(header)
     rows = []
@@ -298,22 +307,26 @@ def main() -> None:
             kv.reserve(sid, args.prefix + max(args.nodes + [1]))
             # Pretend the prefix is written: its content does not change the cost.
             kv.seqs[sid].length = args.prefix
-        for nodes in [1] + args.nodes:
+        for nodes, prefetch_mb in itertools.product([1] + args.nodes, args.l2_prefetch_mb):
+            model.weight_prefetch = (WeightPrefetch(device, prefetch_mb << 20)
+                                     if prefetch_mb and device.type == "cuda" else None)
             step = make_step(kv, seq_ids, nodes, args.topk, cfg.vocab_size, device)
             timing = time_step(model, kv, step, args)
             read = wbytes + batch * args.prefix * kv_token
             mem_floor = read / bandwidth * 1e3
             roofline = max(mem_floor, step_flops(model, step, args.prefix) / flops_rate * 1e3)
             best = timing["graph_ms"] or timing["eager_ms"]
-            row = {"batch": batch, "nodes": nodes, "tokens": batch * nodes, **timing,
+            row = {"batch": batch, "nodes": nodes, "tokens": batch * nodes, "l2_prefetch_mb": prefetch_mb, **timing,
                    "bytes_read": read, "mem_floor_ms": mem_floor, "roofline_ms": roofline,
                    "step": "decode" if nodes == 1 else "verify"}
             rows.append(row)
             graph = f"{timing['graph_ms']:9.3f}" if timing["graph_ms"] is not None else f"{'-':>9}"
-            print(f"{batch:>5} {nodes:>5} {batch * nodes:>6} {timing['plan_ms']:8.3f} {timing['eager_ms']:9.3f} "
-                  f"{graph} {mem_floor:9.3f} {roofline:9.3f} {best / roofline:9.2f}", flush=True)
+            print(f"{batch:>5} {nodes:>5} {batch * nodes:>6} {prefetch_mb:>6} {timing['plan_ms']:8.3f} "
+                  f"{timing['eager_ms']:9.3f} {graph} {mem_floor:9.3f} {roofline:9.3f} {best / roofline:9.2f}",
+                  flush=True)
             if timing["kernels"]:
-                print_kernels(f"batch {batch} x {nodes} nodes", timing["kernels"])
+                print_kernels(f"batch {batch} x {nodes} nodes, L2 prefetch {prefetch_mb} MiB", timing["kernels"])
+        model.weight_prefetch = None
         for sid in seq_ids:
             kv.release(sid)
 

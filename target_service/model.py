@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_mul_reference, silu_mul_triton
 from kernels.backend import get_attention_backend
+from kernels.l2_prefetch import WeightPrefetch
 from kernels.matmul import linear_invariant
 from kernels.rmsnorm import add_rms_norm_triton, rms_norm_triton
 from kernels.rope import rope_qkv_reference, rope_qkv_triton
@@ -48,6 +49,10 @@ def check_tp(cfg: LlamaConfig, tp: int) -> None:
         raise ModelLoadError(f"--tp {tp} does not divide intermediate_size ({cfg.intermediate_size})")
 
 
+def _no_prefetch(_weight: torch.Tensor) -> None:
+    """LlamaModel.forward's prefetch where L2 prefetch is off."""
+
+
 @dataclass
 class StepOutput:
     # float32 logits [len(logit_rows), vocab].
@@ -74,6 +79,8 @@ class LlamaModel:
             kv_start = tp.rank * cfg.num_kv_heads // tp.size
         self.scale = cfg.head_dim ** -0.5
         self.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position, self.device)
+        # Asks L2 for each GEMM's weight while the kernels before it run (kernels.l2_prefetch); None: off.
+        self.weight_prefetch: WeightPrefetch | None = None
         self.choose_kernels(attention_backend, batch_invariant)
         self._load(SafetensorsDir(model_dir), kv_start)
 
@@ -238,6 +245,9 @@ class LlamaModel:
         attn_plan = self.attention.plan(layout, block_size=kv.block_size, num_q_heads=hq,
                                         num_kv_heads=hkv, device=self.device)
         residual = None  # what the last sublayer adds to x; folded into the next norm
+        prefetch = self.weight_prefetch.next if self.weight_prefetch is not None else _no_prefetch
+        # Each GEMM's weight is asked for once the GEMM before it is enqueued (see kernels.l2_prefetch).
+        prefetch(self.layers[0]["qkv"] if self.layers else self.lm_head)
         h = self._norm(x, self.layers[0]["input_norm"]) if self.layers else x
         for i, layer in enumerate(self.layers):
             if residual is not None:
@@ -245,14 +255,18 @@ class LlamaModel:
             if i in feature_layers:
                 captured[i] = x
             qkv = self.linear(h, layer["qkv"], layer["qkv_bias"])
+            prefetch(layer["o"])
             q, k, v = self._qkv_heads(qkv, positions, i, scratch)
             attn = self.attention(q, k, v, kv.k[i], kv.v[i], attn_plan, self.scale)
             o = self._all_reduce(self.linear(attn.reshape(T, hq * D), layer["o"]))
+            prefetch(layer["gate_up"])
             if layer["o_bias"] is not None:
                 o = o + layer["o_bias"]
             x, h = self._add_norm(x, o, layer["post_norm"])
-            m = self._all_reduce(self.linear(self._act(self.linear(h, layer["gate_up"], layer["gate_up_bias"])),
-                                             layer["down"]))
+            gate_up = self.linear(h, layer["gate_up"], layer["gate_up_bias"])
+            prefetch(layer["down"])
+            m = self._all_reduce(self.linear(self._act(gate_up), layer["down"]))
+            prefetch(self.layers[i + 1]["qkv"] if i + 1 < len(self.layers) else self.lm_head)
             if layer["down_bias"] is not None:
                 m = m + layer["down_bias"]
             residual = m
@@ -262,5 +276,7 @@ class LlamaModel:
             captured[cfg.num_layers] = x
         h = self._norm(x[logit_rows], self.norm)
         logits = self._gather_vocab(self.linear(h, self.lm_head)).float()
+        if self.weight_prefetch is not None:
+            self.weight_prefetch.join()
         features = torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
         return StepOutput(logits, features)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels.l2_prefetch import WeightPrefetch
 from kernels.tree_attention import warm_up
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.gc_pauses import GcWatch
@@ -74,6 +75,7 @@ class EngineSpec:
     graph_chain_rows: int = 512  # GraphConfig.max_chain_rows: prompt chunks replay buckets of at most this many rows
     graph_ragged_rows: int = 0  # GraphConfig.ragged_rows: ragged buckets for prompt chunks (0: off)
     batch_invariant: bool = False  # --deterministic: kernels whose rows do not depend on the step
+    l2_prefetch_mb: int = 0  # on CUDA, ask L2 for up to this many MiB of each GEMM's weight ahead of it (0: off)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,6 +84,8 @@ class EngineSpec:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.block_size <= 0:
             raise ValueError("--block-size must be positive")
+        if self.l2_prefetch_mb < 0:
+            raise ValueError(f"--l2-prefetch-mb must be >= 0, got {self.l2_prefetch_mb}")
 
 
 def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
@@ -95,6 +99,9 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
                                    init=RandomInit.from_config_json(raw), batch_invariant=spec.batch_invariant)
     else:
         model = LlamaModel(spec.model_dir, DTYPES[spec.dtype], device, tp, batch_invariant=spec.batch_invariant)
+    if spec.l2_prefetch_mb and model.device.type == "cuda":
+        model.weight_prefetch = WeightPrefetch(model.device, spec.l2_prefetch_mb << 20)
+        log.info("L2 prefetch: up to %d MiB of each GEMM's weight ahead of it", spec.l2_prefetch_mb)
     num_blocks = spec.num_blocks or max(
         1, int(spec.kv_cache_gb * 2**30 // (model.kv_bytes_per_token() * spec.block_size)))
     if model.device.type == "cuda" and model.attention.name == "triton":

@@ -134,6 +134,7 @@ def random_llama_model(cfg: LlamaConfig, dtype: torch.dtype = torch.bfloat16,
         kv_start = tp.rank * cfg.num_kv_heads // tp.size
     model.scale = cfg.head_dim ** -0.5
     model.rotary = Rotary(cfg.head_dim, cfg.rope, cfg.max_position, model.device)
+    model.weight_prefetch = None
     model.choose_kernels(attention_backend, batch_invariant)
     model._load(RandomWeights(cfg, model.device, dtype, seed, init=init), kv_start)
     return model

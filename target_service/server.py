@@ -441,6 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a step with a prompt chunk that no graph above takes replays a ragged graph sized by "
                    "the step's own rows (to a power of two, at most ROWS), captured on first use; 0 runs such "
                    "steps eagerly (default 0: not yet measured on a GPU)")
+    p.add_argument("--l2-prefetch-mb", type=int, default=0, metavar="MIB",
+                   help="on CUDA (Hopper or later), ask the L2 cache for up to MIB MiB of each GEMM's weight on a "
+                   "side stream while the kernels before that GEMM run; output unchanged, only its time "
+                   "(default 0: off, not yet measured on a GPU)")
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a token's logits "
                    "do not depend on what else is in the step (other requests, a drafted tree around it), so "
                    "greedy output with speculation is bitwise the output without it, in bf16 too; needs CUDA "
@@ -470,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --graph-chain-rows must be >= 0")
     if args.graph_ragged_rows < 0:
         raise SystemExit("error: --graph-ragged-rows must be >= 0")
+    if args.l2_prefetch_mb < 0:
+        raise SystemExit("error: --l2-prefetch-mb must be >= 0")
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("target", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"
@@ -478,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch, graph_chain_rows=args.graph_chain_rows,
-                      graph_ragged_rows=args.graph_ragged_rows,
+                      graph_ragged_rows=args.graph_ragged_rows, l2_prefetch_mb=args.l2_prefetch_mb,
                       batch_invariant=args.deterministic)
     if args.max_held_features < 1:
         raise SystemExit("error: --max-held-features must be >= 1")
