@@ -27,12 +27,12 @@ ALIGN = 16  # cp.async.bulk wants 16-byte aligned addresses and sizes
 
 @triton.jit
 def _prefetch_l2_kernel(Base, nbytes, CHUNK: tl.constexpr, PER_PROGRAM: tl.constexpr):
-    """Bulk L2 prefetches of bytes [0, nbytes) from Base, PER_PROGRAM chunks of CHUNK bytes a program
-    (nbytes and Base 16-byte aligned; a lane past the end issues nothing)."""
+    """Bulk L2 prefetches of bytes [0, nbytes) from Base (bytes), PER_PROGRAM chunks of CHUNK bytes a
+    program (nbytes and Base 16-byte aligned; a lane past the end issues nothing)."""
     offs = (tl.program_id(0).to(tl.int64) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)) * CHUNK
     live = offs < nbytes
     sizes = tl.where(live, tl.minimum(nbytes - offs, CHUNK), 0).to(tl.int32)
-    ptrs = Base.to(tl.pointer_type(tl.int8)) + tl.where(live, offs, 0)
+    ptrs = Base + tl.where(live, offs, 0)
     tl.inline_asm_elementwise(
         "{ .reg .pred live; setp.ne.s32 live, $2, 0; @live cp.async.bulk.prefetch.L2.global [$1], $2; "
         "mov.u32 $0, 0; }",
@@ -56,8 +56,9 @@ def prefetch_l2(weight: torch.Tensor, max_bytes: int, chunk_bytes: int = CHUNK_B
     nbytes = prefetch_bytes(weight, max_bytes)
     if nbytes:
         programs = triton.cdiv(triton.cdiv(nbytes, chunk_bytes), CHUNKS_PER_PROGRAM)
-        _prefetch_l2_kernel[(programs,)](weight, nbytes, CHUNK=chunk_bytes, PER_PROGRAM=CHUNKS_PER_PROGRAM,
-                                         num_warps=1)
+        # As bytes: one compiled kernel whatever the weight's dtype (WeightPrefetch compiles it before any capture).
+        _prefetch_l2_kernel[(programs,)](weight.reshape(-1).view(torch.uint8), nbytes, CHUNK=chunk_bytes,
+                                         PER_PROGRAM=CHUNKS_PER_PROGRAM, num_warps=1)
     return nbytes
 
 
@@ -65,7 +66,8 @@ class WeightPrefetch:
     """Prefetches of the weights a forward reads next, on a side stream: each waits for the work the
     forward's stream has enqueued so far (the GEMM before, whose weight L2 then no longer needs), and
     the forward's stream waits for them only at its end (join), so no kernel of the forward waits on a
-    prefetch. Inside a CUDA graph capture they become a branch of the graph.
+    prefetch. Only inside a CUDA graph capture, where they become a branch of the graph: an eager step is
+    bound by its launches, and a forward of 32 layers would add 129 launches and as many stream waits.
 
     max_bytes: the most asked for per weight. L2 holds 50 MB on an H100 or H200; a prefetch of more than
     the small kernels before a GEMM give it time to fetch would evict its own first bytes."""
@@ -77,13 +79,19 @@ class WeightPrefetch:
             raise ValueError(f"an L2 prefetch asks for at least 1 byte a weight, got {max_bytes}")
         self.device, self.max_bytes, self.chunk_bytes = device, max_bytes, chunk_bytes
         self.stream = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(self.stream):  # compiled now: no Triton build inside a capture
+            prefetch_l2(torch.zeros(ALIGN, dtype=torch.uint8, device=device), ALIGN, chunk_bytes)
+        self.stream.synchronize()
 
     def next(self, weight: torch.Tensor) -> None:
-        """Prefetch `weight` once the forward's stream has done what it holds now."""
+        """Prefetch `weight` once the forward's stream has done what it holds now (in a capture only)."""
+        if not torch.cuda.is_current_stream_capturing():
+            return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             prefetch_l2(weight, self.max_bytes, self.chunk_bytes)
 
     def join(self) -> None:
         """The forward's stream waits for every prefetch issued (a capture must end with its branches joined)."""
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)

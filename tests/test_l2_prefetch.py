@@ -33,7 +33,7 @@ def test_the_prefetch_kernel_builds_for_hopper_into_bulk_l2_prefetches(tmp_path)
     # The suite runs Triton interpreted (conftest): build the kernel's own function, compiled for real.
     kernel_fn = getattr(_prefetch_l2_kernel, "fn", _prefetch_l2_kernel)
     source = triton.compiler.ASTSource(
-        fn=triton.runtime.jit.JITFunction(kernel_fn), signature={"Base": "*bf16", "nbytes": "i64", "CHUNK": "constexpr",
+        fn=triton.runtime.jit.JITFunction(kernel_fn), signature={"Base": "*u8", "nbytes": "i64", "CHUNK": "constexpr",
                                            "PER_PROGRAM": "constexpr"},
         constexprs={"CHUNK": 1 << 16, "PER_PROGRAM": CHUNKS_PER_PROGRAM})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
