@@ -1085,15 +1085,15 @@ class GatewayCore:
             # The gate's load: the step's sequences and the requests it did not carry (see _budgets).
             gate_load = seqs + plan.load - len(plan.items)
             self.gate.spend(gate_load, committed, seconds)  # a probe's whole cost, its unrecorded steps too
-            sched = self._wake_schedule_for(len(plan.items))
+            sched = self._wake_schedule_for(plan.load)
             if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up
                 sched.wake_cost[0] += seconds
                 sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
             verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load)
                        if arm_step else None)
             if verdict is not None:
-                log.info("load gate, %s: %s", self.gate.describe(gate_load),
-                         "speculating" if verdict else "decoding plainly")
+                log.info("load gate, %s: %s; %s", self.gate.describe(gate_load),
+                         "speculating" if verdict else "decoding plainly", self.gate.outlook(gate_load))
 
     def _charge_prompts(self, plan: StepPlan, outcome: StepOutcome, seconds: float, committed: int) -> None:
         """What the prompts in this step cost beyond its decode items' price, for the load gate's prompt charges

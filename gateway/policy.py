@@ -1224,6 +1224,20 @@ class LoadGate:
         self._end_probe(b)
         return self._verdict[b]
 
+    def outlook(self, seqs: int) -> str:
+        """When this load's losing arm is measured again, and what its last probe lost (the price a re-probe
+        is spaced by, see probe_budget), for the log line of a verdict."""
+        b = batch_bucket(seqs)
+        if b not in self._verdict or (b, True) not in self.arms or (b, False) not in self.arms:
+            return "no verdict"
+        loser = "plain decoding" if self._verdict[b] else "trees"
+        lost = self._probe_lost.get(b)
+        # After a probe of plain decoding that trees won, what the drafts' catch-up costs joins it later.
+        spent = "" if lost is None else f" (the last probe here lost {1e3 * lost:.1f} ms so far)"
+        if b in self._unsettled:
+            return f"{loser} measured again in {self.stale_after} steps, a second opinion{spent}"
+        return f"{loser} measured again in {self._stale_after(b, self._verdict[b]):.0f} steps{spent}"
+
     def describe(self, seqs: int) -> str:
         """The arms of this load's bucket, measured and predicted, for logs."""
         b = batch_bucket(seqs)

@@ -1108,3 +1108,18 @@ def test_the_gate_load_hold_flag_reaches_the_core_and_a_bad_value_is_refused():
     assert "--gate-load-hold-plans N" in " ".join(parser.format_help().split())
     with pytest.raises(ValueError, match="gate load hold"):
         CoreConfig(gate_load_hold_plans=0)
+
+
+def test_a_verdict_says_when_the_losing_arm_is_measured_again_and_what_the_last_probe_lost():
+    """The audit of a verdict: the gateway logs it with LoadGate.outlook, the loser and the steps until its
+    re-probe (spaced by what the probe lost, see probe_budget); a close first verdict for trees is checked by a
+    second opinion stale_after steps later."""
+    gate = LoadGate()
+    assert gate.outlook(8) == "no verdict"
+    run_gate(gate, 8, 40, spec_rate=100, plain_rate=300)
+    said = gate.outlook(8)
+    assert said.startswith("trees measured again in ") and "the last probe here lost" in said
+    assert int(said.split(" in ")[1].split()[0]) >= gate.stale_after
+    close = LoadGate()
+    run_gate(close, 8, 40, spec_rate=104, plain_rate=100)
+    assert close.outlook(8).startswith(f"plain decoding measured again in {close.stale_after} steps, a second opinion")
