@@ -124,9 +124,13 @@ def test_token_only_positions_use_the_previous_hidden_state(target, drafts):
     torch.testing.assert_close(engine.requests["t"].last_h.double(), hs[-1], atol=1e-5, rtol=0)
 
 
-def test_a_long_run_without_features_is_caught_up_in_one_forward_not_one_per_token(target, drafts):
+def test_a_long_run_without_features_is_caught_up_in_one_forward_and_its_exact_tail_not_one_per_token(
+        target, drafts):
     """A request that slept while auto decoded plainly wakes with a long gap of tokens without
-    features: one forward for the run (each position takes the h from before it), not one per token."""
+    features: one forward for the run's head (each position takes the h from before the run), then one
+    for each of its last EXACT_TAIL positions (exact, from the head), not one per token."""
+    from draft_service.engine import EXACT_TAIL
+
     engine = DraftEngine(Eagle3Draft(drafts["gqa"], target), num_blocks=32, block_size=4)
     tokens, feats = history(40, engine.model.cfg.feature_width, seed=9)
     engine.ingest([IngestItem("t", 0, tuple(tokens[:4]), feats[:3])], catch_up=True)
@@ -142,11 +146,31 @@ def test_a_long_run_without_features_is_caught_up_in_one_forward_not_one_per_tok
     engine.ingest([IngestItem("t", 34, tuple(tokens[34:37]), feats[34:36])])
     engine.catch_up(["t"])
     assert engine.computed("t") == 36
-    assert len(forwards) == 1, f"{len(forwards)} forwards for a 31-position run and 2 positions with features"
+    # The last tail position's segment carries the positions with features after the run.
+    assert len(forwards) == 1 + EXACT_TAIL, f"{len(forwards)} forwards for a 31-position run and 2 with features"
     k, v = cache_kv(engine, "t")
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
     tree = engine.draft([DraftItem("t", DraftBudget(3, 2, 5))])[0]
     assert tree.tokens and tree.root_position == 36  # it drafts from where the target is
+
+
+def test_a_long_runs_exact_tail_is_the_sequential_catch_up_where_it_covers_the_run(target, drafts, monkeypatch):
+    """The tail is computed one position at a time from the state before it: where it covers the whole run
+    (EXACT_TAIL at least the run's length), the catch-up is the exact one, as the reference computes it."""
+    import draft_service.engine as draft_engine
+
+    monkeypatch.setattr(draft_engine, "EXACT_TAIL", 64)
+    ref = ReferenceEagle3(drafts["gqa"], target)
+    engine = DraftEngine(Eagle3Draft(drafts["gqa"], target), num_blocks=32, block_size=4)
+    tokens, feats = history(24, engine.model.cfg.feature_width, seed=11)
+    engine.ingest([IngestItem("t", 0, tuple(tokens[:4]), feats[:3])])
+    engine.ingest([IngestItem("t", 4, tuple(tokens[4:20]), None)])  # positions 3..19 without features
+    engine.ingest([IngestItem("t", 20, tuple(tokens[20:25]), feats[20:24])])
+    engine.catch_up(["t"])
+    ks, vs, hs, _ = ref.prefill(tokens, [feats[p] if p < 3 or p >= 20 else None for p in range(24)])
+    k, v = cache_kv(engine, "t")
+    torch.testing.assert_close(k.double(), torch.stack(ks), atol=1e-5, rtol=0)
+    torch.testing.assert_close(engine.requests["t"].last_h.double(), hs[-1], atol=1e-5, rtol=0)
 
 
 # --- checkpoints -----------------------------------------------------------------------------
