@@ -799,9 +799,9 @@ class HeldLoad:
     bucket whose verdict differs (trees at 8-15 sequences, plain decoding at 16-31), each such dip woke the
     dormant requests, had their drafts catch up on the tokens they slept through and drafted trees on the
     joining prompts' steps. On the H200 scale track at 16 requests (0.8, 2026-12-05) the load dipped below 16
-    in 7-10 spells a level, of 1 to 6 plans (8-200 ms) each; the dips' 24-27 steps took 17% of the levels' step
-    time, and auto delivered 0.84 of `never` (bench/step_log.py --levels counts such steps). A load that rises counts at once: the plan that meets it
-    is judged at it. `plans` 1: every plan at its own load.
+    in 7-10 spells a level, of 1 to 6 plans (8-200 ms) each; the dips' 24-27 steps took 17% of the levels'
+    step time, and auto delivered 0.84 of `never` (bench/step_log.py --levels counts such steps). A load that
+    rises counts at once: the plan that meets it is judged at it. `plans` 1: every plan at its own load.
     """
 
     plans: int = 16
