@@ -523,10 +523,11 @@ class GatewayCore:
                                         other_committed=ending - len(cands), plain_extra_seconds=whole_extra)
         # The audit: what the figures predict for each arm, at steps that only decode, as the gate measures
         # its arms (a step carrying a prompt's chunk priced the chunk into both arms: at 64 requests on the
-        # H200 the mean predictions read 0.3x what `never` and `always` delivered, 2026-12-03).
+        # H200 the mean predictions read 0.3x what `never` and `always` delivered, 2026-12-03), and kept under
+        # the load the gate judges (plan.load), beside its measurements.
         decodes_only = all(it.is_decode for it in plan.items)
         if decodes_only and search.auto:
-            self.gate.predict(len(plan.items), search.rates)
+            self.gate.predict(plan.load, search.rates)
         elif decodes_only:
             self._predict_while_dormant(plan, cands, ending)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
@@ -661,7 +662,7 @@ class GatewayCore:
         everyone = cands + asleep
         what_if = search_budgets(self.cfg.policy, self.costs, self.book, everyone, *_other_work(plan, everyone),
                                  other_committed=ending - len(everyone))
-        self.gate.predict(len(plan.items), what_if.rates)
+        self.gate.predict(plan.load, what_if.rates)
 
     def _faded_search(self, plan: StepPlan, cands: list[Candidate], ending: int,
                       plain_extra_seconds: float) -> BudgetSearch:
