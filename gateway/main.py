@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "decides between them; below N the cost model's predictions alone decide. Default 2 "
                         "(from 4: measured on the H200, BENCHMARKS.md, \"The gate from two sequences\")")
     p.add_argument("--gate-load-hold-plans", type=int, default=16, metavar="N",
-                   help="judge each plan at the most requests the gateway held in the last N plans, so that a "
-                        "load that dips for a plan or two (a request ended, its client's next one not yet in) "
-                        "keeps the verdict of the load it held. 1 = each plan at its own load; default 16")
+                   help="judge each plan at the most requests the gateway held in the last N plans (made in the "
+                        "last 0.25 s), so that a load that dips for a plan or two (a request ended, its client's "
+                        "next one not yet in) keeps the verdict of the load it held. 1 = each plan at its own "
+                        "load; default 16")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "

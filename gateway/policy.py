@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -792,7 +793,8 @@ class PromptCharges:
 
 @dataclass
 class HeldLoad:
-    """The load the gate judges: the most requests the gateway held at any of the last `plans` plans.
+    """The load the gate judges: the most requests the gateway held at any of the last `plans` plans made in
+    the last `seconds`.
 
     A load that falls is believed only once it has stayed down that long. Between a request's end and its
     client's next request the gateway holds one request fewer for a plan or a few; where that crosses a
@@ -800,22 +802,28 @@ class HeldLoad:
     dormant requests, had their drafts catch up on the tokens they slept through and drafted trees on the
     joining prompts' steps. On the H200 scale track at 16 requests (0.8, 2026-12-05) the load dipped below 16
     in 7-10 spells a level, of 1 to 6 plans (8-200 ms) each; the dips' 24-27 steps took 17% of the levels'
-    step time, and auto delivered 0.84 of `never` (bench/step_log.py --levels counts such steps). A load that
-    rises counts at once: the plan that meets it is judged at it. `plans` 1: every plan at its own load.
+    step time, and auto delivered 0.84 of `never` (bench/step_log.py --levels counts such steps). The time
+    bound keeps a load that really fell from waiting out 16 plans of granted steps (8 steps each by default:
+    about 0.6 s at 4.7 ms a step). A load that rises counts at once: the plan that meets it is judged at it.
+    `plans` 1: every plan at its own load.
     """
 
     plans: int = 16
-    recent: deque[int] = field(default_factory=deque)
+    seconds: float = 0.25
+    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (when, load) of the last plans
 
     def __post_init__(self) -> None:
         if self.plans < 1:
             raise ValueError(f"a load is held for at least 1 plan, got {self.plans}")
+        if not self.seconds >= 0:
+            raise ValueError(f"a load is held for at least 0 seconds, got {self.seconds}")
         self.recent = deque(self.recent, maxlen=self.plans)
 
-    def hold(self, load: int) -> int:
-        """The load to judge at a plan made while the gateway holds `load` requests."""
-        self.recent.append(load)
-        return max(self.recent)
+    def hold(self, load: int, now: float | None = None) -> int:
+        """The load to judge at a plan made while the gateway holds `load` requests (`now`: time.monotonic())."""
+        now = time.monotonic() if now is None else now
+        self.recent.append((now, load))
+        return max(held for when, held in self.recent if now - when <= self.seconds)
 
 
 class Probe(NamedTuple):

@@ -1088,12 +1088,17 @@ def test_a_held_load_counts_a_rise_at_once_and_a_fall_only_once_it_has_lasted_th
     request's end and its client's next request do not flip a load's verdict for a plan or two."""
     held = HeldLoad(plans=4)
     loads = (16, 15, 15, 16, 15, 15, 15, 15, 8, 9)
-    assert [held.hold(load) for load in loads] == [16, 16, 16, 16, 16, 16, 16, 15, 15, 15]
-    assert held.hold(32) == 32  # a rise counts at the plan that meets it
+    assert [held.hold(load, now=0.01 * i) for i, load in enumerate(loads)] == [16, 16, 16, 16, 16, 16, 16, 15, 15, 15]
+    assert held.hold(32, now=0.2) == 32  # a rise counts at the plan that meets it
     alone = HeldLoad(plans=1)
-    assert [alone.hold(load) for load in (16, 15, 16)] == [16, 15, 16]
+    assert [alone.hold(load, now=0.0) for load in (16, 15, 16)] == [16, 15, 16]
+    # Nor longer than `seconds`: plans of long grants do not keep a load that fell for 16 of them.
+    slow = HeldLoad(plans=16, seconds=0.25)
+    assert [slow.hold(load, now=t) for load, t in ((64, 0.0), (1, 0.1), (1, 0.2), (1, 0.3))] == [64, 64, 64, 1]
     with pytest.raises(ValueError, match="at least 1 plan"):
         HeldLoad(plans=0)
+    with pytest.raises(ValueError, match="at least 0 seconds"):
+        HeldLoad(seconds=-1.0)
 
 
 def test_the_gate_load_hold_flag_reaches_the_core_and_a_bad_value_is_refused():
