@@ -794,7 +794,7 @@ class PromptCharges:
 @dataclass
 class HeldLoad:
     """The load the gate judges: the most requests the gateway held at any of the last `plans` plans made in
-    the last `seconds`.
+    the last `seconds`, and at the plan before this one whenever it was made.
 
     A load that falls is believed only once it has stayed down that long. Between a request's end and its
     client's next request the gateway holds one request fewer for a plan or a few; where that crosses a
@@ -820,10 +820,12 @@ class HeldLoad:
         self.recent = deque(self.recent, maxlen=self.plans)
 
     def hold(self, load: int, now: float | None = None) -> int:
-        """The load to judge at a plan made while the gateway holds `load` requests (`now`: time.monotonic())."""
+        """The load to judge at a plan made while the gateway holds `load` requests (`now`: time.monotonic()).
+        The plan before counts however long ago it was made: it may have been a long grant."""
         now = time.monotonic() if now is None else now
+        previous = self.recent[-1][1] if self.recent and self.plans > 1 else load
         self.recent.append((now, load))
-        return max(held for when, held in self.recent if now - when <= self.seconds)
+        return max(previous, max(held for when, held in self.recent if now - when <= self.seconds))
 
 
 class Probe(NamedTuple):

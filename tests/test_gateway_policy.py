@@ -1095,6 +1095,8 @@ def test_a_held_load_counts_a_rise_at_once_and_a_fall_only_once_it_has_lasted_th
     # Nor longer than `seconds`: plans of long grants do not keep a load that fell for 16 of them.
     slow = HeldLoad(plans=16, seconds=0.25)
     assert [slow.hold(load, now=t) for load, t in ((64, 0.0), (1, 0.1), (1, 0.2), (1, 0.3))] == [64, 64, 64, 1]
+    # ... but the plan before always counts: it may have been a grant longer than that.
+    assert [slow.hold(load, now=t) for load, t in ((16, 1.0), (15, 2.0), (15, 2.1), (15, 3.0))] == [16, 16, 15, 15]
     with pytest.raises(ValueError, match="at least 1 plan"):
         HeldLoad(plans=0)
     with pytest.raises(ValueError, match="at least 0 seconds"):
