@@ -114,7 +114,7 @@
 #            with caps L2_CAPS (default 0,16,32,0,16,32: off and on alternated in one process, batch 1/8/64, decode and
 #            verify 8, bench/step_cost.py); whole engine steps off then with L2_ENGINE_MB (default 32), batch 1/64
 #            (bench/engine_step.py); then `never` at L2_CONCURRENCY (default 1,64) on a scale-track serve without and
-#            with `--l2-prefetch-mb L2_ENGINE_MB`
+#            with `--l2-prefetch-mb L2_ENGINE_MB` (L2_STACK=0 skips the serves)
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -516,6 +516,7 @@ for stage in "$@"; do
         run "engine_l2prefetch_$mb" after 240 python3 bench/engine_step.py --batches 1,64 --nodes 1,8 --iters 20 \
           --modes graphs --l2-prefetch-mb "$mb" --out "$OUT/engine_l2prefetch_$mb.json"
       done
+      [[ ${L2_STACK:-1} == 1 ]] || continue
       need_scale scale_track $scale
       scale_serve $scale
       port=8770
