@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(1, k, device=dev, dtype=dtype)
         for window in windows:
             cycles = int(window * per_us)
-            alone_ms = time_graph(capture_graphs(lambda c=cycles: [torch.cuda._sleep(c)
-                                                                   for _ in range(args.layers)])[0], args.iters)
+            alone_ms = 0.0  # no window: layers() launches no sleep
+            if cycles:
+                sleeps = capture_graphs(lambda c=cycles: [torch.cuda._sleep(c) for _ in range(args.layers)])[0]
+                alone_ms = time_graph(sleeps, args.iters)
             for cap in caps:
                 prefetch = WeightPrefetch(dev, cap << 20, args.chunk_kb << 10) if cap else None
 

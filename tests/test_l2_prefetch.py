@@ -25,6 +25,38 @@ def test_a_prefetch_asks_for_the_weights_first_bytes_up_to_the_cap_in_16_byte_un
     assert prefetch_bytes(weight.view(-1)[1:], 1 << 20) == 0  # 2 bytes past an aligned start
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="the prefetch runs on Hopper or later GPUs (the CPU builds it, above)")
+def test_on_a_gpu_a_captured_forward_with_l2_prefetch_gives_the_logits_of_one_without():
+    from tandem.graph_capture import capture_graphs
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=False)
+    model = random_llama_model(cfg, torch.bfloat16, "cuda", seed=3)
+    layout = StepLayout((0,), (3,), (torch.zeros(0, dtype=torch.long),), (ancestor_mask([-1, 0, 0]),))
+    tokens, positions = torch.tensor([1, 2, 3], device="cuda"), torch.tensor([0, 1, 1], device="cuda")
+    rows = torch.arange(3, device="cuda")
+    logits = {}
+
+    def captured(name: str) -> torch.Tensor:
+        kv = model.new_kv_cache(4, 4)
+        # The metadata is built outside the graph, as the engine builds it (its copies to the device).
+        meta = model.attention.plan(layout, block_size=4, num_q_heads=model.heads_local,
+                                    num_kv_heads=model.kv_heads_local, device=model.device)
+
+        def step() -> None:
+            logits[name] = model.forward(tokens, positions, meta, kv, rows).logits
+
+        graph = capture_graphs(step)[0]
+        graph.replay()
+        torch.cuda.synchronize()
+        return logits[name].clone()
+
+    without = captured("without")
+    model.weight_prefetch = WeightPrefetch(torch.device("cuda"), 1 << 16, chunk_bytes=1 << 12)
+    assert torch.equal(captured("with"), without)
+
+
 def test_the_prefetch_kernel_builds_for_hopper_into_bulk_l2_prefetches(tmp_path):
     """The CPU cannot run it; the build shows that ptxas takes its PTX for sm_90, and what it became."""
     import triton
@@ -99,35 +131,3 @@ def test_a_negative_prefetch_size_is_refused_before_anything_loads():
         EngineSpec(model_dir="m", l2_prefetch_mb=-1)
     with pytest.raises(SystemExit, match="error: --l2-prefetch-mb must be >= 0"):
         main(["--model", "no-such-model", "--port", "0", "--l2-prefetch-mb", "-1"])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="the prefetch runs on Hopper or later GPUs (the CPU builds it, above)")
-def test_on_a_gpu_a_captured_forward_with_l2_prefetch_gives_the_logits_of_one_without():
-    from tandem.graph_capture import capture_graphs
-
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=False)
-    model = random_llama_model(cfg, torch.bfloat16, "cuda", seed=3)
-    layout = StepLayout((0,), (3,), (torch.zeros(0, dtype=torch.long),), (ancestor_mask([-1, 0, 0]),))
-    tokens, positions = torch.tensor([1, 2, 3], device="cuda"), torch.tensor([0, 1, 1], device="cuda")
-    rows = torch.arange(3, device="cuda")
-    logits = {}
-
-    def captured(name: str) -> torch.Tensor:
-        kv = model.new_kv_cache(4, 4)
-        # The metadata is built outside the graph, as the engine builds it (its copies to the device).
-        meta = model.attention.plan(layout, block_size=4, num_q_heads=model.heads_local,
-                                    num_kv_heads=model.kv_heads_local, device=model.device)
-
-        def step() -> None:
-            logits[name] = model.forward(tokens, positions, meta, kv, rows).logits
-
-        graph = capture_graphs(step)[0]
-        graph.replay()
-        torch.cuda.synchronize()
-        return logits[name].clone()
-
-    without = captured("without")
-    model.weight_prefetch = WeightPrefetch(torch.device("cuda"), 1 << 16, chunk_bytes=1 << 12)
-    assert torch.equal(captured("with"), without)
