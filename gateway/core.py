@@ -1037,6 +1037,7 @@ class GatewayCore:
             self._track_quiet(plan)  # every granted step counts towards dormancy, as a planned one would
         self.metrics.requests_running.set(len(self.running))
         self.metrics.requests_waiting.set(len(self.waiting))
+        self.metrics.gate_load.set(plan.load)
         self.metrics.step_seconds.observe(outcome.seconds)
         # What the step cost the loop, as the policy must weigh it: a planned step is charged its
         # whole round (schedule, the draft call, the target's step, the update), so a tree carries

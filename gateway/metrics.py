@@ -117,6 +117,9 @@ class GatewayMetrics:
         r = self.registry
         self.requests_running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge("tandem_requests_waiting", "Requests queued for admission", registry=r)
+        self.gate_load = Gauge("tandem_policy_gate_load", "Requests the load gate judged at the last plan: the "
+                               "most the gateway held over its last plans (tandem gateway --gate-load-hold-plans)",
+                               registry=r)
         self.num_drafts = Counter("tandem_spec_decode_num_drafts", "Token trees verified", registry=r)
         self.num_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens",
                                         "Drafted tokens sent for verification", registry=r)

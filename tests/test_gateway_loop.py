@@ -513,8 +513,10 @@ def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_ke
     ends; its client's next request comes two plans later. Judged plan by plan, the fifteen left woke in
     those plans: they fed their drafts the target's features (and drafted trees once caught up) only to go
     dormant again when the next request came. Judged at the load held over the last plans, they stay
-    dormant throughout."""
+    dormant throughout; tandem_policy_gate_load says which load the gate judged."""
     from gateway.policy import Arm
+
+    judged = []
 
     def dip_steps(hold_plans: int) -> list[list[SequenceStep]]:
         core, target, _ = new_core(tokenizer, mode="auto", load_hold_plans=hold_plans)
@@ -533,6 +535,7 @@ def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_ke
         ended = len(target.steps)
         for _ in range(2):  # the client's turnaround
             core._step()
+        judged.append(core.metrics.gate_load._value.get())
         submit(core, "r16", [60, 2, 3], max_tokens=8)
         run_until_idle(core)
         joined = next(i for i, step in enumerate(target.steps) if any(it.request_id == "r16" for it in step))
@@ -544,6 +547,7 @@ def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_ke
 
     assert any(fed_or_drafted(step) for step in dip_steps(hold_plans=1)), "the dip woke nobody: no control"
     assert not any(fed_or_drafted(step) for step in dip_steps(hold_plans=CoreConfig.gate_load_hold_plans))
+    assert judged == [15, 16]
 
 
 def test_prompts_that_feed_the_drafts_charge_trees_and_prompts_that_do_not_charge_plain(tokenizer):
