@@ -13,6 +13,7 @@ Every call is validated as a whole before anything changes.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from tandem.tree import ancestor_mask
 
 MAX_REQUESTS = 1024  # rows of the device block table: requests one replica holds at once
 MAX_GROWTH_BATCH = 64  # requests per tree-growth graph; more are grown in several
+log = logging.getLogger("tandem.draft")
 
 
 def _bucket(n: int) -> int:
@@ -254,8 +256,18 @@ class DraftEngine:
                 self._catch_up_fixed([(rid, *plans[rid][0]) for rid in fixed[at: at + MAX_GROWTH_BATCH]])
             return
         # Round r runs every request's r-th segment in one batched forward.
-        for r in range(max((len(p) for p in plans.values()), default=0)):
+        t0 = time.perf_counter()
+        rounds = max((len(p) for p in plans.values()), default=0)
+        said = ""
+        if rounds and log.isEnabledFor(logging.DEBUG):  # the eager path: a wake-up's gap, a joining prompt
+            positions = sum(b - a for plan in plans.values() for a, b in plan)
+            missing = sum(1 for rid, plan in plans.items() for a, b in plan for q in range(a, b)
+                          if q not in self.requests[rid].features)
+            said = f"{len(plans)} request(s): {rounds} forward(s), {positions} positions, {missing} without features"
+        for r in range(rounds):
             self._run_segments([(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)])
+        if said:
+            log.debug("eager catch-up of %s, %.2f ms on the host", said, 1e3 * (time.perf_counter() - t0))
 
     def _fits_fixed_width(self, rid: str, plan: list[tuple[int, int]]) -> bool:
         """One segment of at most WIDTH positions, each with the target's features."""
