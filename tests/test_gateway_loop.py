@@ -520,6 +520,7 @@ def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_ke
 
     def dip_steps(hold_plans: int) -> list[list[SequenceStep]]:
         core, target, _ = new_core(tokenizer, mode="auto", load_hold_plans=hold_plans)
+        core._held_load.seconds = 3600.0  # the plans are what is held here; the time bound has its own test
         for seqs, trees, plain in ((8, 2000.0, 1600.0), (16, 2500.0, 3200.0)):
             b = batch_bucket(seqs)
             core.gate.arms[(b, True)] = Arm(goodput=trees, seconds=0.016, samples=20)
