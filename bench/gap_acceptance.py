@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as `python3 bench/gap_acceptance.py`
 
 import draft_service.engine as draft_engine  # noqa: E402
-from demo.eval_acceptance import Continuation, greedy_continuations  # noqa: E402
+from demo.eval_acceptance import Continuation, accepted_below, greedy_continuations  # noqa: E402
 from draft_service.engine import DraftEngine  # noqa: E402
 from draft_service.model import Eagle3Draft  # noqa: E402
 from draft_service.types import DraftBudget, DraftItem, IngestItem  # noqa: E402
@@ -33,18 +33,6 @@ from target_service.engine import TargetEngine  # noqa: E402
 from target_service.model import LlamaModel  # noqa: E402
 
 DEMO = REPO / "demo"
-
-
-def accepted_below(tree, tokens: list[int], committed: int) -> int:
-    """Drafted tokens greedy verification accepts: the deepest path whose tokens are the continuation's."""
-    accepted, node = 0, -1
-    while True:
-        at = committed + 1 + accepted
-        want = tokens[at] if at < len(tokens) else None
-        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == want), None)
-        if child is None:
-            return accepted
-        node, accepted = child, accepted + 1
 
 
 def replay_with_gaps(draft: DraftEngine, seqs: list[Continuation], budget: DraftBudget, gap: int, every: int,

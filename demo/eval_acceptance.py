@@ -62,6 +62,19 @@ def greedy_continuations(engine: TargetEngine, prompts: list[list[int]], new_tok
     return [Continuation(t, torch.cat(f), len(p)) for t, f, p in zip(toks, feats, prompts)]
 
 
+def accepted_below(tree, tokens: list[int], committed: int) -> int:
+    """Drafted tokens greedy verification accepts below the pending token tokens[committed]: walking down,
+    the child whose token is the continuation's next, as deep as one is."""
+    accepted, node = 0, -1
+    while True:
+        at = committed + 1 + accepted
+        want = tokens[at] if at < len(tokens) else None
+        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == want), None)
+        if child is None:
+            return accepted
+        node, accepted = child, accepted + 1
+
+
 def replay(draft: DraftEngine, seqs: list[Continuation], budget: DraftBudget) -> dict:
     """Greedy speculative decoding over known continuations; returns acceptance statistics."""
     ids = [f"s{i}" for i in range(len(seqs))]
@@ -77,14 +90,7 @@ def replay(draft: DraftEngine, seqs: list[Continuation], budget: DraftBudget) ->
         ingest = {}
         for r, tree in zip(active, trees):
             s, c = seqs[ids.index(r)], committed[r]
-            accepted, node = 0, -1
-            while True:  # walk down: the child whose token is the target's next token
-                want = s.tokens[c + 1 + accepted] if c + 1 + accepted < len(s.tokens) else None
-                child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents))
-                              if p == node and t == want), None)
-                if child is None:
-                    break
-                node, accepted = child, accepted + 1
+            accepted = accepted_below(tree, s.tokens, c)
             lengths.append(accepted + 1)
             by_depth[accepted] += 1
             new_c = c + 1 + accepted
