@@ -45,3 +45,46 @@ def byte_stack(tmp_path_factory):
     stack = start_byte_stack(tmp_path_factory.mktemp("byte-stack"))
     yield stack
     stack.stop()
+
+
+# --- what the processes behind a failed test said ---------------------------------------------------------
+LOG_TAIL_LINES = 60
+
+
+def _processes_of(value: object) -> list[tuple[str, object, object]]:
+    """(name, Popen, log path) of each process a fixture value runs: a Stack's target, drafts and gateway,
+    a lone Gateway or Service."""
+    from tests.services import Service
+    from tests.stack import Gateway, Stack
+
+    if isinstance(value, Stack):
+        services = [value.target, *value.drafts]
+        return [(s.name, s.proc, s.log_path) for s in services] + [("gateway", value.proc, value.log_path)]
+    if isinstance(value, Gateway):
+        return [("gateway", value.proc, value.log_path)]
+    if isinstance(value, Service):
+        return [(value.name, value.proc, value.log_path)]
+    return []
+
+
+def _tail(path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError as exc:
+        return f"(log unreadable: {exc})\n"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test against running services that fails shows whether each is still alive and its log's tail: an
+    end-to-end failure on a CI machine is otherwise a bare 503 or a refused connection (stop 53)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for fixture, value in getattr(item, "funcargs", {}).items():
+        for name, proc, log_path in _processes_of(value):
+            code = proc.poll()
+            state = "running" if code is None else f"exited with code {code}"
+            report.sections.append((f"{fixture}: {name} ({state}), last {LOG_TAIL_LINES} lines of {log_path}",
+                                    _tail(log_path)))
