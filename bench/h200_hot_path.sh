@@ -33,6 +33,9 @@
 #            bookkeeping in one Triton launch, kernels/tree_level.py), alternated FUSED_REPEATS="1 2" times
 #   fusedab  after only: bench/draft_step.py --ab-fused, the fused levels off against on inside one process (two
 #            engines on one model, alternated FUSED_TURNS="6" times per shape): the process-to-process spread out
+#   wakeups  after only: the draft's tests on the GPU, then bench/catch_up_cost.py, a wake-up's catch-up (a gap of
+#            tokens without features, then a step's features) in eager forwards against fixed-width graph replays,
+#            alternated in one process (WAKE_BATCHES="1,4,16", WAKE_GAPS="1,4,7,8,12,16,64")
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -297,6 +300,10 @@ for stage in "$@"; do
       run draft_fused_ab after 300 python3 bench/draft_step.py --batches "${DRAFT_BATCHES:-1,8,64}" \
         --budgets "${DRAFT_BUDGETS:-3,1,4;5,4,8}" --iters "${DRAFT_ITERS:-20}" --ab-fused "${FUSED_TURNS:-6}" \
         --out "$OUT/draft_fused_ab.json" ;;
+    wakeups)  # after only: a wake-up's catch-up (a gap without features) in eager forwards against fixed-width replays
+      run wakeup_tests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_model.py
+      run catch_up_cost after 300 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
+        --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --out "$OUT/catch_up_cost.json" ;;
     featurepush)
       run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
         --out "$OUT/feature_push.json" ;;

@@ -40,12 +40,17 @@ class BatchCatchUp:
         self.per_tile = self.block_m // group
         self.tiles_per_seq = -(-W // self.per_tile)
         # A call's inputs, each in one non-blocking copy: the attention's ints; the rows' tokens,
-        # positions, cache slots and feature rows, then each request's last row; the features, packed.
+        # positions, cache slots, feature rows and whether a row takes its own h, then each request's
+        # last row; the features, packed.
         self.ints_in = StagedInput((SEQ_INFO_FIELDS * batch + 3 * batch * self.tiles_per_seq,), torch.int32, dev)
         self.ints = self.ints_in.device
-        self.longs_in = StagedInput((4 * rows + batch,), torch.long, dev)
-        self.tokens, self.positions, self.slots, self.feature_rows = self.longs_in.device[: 4 * rows].view(4, rows)
-        self.last_row = self.longs_in.device[4 * rows:]
+        self.longs_in = StagedInput((5 * rows + batch,), torch.long, dev)
+        self.tokens, self.positions, self.slots, self.feature_rows, self.takes_own_h = (
+            self.longs_in.device[: 5 * rows].view(5, rows))
+        self.last_row = self.longs_in.device[5 * rows:]
+        # The h a row without features takes (written on the device, outside the graph, only by calls that
+        # have such rows: a verify's catch-up never does).
+        self.own_h = torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype, device=dev)
         self.slots.fill_(kv.trash_slot)  # the capture's warm-up runs before any load: it writes only trash
         self.features_in = StagedInput((rows, model.cfg.feature_width), model.dtype, dev)
         # Row j of a request sees its rows 0..j: the same causal words for every call.
@@ -58,11 +63,12 @@ class BatchCatchUp:
         if capture:
             self._capture()
 
-    def load(self, tokens: list[list[int]], starts: list[int], features: list[torch.Tensor], table_rows: list[int],
-             host_prefix: list[np.ndarray] | None = None) -> None:
+    def load(self, tokens: list[list[int]], starts: list[int], features: list[list[torch.Tensor | None]],
+             own_h: list[torch.Tensor], table_rows: list[int], host_prefix: list[np.ndarray] | None = None) -> None:
         """Request b computes len(tokens[b]) positions from starts[b] (its computed length):
-        tokens[b] are the next tokens of those positions; features holds every position's
-        feature row, request by request; table_rows are the requests' rows of the block table."""
+        tokens[b] are the next tokens of those positions; features[b] each position's feature row, or None
+        where the position takes own_h[b] (the request's h before the segment, on the device) instead;
+        table_rows are the requests' rows of the block table."""
         B, W, bs = self.batch, WIDTH, self.kv.block_size
         n = len(tokens)
         counts = np.zeros(B, dtype=np.int64)
@@ -83,7 +89,7 @@ class BatchCatchUp:
         tiles[:, :, 1] = first
         tiles[:, :, 2] = np.clip(counts[:, None] - first[None, :], 0, self.per_tile)
         longs = self.longs_in.host().numpy()
-        token, position, slot, feature_row = longs[: 4 * B * W].reshape(4, B, W)
+        token, position, slot, feature_row, takes_own = longs[: 5 * B * W].reshape(5, B, W)
         used = np.arange(W)[None, :] < counts[:, None]  # [B, W]: the rows that compute a position
         start = np.zeros(B, dtype=np.int64)
         start[:n] = starts
@@ -94,15 +100,24 @@ class BatchCatchUp:
         position[:] = at
         # The block table's host mirror is current: every slot of the call in one gather.
         slot[:] = np.where(used, table.host[seq_rows[:, None], at // bs] * bs + at % bs, self.kv.trash_slot)
+        rows = [f for per_request in features for f in per_request]
+        featured = [f for f in rows if f is not None]
+        takes_own[:] = 0
+        takes_own[used] = [f is None for f in rows]
         feature_row[:] = 0
-        feature_row[used] = np.arange(total)
-        longs[4 * B * W:] = np.arange(B) * W + np.maximum(counts, 1) - 1
-        if total:  # features arrive on the host (from the target's messages, or its ring)
-            torch.stack([f.cpu() for f in features] if features[0].is_cuda else features,
-                        out=self.features_in.host()[:total])
+        feature_row[used] = np.cumsum([f is not None for f in rows]) - 1
+        np.maximum(feature_row, 0, out=feature_row)
+        longs[5 * B * W:] = np.arange(B) * W + np.maximum(counts, 1) - 1
+        if featured:  # features arrive on the host (from the target's messages, or its ring)
+            torch.stack([f.cpu() for f in featured] if featured[0].is_cuda else featured,
+                        out=self.features_in.host()[:len(featured)])
+        own_rows = [b * W + j for b, per_request in enumerate(features) for j, f in enumerate(per_request) if f is None]
+        if own_rows:  # a wake-up's rows: its requests' h before the segment, gathered on the device
+            own = torch.stack([own_h[b] for b, per_request in enumerate(features) for f in per_request if f is None])
+            self.own_h.index_copy_(0, torch.tensor(own_rows, device=self.own_h.device), own)
         self.ints_in.send()
         self.longs_in.send()
-        self.features_in.send(total)
+        self.features_in.send(len(featured))
         self.host_slots = host_prefix or []
 
     def _plan(self):
@@ -121,6 +136,7 @@ class BatchCatchUp:
     def _compute(self) -> None:
         model = self.model
         g = model.project(self.features_in.device[self.feature_rows])
+        g = torch.where(self.takes_own_h[:, None] != 0, self.own_h, g)
         q, k, v = model.attention_inputs(self.tokens, g, self.positions)
         attn = model.attention(q, k, v, self.kv.k[0], self.kv.v[0], self._plan(), model.scale)
         h = model.finish(attn, g)

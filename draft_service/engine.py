@@ -104,6 +104,14 @@ class DraftEngine:
         self.capture_graphs = model.device.type == "cuda" and model.attention.name == "triton"
         self._growths: dict[GrowthShape, BatchTreeGrowth] = {}
         self._catch_ups: dict[int, BatchCatchUp] = {}  # batch bucket -> fixed-width catch-up
+        # Segments of at most WIDTH positions, all with features (a verify's), take the fixed-width catch-up;
+        # off: every segment is an eager forward (tests compare the two).
+        self.fixed_catch_up = True
+        # ... and so do those with positions without features (a wake-up's gap), where graphs replay them: a
+        # replay costs the host far less than an eager forward, while on the CPU the padded rows cost more than
+        # they save (tiny track, one request, a gap of 8: 1.77 ms fixed against 0.99 eager).
+        # `bench/catch_up_cost.py` times the two.
+        self.fixed_wake_ups = self.capture_graphs
         # CUDA graphs captured so far, each the first time its shape was met (during a call: that
         # call's time is not what the next call of its shape takes; see DraftResponse.graphs_captured).
         self.graphs_captured = 0
@@ -246,39 +254,44 @@ class DraftEngine:
         return [(a, b) for a, b in zip(cuts, [*cuts[1:], stop]) if a < b]
 
     def _catch_up(self, ids: list[str]) -> None:
+        """Round r runs every request's r-th segment: those of at most WIDTH positions in the fixed-width
+        catch-up (one graph replay per MAX_GROWTH_BATCH requests on a GPU; see _takes_fixed_width), the others
+        in one batched eager forward. After a verify that is one round, all of it fixed-width; a wake-up's gap
+        is one round per position of its exact tail, after the eager forward of its approximate head."""
         plans = {rid: self._segments(rid) for rid in ids}
         plans = {rid: p for rid, p in plans.items() if p}
         for rid, plan in plans.items():
             self.kv.reserve(rid, plan[-1][1])
-        fixed = [rid for rid, plan in plans.items() if self._fits_fixed_width(rid, plan)]
-        if len(fixed) == len(plans) and fixed:  # the usual case after a verify: one graph
-            for at in range(0, len(fixed), MAX_GROWTH_BATCH):
-                self._catch_up_fixed([(rid, *plans[rid][0]) for rid in fixed[at: at + MAX_GROWTH_BATCH]])
-            return
-        # Round r runs every request's r-th segment in one batched forward.
-        t0 = time.perf_counter()
         rounds = max((len(p) for p in plans.values()), default=0)
-        said = ""
-        if rounds and log.isEnabledFor(logging.DEBUG):  # the eager path: a wake-up's gap, a joining prompt
+        t0 = time.perf_counter()
+        replays = forwards = 0
+        for r in range(rounds):
+            batch = [(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)]
+            fixed = [seg for seg in batch if self._takes_fixed_width(*seg)]
+            eager = [seg for seg in batch if not self._takes_fixed_width(*seg)]
+            for at in range(0, len(fixed), MAX_GROWTH_BATCH):
+                self._catch_up_fixed(fixed[at: at + MAX_GROWTH_BATCH])
+                replays += 1
+            if eager:
+                self._run_segments(eager)
+                forwards += 1
+        if (rounds > 1 or forwards) and log.isEnabledFor(logging.DEBUG):  # a wake-up's gap, a joining prompt
             positions = sum(b - a for plan in plans.values() for a, b in plan)
             missing = sum(1 for rid, plan in plans.items() for a, b in plan for q in range(a, b)
                           if q not in self.requests[rid].features)
-            said = f"{len(plans)} request(s): {rounds} forward(s), {positions} positions, {missing} without features"
-        for r in range(rounds):
-            self._run_segments([(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)])
-        if said:
-            log.debug("eager catch-up of %s, %.2f ms on the host", said, 1e3 * (time.perf_counter() - t0))
+            log.debug("catch-up of %d request(s): %d round(s), %d positions, %d without features; %d eager "
+                      "forward(s), %d fixed-width; %.2f ms on the host", len(plans), rounds, positions, missing,
+                      forwards, replays, 1e3 * (time.perf_counter() - t0))
 
-    def _fits_fixed_width(self, rid: str, plan: list[tuple[int, int]]) -> bool:
-        """One segment of at most WIDTH positions, each with the target's features."""
-        if len(plan) != 1:
+    def _takes_fixed_width(self, rid: str, a: int, b: int) -> bool:
+        if not self.fixed_catch_up or b - a > WIDTH:
             return False
-        a, b = plan[0]
         features = self.requests[rid].features
-        return b - a <= WIDTH and all(p in features for p in range(a, b))
+        return self.fixed_wake_ups or all(p in features for p in range(a, b))
 
     def _catch_up_fixed(self, batch: list[tuple[str, int, int]]) -> None:
-        """The fixed-width path (draft_service.catch_up): one graph replay for the whole batch."""
+        """The fixed-width path (draft_service.catch_up): one graph replay for the whole batch. A position
+        without features takes its request's h from before the segment, as in _run_segments."""
         bucket = _bucket(len(batch))
         catch = self._catch_ups.get(bucket)
         if catch is None:
@@ -290,8 +303,11 @@ class DraftEngine:
         host_prefix = None
         if self.model.attention.name == "torch":
             host_prefix = [self.kv.host_slots(rid, 0, a) for rid, a, _ in batch]
+        model = self.model
+        own_h = [st.last_h if st.last_h is not None  # position 0 has none: zeros
+                 else torch.zeros(model.cfg.hidden_size, dtype=model.dtype, device=model.device) for st in reqs]
         catch.load([st.tokens[a + 1: b + 1] for st, (_, a, b) in zip(reqs, batch)], [a for _, a, _ in batch],
-                   [st.features[p] for st, (_, a, b) in zip(reqs, batch) for p in range(a, b)],
+                   [[st.features.get(p) for p in range(a, b)] for st, (_, a, b) in zip(reqs, batch)], own_h,
                    [self.kv.seqs[rid].row for rid, _, _ in batch], host_prefix)
         catch.run()
         # One copy for the batch: the next call overwrites catch.last_h, and nothing writes into a last_h.

@@ -74,18 +74,15 @@ def test_the_top_k_reference_breaks_ties_towards_the_lower_index_like_a_stable_s
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fixed_width_catch_up_writes_what_the_eager_catch_up_writes(pair, backend, monkeypatch):
+def test_fixed_width_catch_up_writes_what_the_eager_catch_up_writes(pair, backend):
     """After a verify each request brings a few positions with features: the fixed-width path
     (one graph on a GPU) leaves the same draft KV and hidden state as the eager one."""
     target, draft = pair
     model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
     engines = {}
     for fixed in (False, True):
-        if not fixed:
-            monkeypatch.setattr(DraftEngine, "_fits_fixed_width", lambda self, rid, plan: False)
-        else:
-            monkeypatch.undo()
         engine = engines[fixed] = DraftEngine(model, num_blocks=96, block_size=4)
+        engine.fixed_catch_up = fixed
         calls = []
         for i in range(5):
             gen = torch.Generator().manual_seed(40 + i)
@@ -103,6 +100,50 @@ def test_fixed_width_catch_up_writes_what_the_eager_catch_up_writes(pair, backen
         rid = f"r{i}"
         assert fixed.computed(rid) == eager.computed(rid)
         n = eager.computed(rid)
+        for got, want in zip(fixed.kv.read(0, fixed.kv.slots(rid, 0, n)), eager.kv.read(0, eager.kv.slots(rid, 0, n))):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fixed.requests[rid].last_h, eager.requests[rid].last_h, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_wake_up_gap_caught_up_fixed_width_writes_what_the_eager_catch_up_writes(pair, backend):
+    """Requests waking from a dormant spell bring runs of tokens without features (short ones, exact one
+    position at a time; long ones, an approximate head and an exact tail) and then a step's features: the
+    fixed-width path, whose rows take the request's own h where features are missing, leaves the same draft
+    KV and hidden state as the eager forwards, and takes over every segment of at most WIDTH positions."""
+    from draft_service.catch_up import WIDTH
+
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
+    gaps = [1, 3, 7, 8, 12, 30]  # below LONG_GAP, at it, a head within WIDTH, a head beyond it
+    engines, replays = {}, {}
+    for fixed in (False, True):
+        engine = engines[fixed] = DraftEngine(model, num_blocks=128, block_size=4)
+        engine.fixed_catch_up = engine.fixed_wake_ups = fixed
+        real_fixed = engine._catch_up_fixed
+        seen = replays[fixed] = []
+
+        def counting_fixed(batch, real_fixed=real_fixed, seen=seen):
+            seen.extend(b - a for _, a, b in batch)
+            return real_fixed(batch)
+
+        engine._catch_up_fixed = counting_fixed
+        for i, gap in enumerate(gaps):
+            gen = torch.Generator().manual_seed(70 + i)
+            n = 5 + i
+            tokens = torch.randint(0, model.cfg.target_vocab_size, (n + gap + 3,), generator=gen).tolist()
+            feats = torch.randn(n + gap + 2, model.cfg.feature_width, generator=gen)
+            engine.ingest([IngestItem(f"r{i}", 0, tuple(tokens[:n + 1]), feats[:n])], catch_up=True)
+            # The gap's tokens (no features), then a fed step's two positions with features.
+            engine.ingest([IngestItem(f"r{i}", n + 1, tuple(tokens[n + 1: n + gap + 1]), None)])
+            engine.ingest([IngestItem(f"r{i}", n + gap + 1, tuple(tokens[n + gap + 1:]), feats[n + gap: n + gap + 2])])
+        engine.catch_up([f"r{i}" for i in range(len(gaps))])
+    eager, fixed = engines[False], engines[True]
+    assert not replays[False] and replays[True] and max(replays[True]) <= WIDTH
+    for i in range(len(gaps)):
+        rid = f"r{i}"
+        n = eager.computed(rid)
+        assert fixed.computed(rid) == n
         for got, want in zip(fixed.kv.read(0, fixed.kv.slots(rid, 0, n)), eager.kv.read(0, eager.kv.slots(rid, 0, n))):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fixed.requests[rid].last_h, eager.requests[rid].last_h, atol=1e-4, rtol=1e-4)

@@ -102,11 +102,13 @@ def test_chain_draft_is_the_greedy_rollout(target, drafts):
     assert tree.depths == [1, 2, 3, 4, 5]
 
 
-def test_token_only_positions_use_the_previous_hidden_state(target, drafts):
+@pytest.mark.parametrize("fixed_wake_ups", [False, True], ids=["eager", "fixed-width"])
+def test_token_only_positions_use_the_previous_hidden_state(target, drafts, fixed_wake_ups):
     """Positions without features take the previous position's pre-norm h (zeros at position 0),
-    however the history is split into ingests and lazy catch-ups."""
+    however the history is split into ingests and lazy catch-ups, in eager forwards or fixed-width ones."""
     ref = ReferenceEagle3(drafts["gqa"], target)
     engine = DraftEngine(Eagle3Draft(drafts["gqa"], target), num_blocks=16, block_size=4)
+    engine.fixed_wake_ups = fixed_wake_ups
     tokens, feats = history(12, engine.model.cfg.feature_width, seed=5)
     have = {1, 2, 5, 6, 7, 9}
     for a, b in [(0, 1), (1, 3), (3, 5), (5, 8), (8, 9), (9, 10), (10, 13)]:
@@ -132,22 +134,29 @@ def test_a_long_run_without_features_is_caught_up_in_one_forward_and_its_exact_t
     from draft_service.engine import EXACT_TAIL
 
     engine = DraftEngine(Eagle3Draft(drafts["gqa"], target), num_blocks=32, block_size=4)
+    engine.fixed_wake_ups = True  # as on a GPU
     tokens, feats = history(40, engine.model.cfg.feature_width, seed=9)
     engine.ingest([IngestItem("t", 0, tuple(tokens[:4]), feats[:3])], catch_up=True)
-    forwards = []
-    real_forward = engine.model.forward
+    forwards, replays = [], []
+    real_forward, real_fixed = engine.model.forward, engine._catch_up_fixed
 
     def counting_forward(*args, **kwargs):
         forwards.append(1)
         return real_forward(*args, **kwargs)
 
-    engine.model.forward = counting_forward
+    def counting_fixed(batch):
+        replays.append([b - a for _, a, b in batch])
+        return real_fixed(batch)
+
+    engine.model.forward, engine._catch_up_fixed = counting_forward, counting_fixed
     engine.ingest([IngestItem("t", 4, tuple(tokens[4:34]), None)])  # 30 positions without features
     engine.ingest([IngestItem("t", 34, tuple(tokens[34:37]), feats[34:36])])
     engine.catch_up(["t"])
     assert engine.computed("t") == 36
-    # The last tail position's segment carries the positions with features after the run.
-    assert len(forwards) == 1 + EXACT_TAIL, f"{len(forwards)} forwards for a 31-position run and 2 with features"
+    # The head (27 positions, more than the fixed width) is one eager forward; each tail position is a
+    # fixed-width one, and the last carries the positions with features after the run.
+    assert len(forwards) == 1, f"{len(forwards)} eager forwards for a 31-position run and 2 with features"
+    assert replays == [[1]] * (EXACT_TAIL - 1) + [[3]]
     k, v = cache_kv(engine, "t")
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
     tree = engine.draft([DraftItem("t", DraftBudget(3, 2, 5))])[0]

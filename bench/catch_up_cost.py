@@ -1,0 +1,109 @@
+"""What a request's wake-up costs the draft: the catch-up of a gap of tokens without features.
+
+    python bench/catch_up_cost.py                 # Llama-3.1-8B-shaped EAGLE-3 head, random weights, cuda bf16
+    python bench/catch_up_cost.py --tiny          # CPU smoke run of the same code
+
+(with the package installed, `pip install -e .`, or PYTHONPATH set to the repo root).
+
+A request that slept while `auto` decoded plainly, or whose tokens came from a plain grant, wakes with
+a run of tokens the target sent no features for, then a step's token with features. The draft computes
+the run in segments (draft_service.engine._segments: exact positions one forward each, a long run's
+approximate head in one forward and its last EXACT_TAIL positions one by one). Each segment of at most
+WIDTH positions can take the fixed-width catch-up (one CUDA graph replay) instead of an eager forward;
+this times the whole catch-up both ways, alternated in one process on one model, for each (batch, gap).
+A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.draft_step import SHAPES, sync, write_pair
+from draft_service.engine import DraftEngine
+from draft_service.model import Eagle3Draft
+from draft_service.types import IngestItem
+from tandem.layers import DTYPES
+
+
+def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters: int, device: str) -> float:
+    """Median seconds of one wake-up's catch-up: `batch` requests, each `gap` tokens without features after a
+    computed prefix, then one position with features."""
+    width, vocab, dtype = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size, engine.model.dtype
+    times = []
+    for it in range(iters + 2):
+        ids = [f"w{batch}-{gap}-{it}-{i}" for i in range(batch)]
+        engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
+                                  torch.randn(prefix, width, dtype=dtype)) for r in ids], catch_up=True)
+        engine.ingest([IngestItem(r, prefix + 1, tuple(torch.randint(0, vocab, (gap,)).tolist()), None)
+                       for r in ids])
+        # The step: its position's features (prefix + gap, the first after the gap) and the token after it.
+        step = [IngestItem(r, prefix + gap, (engine.requests[r].tokens[-1], int(torch.randint(0, vocab, ()))),
+                           torch.randn(1, width, dtype=dtype)) for r in ids]
+        sync(device)
+        t0 = time.perf_counter()
+        engine.ingest(step, catch_up=True)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        engine.release(ids)
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU")
+    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on cuda, else float32")
+    ap.add_argument("--batches", default="1,4,16", help="requests waking together (default 1,4,16)")
+    ap.add_argument("--gaps", default="1,4,7,8,12,16,64",
+                    help="tokens without features per request (default 1,4,7,8,12,16,64)")
+    ap.add_argument("--prefix", type=int, default=512, help="computed tokens per request before the gap (default 512)")
+    ap.add_argument("--iters", type=int, default=10, help="wake-ups timed per (batch, gap) and side (default 10)")
+    ap.add_argument("--turns", type=int, default=3, help="turns of eager then fixed-width per shape (default 3)")
+    ap.add_argument("--out", type=Path, help="also write JSON")
+    args = ap.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    shape = "tiny" if args.tiny else "8b"
+    prefix = min(args.prefix, 64) if args.tiny else args.prefix
+    batches = [int(b) for b in args.batches.split(",")]
+    gaps = [int(g) for g in args.gaps.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
+        model = Eagle3Draft(draft_dir, target_dir, dtype, device)
+    blocks = max(batches) * (prefix + max(gaps) + 32) // 16 + 64
+    engines = {}
+    for fixed in (False, True):
+        engine = engines[fixed] = DraftEngine(model, num_blocks=blocks, block_size=16)
+        engine.fixed_catch_up = engine.fixed_wake_ups = fixed
+    track = "tiny random" if args.tiny else "8B-shaped random weights"
+    print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; a wake-up's catch-up "
+          f"(the gap, then one position with features), ms: median of {args.turns} turns, each the median of "
+          f"{args.iters} wake-ups")
+    print(f"{'batch':>6} {'gap':>5} {'eager':>8} {'fixed':>8} {'f/e':>6}  turns eager / fixed")
+    rows = []
+    for batch in batches:
+        for gap in gaps:
+            turns: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.turns):
+                for fixed, engine in engines.items():
+                    turns[fixed].append(1000 * time_wake_ups(engine, batch, gap, prefix, args.iters, device))
+            eager, fixed = statistics.median(turns[False]), statistics.median(turns[True])
+            rows.append({"batch": batch, "gap": gap, "eager_ms": eager, "fixed_ms": fixed,
+                         "eager_turns": turns[False], "fixed_turns": turns[True]})
+            spread = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(turns[False], turns[True]))
+            print(f"{batch:>6} {gap:>5} {eager:>8.2f} {fixed:>8.2f} {fixed / eager:>6.2f}  {spread}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
+                                        "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
