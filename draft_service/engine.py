@@ -265,6 +265,9 @@ class DraftEngine:
         rounds = max((len(p) for p in plans.values()), default=0)
         t0 = time.perf_counter()
         replays = forwards = 0
+        # Counted before the rounds run: a computed position's features are dropped.
+        missing = (sum(1 for rid, plan in plans.items() for a, b in plan for q in range(a, b)
+                       if q not in self.requests[rid].features) if log.isEnabledFor(logging.DEBUG) else 0)
         for r in range(rounds):
             batch = [(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)]
             fixed = [seg for seg in batch if self._takes_fixed_width(*seg)]
@@ -277,8 +280,6 @@ class DraftEngine:
                 forwards += 1
         if (rounds > 1 or forwards) and log.isEnabledFor(logging.DEBUG):  # a wake-up's gap, a joining prompt
             positions = sum(b - a for plan in plans.values() for a, b in plan)
-            missing = sum(1 for rid, plan in plans.items() for a, b in plan for q in range(a, b)
-                          if q not in self.requests[rid].features)
             log.debug("catch-up of %d request(s): %d round(s), %d positions, %d without features; %d eager "
                       "forward(s), %d fixed-width; %.2f ms on the host", len(plans), rounds, positions, missing,
                       forwards, replays, 1e3 * (time.perf_counter() - t0))
