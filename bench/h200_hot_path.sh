@@ -466,6 +466,9 @@ for stage in "$@"; do
             for bench_json in "$OUT/auto_scale_$acceptance$suffix"/*/bench.json; do levels+=(--levels "$bench_json"); done
             run "auto_scale_${acceptance}${suffix}_budgets" after 60 \
               python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets "${levels[@]}"
+            # What the drafts' wake-ups and joining prompts cost, level by level (their DEBUG catch-up lines).
+            run "auto_scale_${acceptance}${suffix}_catch_ups" after 60 \
+              python3 bench/catch_up_log.py "$OUT/auto_scale_$acceptance$suffix/logs/draft0.log" "${levels[@]}"
           fi
         done
       done ;;
