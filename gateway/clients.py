@@ -283,6 +283,16 @@ class TargetClient:
         """Whether the target answers its health check with SERVING."""
         return _health_status(self.channel, timeout) == health_pb2.HealthCheckResponse.SERVING
 
+    def health(self, timeout: float = 2.0) -> bool | None:
+        """True: the target serves; False: it refused the check, or answered that it does not serve; None: no
+        answer within `timeout` (a host too busy to answer soon, or a hung target)."""
+        try:
+            status = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                    timeout=timeout).status
+        except grpc.RpcError as e:
+            return None if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
+        return status == health_pb2.HealthCheckResponse.SERVING
+
     def info(self) -> TargetInfo:
         try:
             m = self.stub.GetInfo(target_pb2.GetInfoRequest(), timeout=30)

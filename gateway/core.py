@@ -59,6 +59,10 @@ log = logging.getLogger("tandem.gateway")
 
 # While idle, how often the loop asks whether the target still serves (under load every step asks).
 TARGET_PROBE_S = 1.0
+# While idle, how many health checks in a row may go unanswered (2 s each) before the target counts as lost. A
+# refusal or a NOT_SERVING answer counts at once; a check that times out is what a busy host does as well as a hung
+# target, and one such miss on a loaded 2-core machine once turned a test's next request into a 503 (stop 53).
+IDLE_TARGET_MISSES = 3
 # Between health checks of a lost target: from the first to the longest.
 TARGET_RETRY_S = (0.1, 1.0)
 
@@ -200,6 +204,7 @@ class GatewayCore:
         self._draining = False
         self._target_down = False  # the target is unreachable: new requests are refused
         self._target_checked = 0.0  # when an idle loop last asked the target's health
+        self._target_misses = 0  # idle health checks in a row that got no answer in time
         # Called with ready() whenever it changes (the gRPC health status follows it).
         self.on_readiness: Callable[[bool], None] | None = None
         self._stop = threading.Event()
@@ -1353,10 +1358,20 @@ class GatewayCore:
         """While idle, notice a target that went away, so that health reports it at once
         rather than when the next request fails."""
         now = time.monotonic()
-        if self._ready and now - self._target_checked >= TARGET_PROBE_S:
-            self._target_checked = now
-            if not self.target.healthy():
-                self._target_lost("its health check failed")
+        if not self._ready or now - self._target_checked < TARGET_PROBE_S:
+            return
+        serving = self.target.health()
+        self._target_checked = time.monotonic()
+        if serving is None:
+            self._target_misses += 1
+            if self._target_misses < IDLE_TARGET_MISSES:
+                log.info("the target's health check got no answer in time (%d of %d in a row before it counts as "
+                         "lost)", self._target_misses, IDLE_TARGET_MISSES)
+                return
+        self._target_misses = 0
+        if not serving:
+            self._target_lost("its health check failed" if serving is False else
+                              f"{IDLE_TARGET_MISSES} health checks in a row got no answer")
 
     def _target_lost(self, why: str) -> None:
         """The target is unreachable: refuse new requests, keep the running ones, and once the

@@ -41,6 +41,9 @@ class RestartingTarget(FakeTarget):
     def healthy(self) -> bool:
         return not self.down
 
+    def health(self) -> bool | None:
+        return not self.down
+
     def reconnect(self) -> None:
         self.reconnects += 1
 
@@ -182,3 +185,46 @@ def test_the_gateway_flag_defaults_to_a_minute_and_says_what_it_does():
     assert parser.parse_args(["--target", "t:1", "--target-wait", "5"]).target_wait == 5.0
     text = " ".join(parser.format_help().split())
     assert "--target-wait SECONDS" in text and "re-prefills them from their tokens" in text
+
+
+class SlowToAnswer(RestartingTarget):
+    """A live target whose idle health checks time out (None) while `slow` is set, as a busy host's do."""
+
+    def __init__(self, **kw):
+        super().__init__(die_at_step=0, **kw)
+        self.slow = False
+        self.checks: list[bool | None] = []
+
+    def health(self) -> bool | None:
+        answer = None if self.slow else not self.down
+        self.checks.append(answer)
+        return answer
+
+    def healthy(self) -> bool:  # as the client's: a check that times out is not SERVING
+        return not self.slow and not self.down
+
+
+def test_an_idle_health_check_that_times_out_now_and_then_leaves_the_gateway_serving(tokenizer, monkeypatch):
+    import gateway.core as core_module
+
+    monkeypatch.setattr(core_module, "TARGET_PROBE_S", 0.05)
+    target = SlowToAnswer()
+    core, readiness, _ = running_core(tokenizer, target, wait_s=60)
+    try:
+        target.slow = True
+        wait_for(lambda: target.checks[-2:] == [None, None], "two idle checks to time out")
+        target.slow = False
+        wait_for(lambda: target.checks[-1:] == [True], "an idle check to answer")
+        assert readiness == [] and core.ready()
+        out = submit(core, "r", [5, 11, 13], max_tokens=6)
+        wait_for(lambda: finished(out), "the request to finish")
+        assert tokens_of(out) == expected([5, 11, 13], 6)
+        # Checks that keep timing out do count: the gateway stops serving until the target answers again.
+        target.slow = True
+        wait_for(lambda: not core.ready(), "the gateway to give the target up", timeout=10)
+        assert target.checks[-core_module.IDLE_TARGET_MISSES:] == [None] * core_module.IDLE_TARGET_MISSES
+        target.slow = False
+        wait_for(core.ready, "the gateway to serve again")
+        assert readiness == [False, True]
+    finally:
+        core.shutdown()
