@@ -361,7 +361,11 @@ class GatewayCore:
             if not self.running and not self.waiting:
                 self._wake.wait(0.5)
                 self._wake.clear()
-                self._check_idle_target()
+                try:
+                    self._check_idle_target()
+                except Exception:  # the loop must outlive it: a dead loop thread leaves every request hanging
+                    log.exception("checking an idle target failed")
+                    time.sleep(0.5)
                 continue
             try:
                 with tracing.step_scope():  # ends the step's span, if step_serves opened one

@@ -228,3 +228,32 @@ def test_an_idle_health_check_that_times_out_now_and_then_leaves_the_gateway_ser
         assert readiness == [False, True]
     finally:
         core.shutdown()
+
+
+class BrokenCheck(RestartingTarget):
+    """A target whose first idle health check raises (a client bug, say), then answers."""
+
+    def __init__(self, **kw):
+        super().__init__(die_at_step=0, **kw)
+        self.raised = 0
+
+    def health(self) -> bool | None:
+        if not self.raised:
+            self.raised += 1
+            raise RuntimeError("the health check itself broke")
+        return True
+
+
+def test_an_idle_health_check_that_raises_does_not_stop_the_loop(tokenizer, monkeypatch):
+    import gateway.core as core_module
+
+    monkeypatch.setattr(core_module, "TARGET_PROBE_S", 0.05)
+    target = BrokenCheck()
+    core, _, _ = running_core(tokenizer, target, wait_s=60)
+    try:
+        wait_for(lambda: target.raised, "the health check to raise")
+        out = submit(core, "r", [5, 11, 13], max_tokens=6)
+        wait_for(lambda: finished(out), "the request to finish")
+        assert tokens_of(out) == expected([5, 11, 13], 6)
+    finally:
+        core.shutdown()
