@@ -48,9 +48,11 @@ class BatchCatchUp:
         self.tokens, self.positions, self.slots, self.feature_rows, self.takes_own_h = (
             self.longs_in.device[: 5 * rows].view(5, rows))
         self.last_row = self.longs_in.device[5 * rows:]
-        # The h a row without features takes (written on the device, outside the graph, only by calls that
-        # have such rows: a verify's catch-up never does).
-        self.own_h = torch.zeros(rows, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        # Each request's h before its segment, which its rows without features take (copied on the device,
+        # outside the graph, only by calls that have such rows: a verify's catch-up never does), and each row's
+        # request.
+        self.request_h = torch.zeros(batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.row_request = torch.arange(rows, device=dev) // W
         self.slots.fill_(kv.trash_slot)  # the capture's warm-up runs before any load: it writes only trash
         self.features_in = StagedInput((rows, model.cfg.feature_width), model.dtype, dev)
         # Row j of a request sees its rows 0..j: the same causal words for every call.
@@ -111,10 +113,8 @@ class BatchCatchUp:
         if featured:  # features arrive on the host (from the target's messages, or its ring)
             torch.stack([f.cpu() for f in featured] if featured[0].is_cuda else featured,
                         out=self.features_in.host()[:len(featured)])
-        own_rows = [b * W + j for b, per_request in enumerate(features) for j, f in enumerate(per_request) if f is None]
-        if own_rows:  # a wake-up's rows: its requests' h before the segment, gathered on the device
-            own = torch.stack([own_h[b] for b, per_request in enumerate(features) for f in per_request if f is None])
-            self.own_h.index_copy_(0, torch.tensor(own_rows, device=self.own_h.device), own)
+        if len(featured) < total:  # a wake-up's rows: their requests' h, copied on the device (no wait for it)
+            self.request_h[:n].copy_(torch.stack(own_h))
         self.ints_in.send()
         self.longs_in.send()
         self.features_in.send(len(featured))
@@ -136,7 +136,7 @@ class BatchCatchUp:
     def _compute(self) -> None:
         model = self.model
         g = model.project(self.features_in.device[self.feature_rows])
-        g = torch.where(self.takes_own_h[:, None] != 0, self.own_h, g)
+        g = torch.where(self.takes_own_h[:, None] != 0, self.request_h[self.row_request], g)
         q, k, v = model.attention_inputs(self.tokens, g, self.positions)
         attn = model.attention(q, k, v, self.kv.k[0], self.kv.v[0], self._plan(), model.scale)
         h = model.finish(attn, g)
