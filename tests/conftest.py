@@ -74,6 +74,17 @@ def _tail(path, lines: int = LOG_TAIL_LINES) -> str:
         return f"(log unreadable: {exc})\n"
 
 
+def _fixture_values(item) -> dict[str, object]:
+    """The test's fixture values: its arguments, and those it asked for with request.getfixturevalue (which pytest
+    keeps only in the request's own records; read defensively, they are not public)."""
+    values = dict(getattr(item, "funcargs", {}))
+    for name, fixturedef in getattr(getattr(item, "_request", None), "_fixture_defs", {}).items():
+        cached = getattr(fixturedef, "cached_result", None)
+        if name not in values and cached and cached[0] is not None:
+            values[name] = cached[0]
+    return values
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test against running services that fails shows whether each is still alive and its log's tail: an
@@ -82,7 +93,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
-    for fixture, value in getattr(item, "funcargs", {}).items():
+    for fixture, value in _fixture_values(item).items():
         for name, proc, log_path in _processes_of(value):
             code = proc.poll()
             state = "running" if code is None else f"exited with code {code}"
