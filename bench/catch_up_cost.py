@@ -11,7 +11,9 @@ the run in segments (draft_service.engine._segments: exact positions one forward
 approximate head in one forward and its last EXACT_TAIL positions one by one). Each segment of at most
 WIDTH positions can take the fixed-width catch-up (one CUDA graph replay) instead of an eager forward;
 this times the whole catch-up both ways, alternated in one process on one model, for each (batch, gap).
-A benchmark, not a test.
+With --busy-gpu another process keeps the GPU busy meanwhile, as the target's steps do in a serve (two
+processes share a GPU by time slices): the eager path's dozens of launches may each wait where a replay's one
+does. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +34,39 @@ from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import IngestItem
 from tandem.layers import DTYPES
+
+
+# A stand-in for the target's steps: a CUDA graph of large GEMMs (about as long as a batch-1 step of an 8B model on
+# the H200, ~4-5 ms), replayed back to back until the process is killed. It says "busy" once it runs.
+BUSY_GPU = """
+import sys, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+def step():
+    x = a
+    for _ in range(40):
+        x = x @ w
+    return x
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    step()
+torch.cuda.synchronize()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    step()
+print("busy", flush=True)
+while True:
+    g.replay()
+    torch.cuda.synchronize()
+"""
+
+
+def start_busy_gpu() -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_GPU], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "busy":
+        proc.kill()
+        raise SystemExit("--busy-gpu: the process that keeps the GPU busy did not start")
+    return proc
 
 
 def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters: int, device: str) -> float:
@@ -66,9 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", type=int, default=512, help="computed tokens per request before the gap (default 512)")
     ap.add_argument("--iters", type=int, default=10, help="wake-ups timed per (batch, gap) and side (default 10)")
     ap.add_argument("--turns", type=int, default=3, help="turns of eager then fixed-width per shape (default 3)")
+    ap.add_argument("--busy-gpu", action="store_true",
+                    help="another process replays GEMMs on the same GPU throughout, as a serving target does (CUDA "
+                         "only)")
     ap.add_argument("--out", type=Path, help="also write JSON")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.busy_gpu and not device.startswith("cuda"):
+        ap.error("--busy-gpu keeps a GPU busy: it needs --device cuda")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
     shape = "tiny" if args.tiny else "8b"
     prefix = min(args.prefix, 64) if args.tiny else args.prefix
@@ -83,9 +125,24 @@ def main(argv: list[str] | None = None) -> int:
         engine = engines[fixed] = DraftEngine(model, num_blocks=blocks, block_size=16)
         engine.fixed_catch_up = engine.fixed_wake_ups = fixed
     track = "tiny random" if args.tiny else "8B-shaped random weights"
+    busy = start_busy_gpu() if args.busy_gpu else None
+    try:
+        rows = run_shapes(engines, batches, gaps, prefix, args, device, track, dtype, busy is not None)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    if args.out:
+        args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
+                                        "busy_gpu": busy is not None, "rows": rows}, indent=2))
+    return 0
+
+
+def run_shapes(engines: dict[bool, DraftEngine], batches: list[int], gaps: list[int], prefix: int,
+               args: argparse.Namespace, device: str, track: str, dtype: torch.dtype, busy: bool) -> list[dict]:
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; a wake-up's catch-up "
           f"(the gap, then one position with features), ms: median of {args.turns} turns, each the median of "
-          f"{args.iters} wake-ups")
+          f"{args.iters} wake-ups{'; another process keeps the GPU busy' if busy else ''}")
     print(f"{'batch':>6} {'gap':>5} {'eager':>8} {'fixed':>8} {'f/e':>6}  turns eager / fixed")
     rows = []
     for batch in batches:
@@ -99,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                          "eager_turns": turns[False], "fixed_turns": turns[True]})
             spread = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(turns[False], turns[True]))
             print(f"{batch:>6} {gap:>5} {eager:>8.2f} {fixed:>8.2f} {fixed / eager:>6.2f}  {spread}", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
-                                        "rows": rows}, indent=2))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@
 #            engines on one model, alternated FUSED_TURNS="6" times per shape): the process-to-process spread out
 #   wakeups  after only: the draft's tests on the GPU, then bench/catch_up_cost.py, a wake-up's catch-up (a gap of
 #            tokens without features, then a step's features) in eager forwards against fixed-width graph replays,
-#            alternated in one process (WAKE_BATCHES="1,4,16", WAKE_GAPS="1,4,7,8,12,16,64")
+#            alternated in one process (WAKE_BATCHES="1,4,16", WAKE_GAPS="1,4,7,8,12,16,64"), idle and then with
+#            another process keeping the GPU busy (--busy-gpu)
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -302,8 +303,11 @@ for stage in "$@"; do
         --out "$OUT/draft_fused_ab.json" ;;
     wakeups)  # after only: a wake-up's catch-up (a gap without features) in eager forwards against fixed-width replays
       run wakeup_tests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_model.py
-      run catch_up_cost after 300 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
-        --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --out "$OUT/catch_up_cost.json" ;;
+      run catch_up_cost after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
+        --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --out "$OUT/catch_up_cost.json"
+      # The same while another process keeps the GPU busy, as the target's steps do in a serve.
+      run catch_up_cost_busy after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
+        --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --busy-gpu --out "$OUT/catch_up_cost_busy.json" ;;
     featurepush)
       run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
         --out "$OUT/feature_push.json" ;;
