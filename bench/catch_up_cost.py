@@ -35,7 +35,6 @@ from draft_service.model import Eagle3Draft
 from draft_service.types import IngestItem
 from tandem.layers import DTYPES
 
-
 # A stand-in for the target's steps: a CUDA graph of large GEMMs (about as long as a batch-1 step of an 8B model on
 # the H200, ~4-5 ms), replayed back to back until the process is killed. It says "busy" once it runs.
 BUSY_GPU = """
