@@ -306,8 +306,9 @@ for stage in "$@"; do
       run catch_up_cost after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
         --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --out "$OUT/catch_up_cost.json"
       # The same while another process keeps the GPU busy, as the target's steps do in a serve.
+      # (Fewer shapes: every wake-up first ingests a 512-token prefix per request, slower on a shared GPU.)
       run catch_up_cost_busy after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
-        --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --busy-gpu --out "$OUT/catch_up_cost_busy.json" ;;
+        --gaps "${WAKE_BUSY_GAPS:-1,8,16,64}" --iters 6 --turns 2 --busy-gpu --out "$OUT/catch_up_cost_busy.json" ;;
     featurepush)
       run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
         --out "$OUT/feature_push.json" ;;
