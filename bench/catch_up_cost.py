@@ -68,15 +68,22 @@ def start_busy_gpu() -> subprocess.Popen:
     return proc
 
 
-def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters: int, device: str) -> float:
-    """Median seconds of one wake-up's catch-up: `batch` requests, each `gap` tokens without features after a
-    computed prefix, then one position with features."""
+def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters: int, device: str
+                  ) -> tuple[float, float]:
+    """Median seconds of one wake-up's catch-up (`batch` requests, each `gap` tokens without features after a
+    computed prefix, then one position with features), and of the prefixes' own catch-up before it: `batch`
+    prompts of `prefix` tokens with features, one eager forward, as a joining prompt's."""
     width, vocab, dtype = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size, engine.model.dtype
-    times = []
+    times, prompts = [], []
     for it in range(iters + 2):
         ids = [f"w{batch}-{gap}-{it}-{i}" for i in range(batch)]
-        engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
-                                  torch.randn(prefix, width, dtype=dtype)) for r in ids], catch_up=True)
+        prompt = [IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
+                             torch.randn(prefix, width, dtype=dtype)) for r in ids]
+        sync(device)
+        t0 = time.perf_counter()
+        engine.ingest(prompt, catch_up=True)
+        sync(device)
+        prompts.append(time.perf_counter() - t0)
         engine.ingest([IngestItem(r, prefix + 1, tuple(torch.randint(0, vocab, (gap,)).tolist()), None)
                        for r in ids])
         # The step: its position's features (prefix + gap, the first after the gap) and the token after it.
@@ -88,7 +95,7 @@ def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters:
         sync(device)
         times.append(time.perf_counter() - t0)
         engine.release(ids)
-    return statistics.median(times[2:])
+    return statistics.median(times[2:]), statistics.median(prompts[2:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,20 +148,26 @@ def run_shapes(engines: dict[bool, DraftEngine], batches: list[int], gaps: list[
                args: argparse.Namespace, device: str, track: str, dtype: torch.dtype, busy: bool) -> list[dict]:
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; a wake-up's catch-up "
           f"(the gap, then one position with features), ms: median of {args.turns} turns, each the median of "
-          f"{args.iters} wake-ups{'; another process keeps the GPU busy' if busy else ''}")
-    print(f"{'batch':>6} {'gap':>5} {'eager':>8} {'fixed':>8} {'f/e':>6}  turns eager / fixed")
+          f"{args.iters} wake-ups; prompts: the requests' {prefix}-token prefixes caught up in one eager forward"
+          f"{'; another process keeps the GPU busy' if busy else ''}")
+    print(f"{'batch':>6} {'gap':>5} {'eager':>8} {'fixed':>8} {'f/e':>6} {'prompts':>8}  turns eager / fixed")
     rows = []
     for batch in batches:
         for gap in gaps:
             turns: dict[bool, list[float]] = {False: [], True: []}
+            prompts = []  # the prefixes' catch-up (eager on both sides)
             for _ in range(args.turns):
                 for fixed, engine in engines.items():
-                    turns[fixed].append(1000 * time_wake_ups(engine, batch, gap, prefix, args.iters, device))
-            eager, fixed = statistics.median(turns[False]), statistics.median(turns[True])
-            rows.append({"batch": batch, "gap": gap, "eager_ms": eager, "fixed_ms": fixed,
+                    wake, prompt = time_wake_ups(engine, batch, gap, prefix, args.iters, device)
+                    turns[fixed].append(1000 * wake)
+                    prompts.append(1000 * prompt)
+            eager, fixed, prompt = (statistics.median(turns[False]), statistics.median(turns[True]),
+                                    statistics.median(prompts))
+            rows.append({"batch": batch, "gap": gap, "eager_ms": eager, "fixed_ms": fixed, "prompts_ms": prompt,
                          "eager_turns": turns[False], "fixed_turns": turns[True]})
             spread = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(turns[False], turns[True]))
-            print(f"{batch:>6} {gap:>5} {eager:>8.2f} {fixed:>8.2f} {fixed / eager:>6.2f}  {spread}", flush=True)
+            print(f"{batch:>6} {gap:>5} {eager:>8.2f} {fixed:>8.2f} {fixed / eager:>6.2f} {prompt:>8.2f}  {spread}",
+                  flush=True)
     return rows
 
 
