@@ -341,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     if metrics is not None:
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
                                                                             args.metrics_port))
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
+    try:
+        host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
+    except OSError as exc:
+        raise SystemExit(f"error: --port: {exc}") from None
     host.add(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)
     host.start()  # health says NOT_SERVING until the model is loaded
     log.info("listening on %s:%d (loading %s for %s)", args.host, host.port, args.model, args.target_model)

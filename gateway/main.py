@@ -218,11 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way
-    grpc_host = ServiceHost(
-        args.host, args.grpc_port, [SERVICE_NAME],
-        credentials=public_tls.grpc_credentials() if public_tls else None,
-        interceptors=[ApiKeyInterceptor(args.api_key, [SERVICE_NAME])] if args.api_key else [],
-        max_message_bytes=args.max_request_bytes)
+    try:
+        grpc_host = ServiceHost(
+            args.host, args.grpc_port, [SERVICE_NAME],
+            credentials=public_tls.grpc_credentials() if public_tls else None,
+            interceptors=[ApiKeyInterceptor(args.api_key, [SERVICE_NAME])] if args.api_key else [],
+            max_message_bytes=args.max_request_bytes)
+    except OSError as exc:
+        raise SystemExit(f"error: --grpc-port: {exc}") from None
     add_generation_service(grpc_host, core)
     grpc_host.start()
     grpc_host.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)

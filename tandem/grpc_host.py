@@ -71,18 +71,23 @@ class ServiceHost:
                  interceptors: Sequence[grpc.ServerInterceptor] = (), max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.service_names = list(service_names)
         # Tracing interceptors exist only when tandem.telemetry.setup_tracing ran first (an OTLP endpoint).
+        # SO_REUSEPORT off (gRPC sets it by default): a second server told the same port would share it with
+        # the first, the kernel splitting connections between two different processes; it is refused instead.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                  options=message_options(max_message_bytes),
+                                  options=[*message_options(max_message_bytes), ("grpc.so_reuseport", 0)],
                                   interceptors=[*server_interceptors(), *interceptors])
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         address = f"{host}:{port}"
-        self.port = (self.server.add_insecure_port(address) if credentials is None
-                     else self.server.add_secure_port(address, credentials))
+        try:
+            self.port = (self.server.add_insecure_port(address) if credentials is None
+                         else self.server.add_secure_port(address, credentials))
+        except RuntimeError:  # gRPC's "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"cannot listen on {address}: the address is in use, or not this host's")
         self.stopping = threading.Event()
         # Called once a stop begins, before the drain: e.g. to end streams that would otherwise
         # stay open until the grace runs out.

@@ -494,7 +494,10 @@ def main(argv: list[str] | None = None) -> int:
             load=lambda: None if servicer.engine is None else servicer.engine.load())
         log.info("metrics on http://%s:%d/metrics", args.host, serve_metrics(metrics.registry, args.host,
                                                                             args.metrics_port))
-    host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
+    try:
+        host = ServiceHost(args.host, args.port, [SERVICE_NAME], credentials=service_credentials(args))
+    except OSError as exc:
+        raise SystemExit(f"error: --port: {exc}") from None
     host.add(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer)
     host.on_draining.append(servicer.feature_sinks.close_all)  # subscriptions must not hold the drain
     host.start()
