@@ -13,7 +13,13 @@ from pathlib import Path
 import httpx
 
 from gateway.serve import free_ports
+from tests.listening import listening
 from tests.services import REPO, Service
+
+
+def _lost_its_port(log: str) -> bool:
+    """Whether a gateway's log says another process held its REST or gRPC port."""
+    return "address already in use" in log.lower() or "the address is in use" in log
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -29,29 +35,43 @@ def scrape(url: str) -> dict[str, float]:
 class Gateway:
     """A `tandem gateway` process over services that are already running."""
 
+    ATTEMPTS = 3  # ports another process took first are drawn again
+
     def __init__(self, tmp: Path, target: str, drafts: list[str], *gateway_args: str, name: str = "gateway"):
-        # Taken together: two ports asked for one after the other were once the same one (the gateway's
-        # gRPC server took it, then its REST server failed to bind).
-        self.port, self.grpc_port = free_ports(2)
         self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "gateway", "--target", target, "--draft", ",".join(drafts),
-             "--port", str(self.port), "--grpc-port", str(self.grpc_port), *gateway_args],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.wait_ready()
+        argv = [sys.executable, "-m", "tandem.cli", "gateway", "--target", target, "--draft", ",".join(drafts),
+                *gateway_args]
+        for attempt in range(1, self.ATTEMPTS + 1):
+            # Taken together: two ports asked for one after the other were once the same one (the gateway's
+            # gRPC server took it, then its REST server failed to bind).
+            self.port, self.grpc_port = free_ports(2)
+            self._log = open(self.log_path, "w")  # noqa: SIM115
+            self.proc = subprocess.Popen([*argv, "--port", str(self.port), "--grpc-port", str(self.grpc_port)],
+                                         stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+            self.url = f"http://127.0.0.1:{self.port}"
+            try:
+                self.wait_ready()
+                return
+            except RuntimeError:
+                self._log.close()
+                if attempt == self.ATTEMPTS or not _lost_its_port(self.log_path.read_text(errors="replace")):
+                    raise
 
     def wait_ready(self, timeout: float = 120) -> None:
+        """Until this gateway's own process listens on its port and the port answers /health. A port drawn free
+        may be taken by another test's gateway before this one binds it, and that one answers /health (a likely
+        cause of stop 53: a test's requests going to another test's gateway, then meeting its drain's 503 and
+        its exit)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited:\n{self.log_path.read_text()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if (any(port == self.port for _, port in listening(self.proc.pid))
+                        and httpx.get(f"{self.url}/health", timeout=2).status_code == 200):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, OSError):  # OSError: its /proc entries, as it exits
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"gateway not ready:\n{self.log_path.read_text()}")

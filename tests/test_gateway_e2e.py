@@ -244,3 +244,45 @@ def test_preemption_by_recompute_leaves_output_unchanged(pair, tmp_path):
         wait_idle(st)
     finally:
         st.stop()
+
+
+def test_a_gateway_whose_port_another_server_answers_on_takes_new_ports_not_that_servers_word(stack, tmp_path,
+                                                                                               monkeypatch):
+    """A port drawn free can be taken before the gateway binds it; the server that took it (another test's
+    gateway) answers /health. The harness waits for its own process to listen, and draws new ports once the
+    gateway reports the port taken, so no test talks to a stranger."""
+    import http.server
+
+    import tests.stack as stack_module
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args):
+            pass
+
+    stranger = http.server.HTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    taken = stranger.server_address[1]
+    real, draws = stack_module.free_ports, []
+
+    def free_ports(n):
+        ports = real(n)
+        if not draws:  # the first draw: the port the stranger holds
+            ports[0] = taken
+        draws.append(ports[0])
+        return ports
+
+    monkeypatch.setattr(stack_module, "free_ports", free_ports)
+    gw = stack_module.Gateway(tmp_path, stack.target.address, [d.address for d in stack.drafts], "--no-profile",
+                              "--max-model-len", "256", name="gateway-second-draw")
+    try:
+        assert len(draws) == 2 and gw.port == draws[1] != taken
+        assert gw.complete(PROMPTS[0], max_tokens=4, temperature=0)["choices"][0]["text"] == \
+            stack.complete(PROMPTS[0], max_tokens=4, temperature=0)["choices"][0]["text"]
+    finally:
+        gw.stop()
+        stranger.shutdown()
