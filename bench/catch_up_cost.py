@@ -23,17 +23,14 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.draft_step import SHAPES, sync, write_pair
+from bench.draft_step import add_head_arguments, head_device, head_from_args, sync
 from draft_service.engine import DraftEngine
-from draft_service.model import Eagle3Draft
 from draft_service.types import IngestItem
-from tandem.layers import DTYPES
 
 # A stand-in for the target's steps: a CUDA graph of large GEMMs (about as long as a batch-1 step of an 8B model on
 # the H200, ~4-5 ms), replayed back to back until the process is killed. It says "busy" once it runs.
@@ -100,9 +97,7 @@ def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU")
-    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
-    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on cuda, else float32")
+    add_head_arguments(ap)
     ap.add_argument("--batches", default="1,4,16", help="requests waking together (default 1,4,16)")
     ap.add_argument("--gaps", default="1,4,7,8,12,16,64",
                     help="tokens without features per request (default 1,4,7,8,12,16,64)")
@@ -114,23 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                          "only)")
     ap.add_argument("--out", type=Path, help="also write JSON")
     args = ap.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if args.busy_gpu and not device.startswith("cuda"):
+    if args.busy_gpu and not head_device(args).startswith("cuda"):
         ap.error("--busy-gpu keeps a GPU busy: it needs --device cuda")
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
-    shape = "tiny" if args.tiny else "8b"
     prefix = min(args.prefix, 64) if args.tiny else args.prefix
     batches = [int(b) for b in args.batches.split(",")]
     gaps = [int(g) for g in args.gaps.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
-        model = Eagle3Draft(draft_dir, target_dir, dtype, device)
+    model, device, dtype, _, track = head_from_args(args)
     blocks = max(batches) * (prefix + max(gaps) + 32) // 16 + 64
     engines = {}
     for fixed in (False, True):
         engine = engines[fixed] = DraftEngine(model, num_blocks=blocks, block_size=16)
         engine.fixed_catch_up = engine.fixed_wake_ups = fixed
-    track = "tiny random" if args.tiny else "8B-shaped random weights"
     busy = start_busy_gpu() if args.busy_gpu else None
     try:
         rows = run_shapes(engines, batches, gaps, prefix, args, device, track, dtype, busy is not None)

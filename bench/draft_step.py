@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -42,6 +43,41 @@ SHAPES = {
                 draft_vocab=32000),
     "tiny": dict(vocab=512, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, layers=4, draft_vocab=128),
 }
+
+
+TRACKS = {"8b": "8B-shaped random weights", "tiny": "tiny random"}
+
+
+class RandomHead(NamedTuple):
+    """A random draft head loaded for a benchmark, and where it runs."""
+
+    model: Eagle3Draft
+    device: str
+    dtype: torch.dtype
+    shape: str  # a key of SHAPES
+    track: str  # how the figures name it
+
+
+def add_head_arguments(ap: argparse.ArgumentParser) -> None:
+    """--tiny, --device, --dtype: which random head a draft benchmark loads, and where (head_from_args)."""
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU")
+    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on cuda, else float32")
+
+
+def head_device(args: argparse.Namespace) -> str:
+    return args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+
+
+def head_from_args(args: argparse.Namespace) -> RandomHead:
+    """The random head add_head_arguments' flags ask for, written to a temporary folder and loaded."""
+    device = head_device(args)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
+    shape = "tiny" if args.tiny else "8b"
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
+        model = Eagle3Draft(draft_dir, target_dir, dtype, device)
+    return RandomHead(model, device, dtype, shape, TRACKS[shape])
 
 
 def write_pair(root: Path, s: dict, dtype: torch.dtype, device: str) -> tuple[Path, Path]:
@@ -134,9 +170,7 @@ def _calls(engine: DraftEngine, ids: list[str], budget: DraftBudget, accepted: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU")
-    ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
-    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="default bfloat16 on cuda, else float32")
+    add_head_arguments(ap)
     ap.add_argument("--batches", default="1,8,32,64", help="requests per call (default 1,8,32,64)")
     ap.add_argument("--budgets", default="1,1,2;3,1,4;5,4,8;6,8,32",
                     help="steps,topk,num_draft_tokens; separated (default 1,1,2;3,1,4;5,4,8;6,8,32)")
@@ -156,22 +190,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also profile a few calls of the first batch and budget (torch.profiler) and write the "
                          "ops by device time and by host time to FILE")
     args = ap.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
-    shape = "tiny" if args.tiny else "8b"
     prefix = min(args.prefix, 128) if args.tiny else args.prefix
     batches = [int(b) for b in args.batches.split(",")]
     budgets = [DraftBudget(*map(int, b.split(","))) for b in args.budgets.split(";")]
-    with tempfile.TemporaryDirectory() as tmp:
-        target_dir, draft_dir = write_pair(Path(tmp), SHAPES[shape], dtype, device)
-        model = Eagle3Draft(draft_dir, target_dir, dtype, device)
+    model, device, dtype, shape, track = head_from_args(args)
     blocks = max(batches) * (prefix + 64 * (args.iters + 2) * (args.accepted + 1)) // 16 + 64
     if args.ab_fused:
         return ab_fused(model, blocks, batches, budgets, prefix, args, device, dtype, shape)
     if args.fused_tree_levels:
         warm_up_fused_levels(model, budgets)
     engine = DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=args.fused_tree_levels)
-    track = "tiny random" if args.tiny else "8B-shaped random weights"
     fused = "; growth levels fused" if engine.fused_levels else ""
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; "
           f"{args.accepted + 1} tokens ingested per request per call{fused}; median ms per Draft call")
@@ -211,7 +239,7 @@ def ab_fused(model: Eagle3Draft, blocks: int, batches: list[int], budgets: list[
     warm_up_fused_levels(model, budgets)
     engines = {fused: DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=fused)
                for fused in (False, True)}
-    print(f"track: {'tiny random' if shape == 'tiny' else '8B-shaped random weights'}; {device} "
+    print(f"track: {TRACKS[shape]}; {device} "
           f"{str(dtype).removeprefix('torch.')}; prefix {prefix}; {args.accepted + 1} tokens ingested per request "
           f"per call; ms per Draft call, median of {args.ab_fused} turns (each the median of {args.iters} calls)")
     print(f"{'batch':>6} {'budget':>8} {'off':>8} {'on':>8} {'on/off':>7}  turns off / on")
