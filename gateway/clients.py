@@ -281,7 +281,7 @@ class TargetClient:
 
     def healthy(self, timeout: float = 2.0) -> bool:
         """Whether the target answers its health check with SERVING."""
-        return _health_status(self.channel, timeout) == health_pb2.HealthCheckResponse.SERVING
+        return self.health(timeout) is True
 
     def health(self, timeout: float = 2.0) -> bool | None:
         """True: the target serves; False: it refused the check, or answered that it does not serve; None: no
