@@ -36,7 +36,7 @@
 #   wakeups  after only: the draft's tests on the GPU, then bench/catch_up_cost.py, a wake-up's catch-up (a gap of
 #            tokens without features, then a step's features) in eager forwards against fixed-width graph replays,
 #            alternated in one process (WAKE_BATCHES="1,4,16", WAKE_GAPS="1,4,7,8,12,16,64"), idle and then with
-#            another process keeping the GPU busy (--busy-gpu)
+#            another process keeping the GPU busy (--busy-gpu; WAKE_BUSY=0 skips it)
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -118,7 +118,7 @@
 #            with caps L2_CAPS (default 0,16,32,0,16,32: off and on alternated in one process, batch 1/8/64, decode and
 #            verify 8, bench/step_cost.py); whole engine steps off then with L2_ENGINE_MB (default 32), batch 1/64
 #            (bench/engine_step.py); then `never` at L2_CONCURRENCY (default 1,64) on a scale-track serve without and
-#            with `--l2-prefetch-mb L2_ENGINE_MB` (L2_STACK=0 skips the serves)
+#            with `--l2-prefetch-mb L2_ENGINE_MB` (L2_ENGINE=0 skips the engine steps, L2_STACK=0 the serves)
 #   autodemo the same on the demo track in bf16 (the bundled pair, its own draft's acceptance; AUTO_CONCURRENCY,
 #            AUTO_MODES and AUTO_TREES as for auto), as auto_demo and auto_demo_before
 #   deterministic  after only, the batch-invariant mode (issue 19) off against on: its tests on the GPU and
@@ -305,6 +305,7 @@ for stage in "$@"; do
       run wakeup_tests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py tests/test_draft_model.py
       run catch_up_cost after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
         --gaps "${WAKE_GAPS:-1,4,7,8,12,16,64}" --out "$OUT/catch_up_cost.json"
+      [[ ${WAKE_BUSY:-1} == 1 ]] || continue
       # The same while another process keeps the GPU busy, as the target's steps do in a serve.
       # (Fewer shapes: every wake-up first ingests a 512-token prefix per request, slower on a shared GPU.)
       run catch_up_cost_busy after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
@@ -528,6 +529,7 @@ for stage in "$@"; do
       run forward_l2prefetch after 300 python3 bench/step_cost.py --batches 1,8,64 --nodes 8 --iters 30 \
         --l2-prefetch-mb "${L2_CAPS:-0,16,32,0,16,32}" --out "$OUT/forward_l2prefetch.json"
       for mb in 0 "${L2_ENGINE_MB:-32}"; do
+        [[ ${L2_ENGINE:-1} == 1 ]] || break
         run "engine_l2prefetch_$mb" after 240 python3 bench/engine_step.py --batches 1,64 --nodes 1,8 --iters 20 \
           --modes graphs --l2-prefetch-mb "$mb" --out "$OUT/engine_l2prefetch_$mb.json"
       done
