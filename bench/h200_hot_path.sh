@@ -60,6 +60,11 @@
 #            (default 1,8) with each process's hop marks (bench/round_timeline.py), scale track at 0.8 then demo
 #            track in bf16 (LANE_TRACKS); first what one round trip costs on each (bench/grpc_stream_latency.py
 #            --transports tcp,socket; LANE_LATENCY=0 skips it)
+#   wakelatency  after only: the round at one request hop by hop (bench/round_timeline.py; scale track, 0.8) as the
+#            machine runs it, then with every CPU kept out of deep idle states (PM QoS: /dev/cpu_dma_latency held at
+#            0 us), alternated WAKELAT_REPEATS="1 2" times: whether the services' slow wake for a message (165-239 us
+#            on the H200's host against 63-73 on the dev machine) is their idle cores' exit latency; cpuidle.txt
+#            lists CPU 0's idle states
 #   features after only: `always` on the scale track (acceptance 0.8) with the drafts reading features from
 #            the target (ReadFeatures) against features through the gateway (--features-through-gateway)
 #   placement  after only, on nvidia-h200-x2: `never` and `always` on the scale track (acceptance 0.8), the
@@ -180,6 +185,13 @@ run() {  # run NAME TREE TIMEOUT CMD...: in TREE (before|after), log to $OUT/NAM
   echo "== $name: rc=$? in $((SECONDS - t0)) s"
   tail -n 12 "$OUT/$name.log"
 }
+
+hold_pm_qos() {  # hold_pm_qos US: keep every CPU out of idle states slower to leave than US microseconds (the kernel's
+                 # PM QoS request, /dev/cpu_dma_latency), until release_pm_qos closes the file
+  exec {pm_qos_fd}>/dev/cpu_dma_latency || return 1
+  python3 -c 'import struct, sys; sys.stdout.buffer.write(struct.pack("<i", int(sys.argv[1])))' "$1" >&"$pm_qos_fd"
+}
+release_pm_qos() { exec {pm_qos_fd}>&-; }
 
 scale=/tmp/tandem-scale scale70=/tmp/tandem-scale70  # the scale tracks: 8B shapes, and 70B (TP=8)
 
@@ -373,6 +385,28 @@ for stage in "$@"; do
           python3 bench/round_timeline.py "$marks" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
           python3 bench/round_breakdown.py "$OUT/$name" always --since never > "$OUT/${name}_breakdown.txt" 2>&1
           cat "$OUT/$name.txt"
+        done
+      done ;;
+    wakelatency)  # after only: does a service wake slowly for its next message because its idle core slept deeply?
+      # The round at one request hop by hop (scale track, 0.8), as the serve runs, then with every CPU held out of
+      # idle states slower to leave than 0 us (hold_pm_qos), alternated WAKELAT_REPEATS="1 2" times; the idle
+      # states of CPU 0 first (cpuidle.txt)
+      for state in /sys/devices/system/cpu/cpu0/cpuidle/state*; do
+        echo "$(cat "$state/name") exit latency $(cat "$state/latency") us"
+      done > "$OUT/cpuidle.txt" 2>&1
+      cat "$OUT/cpuidle.txt"
+      need_scale scale_track $scale && scale_serve $scale 0.8
+      for repeat in ${WAKELAT_REPEATS:-1 2}; do
+        for qos in off on; do
+          name=wakelat_${qos}_$repeat marks=$OUT/wakelat_${qos}_$repeat/marks
+          if [[ $qos == on ]] && ! hold_pm_qos 0; then
+            echo "== $name: /dev/cpu_dma_latency cannot be held here"; continue
+          fi
+          run "$name" after 300 env SERVE_PORT=8460 TANDEM_TIMELINE="$marks" BENCH_ARGS="--requests-per-slot 8" \
+            bash "$root/bench/serve_and_bench.sh" "$OUT/$name" 1 never,always 128 "${serve[@]}"
+          [[ $qos == off ]] || release_pm_qos
+          python3 bench/round_timeline.py "$marks" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+          head -n 14 "$OUT/$name.txt"
         done
       done ;;
     lane)
