@@ -187,11 +187,17 @@ run() {  # run NAME TREE TIMEOUT CMD...: in TREE (before|after), log to $OUT/NAM
 }
 
 hold_pm_qos() {  # hold_pm_qos US: keep every CPU out of idle states slower to leave than US microseconds (the kernel's
-                 # PM QoS request, /dev/cpu_dma_latency), until release_pm_qos closes the file
-  exec {pm_qos_fd}>/dev/cpu_dma_latency || return 1
-  python3 -c 'import struct, sys; sys.stdout.buffer.write(struct.pack("<i", int(sys.argv[1])))' "$1" >&"$pm_qos_fd"
+                 # PM QoS request: /dev/cpu_dma_latency, held while a process keeps it open) until release_pm_qos.
+                 # The file is held by a process of its own, so that nothing the runs start inherits it.
+  python3 -c 'import signal, struct, sys
+with open("/dev/cpu_dma_latency", "wb", buffering=0) as f:
+    f.write(struct.pack("<i", int(sys.argv[1])))
+    signal.pause()' "$1" &
+  pm_qos_holder=$!
+  sleep 0.5
+  kill -0 "$pm_qos_holder" 2>/dev/null
 }
-release_pm_qos() { exec {pm_qos_fd}>&-; }
+release_pm_qos() { kill "$pm_qos_holder" 2>/dev/null; wait "$pm_qos_holder" 2>/dev/null; }
 
 scale=/tmp/tandem-scale scale70=/tmp/tandem-scale70  # the scale tracks: 8B shapes, and 70B (TP=8)
 
