@@ -270,8 +270,9 @@ class DraftEngine:
                        if q not in self.requests[rid].features) if log.isEnabledFor(logging.DEBUG) else 0)
         for r in range(rounds):
             batch = [(rid, *plan[r]) for rid, plan in plans.items() if r < len(plan)]
-            fixed = [seg for seg in batch if self._takes_fixed_width(*seg)]
-            eager = [seg for seg in batch if not self._takes_fixed_width(*seg)]
+            fixed, eager = [], []
+            for seg in batch:
+                (fixed if self._takes_fixed_width(*seg) else eager).append(seg)
             for at in range(0, len(fixed), MAX_GROWTH_BATCH):
                 self._catch_up_fixed(fixed[at: at + MAX_GROWTH_BATCH])
                 replays += 1

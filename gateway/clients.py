@@ -51,11 +51,16 @@ def _raise_mapped(err: grpc.RpcError, who: str, unavailable: type[Unavailable] =
     raise unavailable(f"{who} failed: {code.name}: {err.details()}") from err
 
 
+def _check_health(channel: grpc.Channel, timeout: float) -> int:
+    """The service's gRPC health status; grpc.RpcError when it does not answer."""
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                     timeout=timeout).status
+
+
 def _health_status(channel: grpc.Channel, timeout: float) -> int | None:
     """The service's gRPC health status, or None when it does not answer."""
     try:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                         timeout=timeout).status
+        return _check_health(channel, timeout)
     except grpc.RpcError:
         return None
 
@@ -287,8 +292,7 @@ class TargetClient:
         """True: the target serves; False: it refused the check, or answered that it does not serve; None: no
         answer within `timeout` (a host too busy to answer soon, or a hung target)."""
         try:
-            status = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                    timeout=timeout).status
+            status = _check_health(self.channel, timeout)
         except grpc.RpcError as e:
             return None if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
         return status == health_pb2.HealthCheckResponse.SERVING
