@@ -277,12 +277,14 @@ def test_config_without_rope_theta_uses_base_10000(target, tmp_path):
 
 
 def test_triton_attention_gives_the_same_trees(target, drafts):
-    """The draft runs on the kernels' attention backends; on CPU the Triton one runs interpreted."""
+    """The draft runs on the kernels' attention backends; on CPU the Triton one runs interpreted, on a GPU
+    compiled (both backends then run there)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(8)
-    feats = torch.randn(20, 192, generator=gen)
+    feats = torch.randn(20, 192, generator=gen).to(device)
     results = []
     for backend in ("torch", "triton"):
-        engine = DraftEngine(Eagle3Draft(drafts["gqa"], target, attention_backend=backend), 16, 4)
+        engine = DraftEngine(Eagle3Draft(drafts["gqa"], target, device=device, attention_backend=backend), 16, 4)
         trees = engine.draft([DraftItem("a", DraftBudget(4, 3, 10)), DraftItem("b", DraftBudget(3, 2, 6))],
                              ingest=[IngestItem("a", 0, tuple(range(1, 22)), feats[:15]),
                                      IngestItem("b", 0, tuple(range(3, 12)), feats[:8])])
