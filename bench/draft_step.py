@@ -135,23 +135,33 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def spread_depths(budget: DraftBudget, batch: int) -> list[DraftBudget]:
+    """One budget a request, the depths cycling from the budget's down to 1 (request i: steps - i % steps), as
+    the gateway shortens the trees of requests whose acceptance is poor."""
+    return [DraftBudget(budget.steps - i % budget.steps, budget.topk, budget.num_draft_tokens) for i in range(batch)]
+
+
 def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, accepted: int, iters: int,
-               device: str, grow_only: bool = False, around: contextlib.AbstractContextManager | None = None) -> float:
+               device: str, grow_only: bool = False, around: contextlib.AbstractContextManager | None = None,
+               mixed_depths: bool = False) -> float:
     """Median seconds of a Draft call that first ingests `accepted` + 1 committed tokens per request
     (grow_only: ingests nothing, so the call is the tree growth alone). `around` is entered for the
-    timed calls only (after the requests' prefixes were ingested): a profiler."""
+    timed calls only (after the requests' prefixes were ingested): a profiler. mixed_depths: the
+    requests' depths spread (spread_depths)."""
     width, vocab = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
+    budgets = spread_depths(budget, batch) if mixed_depths else [budget] * batch
     engine.ingest([IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
                               torch.randn(prefix, width, dtype=engine.model.dtype)) for r in ids], catch_up=True)
     times = []
     with around or contextlib.nullcontext():
-        _calls(engine, ids, budget, accepted, iters + 2, vocab, width, device, grow_only, times)
+        _calls(engine, ids, budgets, accepted, iters + 2, vocab, width, device, grow_only, times)
     engine.release(ids)
     return statistics.median(times[2:])
 
 
-def _calls(engine: DraftEngine, ids: list[str], budget: DraftBudget, accepted: int, n: int, vocab: int, width: int,
+def _calls(engine: DraftEngine, ids: list[str], budgets: list[DraftBudget], accepted: int, n: int, vocab: int,
+           width: int,
            device: str, grow_only: bool, times: list[float]) -> None:
     for _ in range(n):
         ingest = []
@@ -163,7 +173,7 @@ def _calls(engine: DraftEngine, ids: list[str], budget: DraftBudget, accepted: i
                                      torch.randn(accepted + 1, width, dtype=engine.model.dtype)))
         sync(device)
         t0 = time.perf_counter()
-        engine.draft([DraftItem(r, budget) for r in ids], ingest)
+        engine.draft([DraftItem(r, budget) for r, budget in zip(ids, budgets)], ingest)
         sync(device)
         times.append(time.perf_counter() - t0)
 
@@ -178,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accepted", type=int, default=2, help="tokens accepted per verify step (default 2)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--grow-only", action="store_true", help="calls that ingest nothing: the tree growth alone")
+    ap.add_argument("--mixed-depths", action="store_true",
+                    help="the requests of a call at spread depths (request i: the budget's steps - i %% steps), as "
+                         "the gateway shortens the trees of requests whose acceptance is poor")
     ap.add_argument("--fused-tree-levels", action=argparse.BooleanOptionalAction, default=True,
                     help="each growth level's bookkeeping in one Triton launch, as `tandem draft` does by default "
                          "(--no-fused-tree-levels: the torch ops)")
@@ -201,19 +214,21 @@ def main(argv: list[str] | None = None) -> int:
         warm_up_fused_levels(model, budgets)
     engine = DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=args.fused_tree_levels)
     fused = "; growth levels fused" if engine.fused_levels else ""
+    mixed = "; depths spread (request i: steps - i % steps)" if args.mixed_depths else ""
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; "
-          f"{args.accepted + 1} tokens ingested per request per call{fused}; median ms per Draft call")
+          f"{args.accepted + 1} tokens ingested per request per call{fused}{mixed}; median ms per Draft call")
     print(f"{'batch':>6} " + " ".join(f"{f'{b.steps}/{b.topk}/{b.num_draft_tokens}':>10}" for b in budgets))
     rows = []
     for batch in batches:
-        ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device, args.grow_only)
-              for b in budgets]
+        ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device, args.grow_only,
+                                mixed_depths=args.mixed_depths) for b in budgets]
         rows.append({"batch": batch, "ms": dict(zip([f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in budgets],
                                                     ms))})
         print(f"{batch:>6} " + " ".join(f"{m:>10.2f}" for m in ms))
     if args.out:
         args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
-                                        "fused_levels": engine.fused_levels, "rows": rows}, indent=2))
+                                        "fused_levels": engine.fused_levels,
+                                        "mixed_depths": args.mixed_depths, "rows": rows}, indent=2))
     if args.profile:
         profile_calls(engine, batches[0], prefix, budgets[0], args.accepted, device, args.grow_only, args.profile)
     return 0

@@ -31,6 +31,11 @@
 #            DRAFT_BUDGETS and DRAFT_ITERS override the shapes and iterations
 #   fusedlevels  after only: bench/draft_step.py without and with --fused-tree-levels (each growth level's
 #            bookkeeping in one Triton launch, kernels/tree_level.py), alternated FUSED_REPEATS="1 2" times
+#   mixeddepths  the draft call with its requests' depths spread (bench/draft_step.py --mixed-depths: request i at the
+#            budget's steps - i % steps, as the gateway shortens the trees of requests whose acceptance is poor): each
+#            depth a growth of its own (.before/'s engine under this tree's bench) against one growth per top-k and
+#            size, alternated MIXED_REPEATS="1 2" times (MIXED_BATCHES, MIXED_BUDGETS); first the device-tree tests
+#            on the GPU, last the uniform depths after (the depth mask's own cost)
 #   fusedab  after only: bench/draft_step.py --ab-fused, the fused levels off against on inside one process (two
 #            engines on one model, alternated FUSED_TURNS="6" times per shape): the process-to-process spread out
 #   wakeups  after only: the draft's tests on the GPU, then bench/catch_up_cost.py, a wake-up's catch-up (a gap of
@@ -306,6 +311,19 @@ for stage in "$@"; do
       done
       [[ ${DRAFT_GROW:-1} == 1 ]] && run draft_grow_after after 120 python3 bench/draft_step.py --batches 1,8,64 \
         --budgets "3,1,4;5,4,8;6,8,16" --iters 10 --grow-only --out "$OUT/draft_grow_after.json" ;;
+    mixeddepths)
+      run mixed_tests after 200 python3 -m pytest -q -x tests/test_draft_device_tree.py
+      for rep in ${MIXED_REPEATS:-1 2}; do
+        for tree in before after; do
+          engine=$root; [[ $tree == before ]] && engine=$root/.before
+          # This tree's bench (the flag is new) over each tree's engine: PYTHONPATH picks the packages.
+          run "mixed_${tree}_$rep" after 200 env PYTHONPATH="$engine:$site" python3 bench/draft_step.py --mixed-depths \
+            --batches "${MIXED_BATCHES:-1,8,16,64}" --budgets "${MIXED_BUDGETS:-5,4,8;10,1,11;6,8,16}" \
+            --iters "${DRAFT_ITERS:-10}" --out "$OUT/mixed_${tree}_$rep.json"
+        done
+      done
+      run uniform_after after 200 python3 bench/draft_step.py --batches "${MIXED_BATCHES:-1,8,16,64}" \
+        --budgets "${MIXED_BUDGETS:-5,4,8;10,1,11;6,8,16}" --iters "${DRAFT_ITERS:-10}" --out "$OUT/uniform_after.json" ;;
     fusedlevels)  # after only: the draft call with each growth level's bookkeeping in one launch, off and on,
                   # alternated FUSED_REPEATS times (default "1 2"), each in a process of its own
       for rep in ${FUSED_REPEATS:-1 2}; do

@@ -84,10 +84,12 @@ class BatchTreeGrowth:
         self.per_tile = self.block_m // group
         self.tiles_per_run = -(-K // self.per_tile)
         tiles = B * self.tiles_per_run
-        # ints: seq_info [B, 4] (a request's length first), then each run's tiles [tiles, 3]; one
-        # non-blocking copy a call.
-        self.ints_in = StagedInput((SEQ_INFO_FIELDS * B + 3 * tiles * max(shape.runs, 1),), torch.int32, dev)
+        # ints: seq_info [B, 4] (a request's length first), then each run's tiles [tiles, 3], then each
+        # request's depth (its own budget's steps: see load); one non-blocking copy a call.
+        tile_ints = 3 * tiles * max(shape.runs, 1)
+        self.ints_in = StagedInput((SEQ_INFO_FIELDS * B + tile_ints + B,), torch.int32, dev)
         self.ints = self.ints_in.device
+        self.depths = self.ints[SEQ_INFO_FIELDS * B + tile_ints:]
         self.root_h = torch.zeros(B, model.cfg.hidden_size, dtype=model.dtype, device=dev)
         self.words = torch.zeros(B * R, 1, dtype=torch.int64, device=dev)
         self.q = torch.zeros(B * R, model.num_heads, model.head_dim, dtype=model.dtype, device=dev)
@@ -110,12 +112,20 @@ class BatchTreeGrowth:
 
     # --- inputs -------------------------------------------------------------------
     def load(self, root_h: list[torch.Tensor], lengths: list[int], table_rows: list[int], padding_row: int,
-             host_slots: list[np.ndarray] | None = None) -> None:
+             host_slots: list[np.ndarray] | None = None, depths: list[int] | None = None) -> None:
         """The requests of this call (fewer than the bucket's batch: the rest are padding): each
-        one's last pre-norm h (on the device), computed length and block-table row."""
+        one's last pre-norm h (on the device), computed length and block-table row, and the depth its
+        tree keeps (default the shape's): every request grows to the shape's depth, and the selection
+        takes a request's best nodes of levels below its own depth only. Levels grow the same whatever
+        comes after them, so these are the nodes a growth to that depth alone keeps."""
         B, R, K = self.shape.batch, self.shape.slots, self.shape.k
         n = len(lengths)
+        if depths is not None and (len(depths) != n or any(not 1 <= d <= self.shape.budget.steps for d in depths)):
+            raise ValueError(f"{n} requests need depths 1..{self.shape.budget.steps}, got {depths}")
         ints = self.ints_in.host().numpy()
+        ints[-B:] = self.shape.budget.steps
+        if depths is not None:
+            ints[-B:][:n] = depths
         info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
         info[:] = (0, 0, 0, padding_row)
         info[:, 1] = np.arange(B) * R
@@ -216,10 +226,14 @@ class BatchTreeGrowth:
         self._select(cand)
 
     def _select(self, cand: Candidates) -> None:
-        """The kept nodes into self.out (kernels.tree_level.select_reference's layout)."""
+        """The kept nodes into self.out (kernels.tree_level.select_reference's layout). A request's
+        candidates below its depth score -inf: never kept where it has enough others, and where it has
+        fewer than the shape keeps, kept last (they were created last), so `trees` cuts them off."""
         n = self.shape.kept
         if n <= 0:
             return
+        too_deep = cand.level >= self.depths[:, None]
+        cand = cand._replace(score=cand.score.masked_fill(too_deep, float("-inf")))
         if self.fused_levels:
             select_triton(cand, n, self.model.d2t, self.out)
         else:
@@ -236,10 +250,13 @@ class BatchTreeGrowth:
                  self.capture_seconds)
 
     # --- results ------------------------------------------------------------------
-    def trees(self, n: int) -> list[tuple[list[int], list[int], list[int], list[float], list[float]]]:
-        """(tokens, parents, depths, log-probs, scores) of the first n requests: one device-to-host copy."""
-        kept = self.shape.kept
-        raw = self.out[:n].cpu().numpy().reshape(n, 5, max(kept, 1))[:, :, :kept]
+    def trees(self, kept: list[int]) -> list[tuple[list[int], list[int], list[int], list[float], list[float]]]:
+        """(tokens, parents, depths, log-probs, scores) of the first len(kept) requests, the first kept[b]
+        nodes of request b (its own budget's max_nodes, at most the shape's): one device-to-host copy."""
+        n, width = len(kept), self.shape.kept
+        if any(k > width for k in kept):
+            raise ValueError(f"a tree of this shape keeps at most {width} nodes, asked for {max(kept)}")
+        raw = self.out[:n].cpu().numpy().reshape(n, 5, max(width, 1))
         floats = raw[:, 3:5].copy().view(np.float32)
-        return [(raw[b, 0].tolist(), raw[b, 1].tolist(), raw[b, 2].tolist(), floats[b, 0].tolist(),
-                 floats[b, 1].tolist()) for b in range(n)]
+        return [(raw[b, 0, :k].tolist(), raw[b, 1, :k].tolist(), raw[b, 2, :k].tolist(), floats[b, 0, :k].tolist(),
+                 floats[b, 1, :k].tolist()) for b, k in enumerate(kept)]

@@ -396,7 +396,8 @@ class DraftEngine:
 
     def _grow(self, items: list[DraftItem]) -> list[DraftTree]:
         trees, growing = [], []
-        on_device: dict[DraftBudget, list[tuple[DraftTree, str]]] = {}
+        # Trees that differ only in depth grow as one group, to the group's deepest (see _grow_on_device).
+        on_device: dict[tuple[int, int], list[tuple[DraftTree, str, DraftBudget]]] = {}
         for it in items:
             st = self.requests[it.request_id]
             n = len(st.tokens) - 1
@@ -406,14 +407,15 @@ class DraftEngine:
             if it.budget.empty or st.last_h is None:
                 continue
             if fits(it.budget):
-                on_device.setdefault(it.budget, []).append((tree, it.request_id))
+                group = (it.budget.topk, it.budget.num_draft_tokens)
+                on_device.setdefault(group, []).append((tree, it.request_id, it.budget))
             else:
                 growing.append(_Growing(tree, TreeGrowth(it.budget), n, st.last_h,
                                         torch.from_numpy(self.kv.host_slots(it.request_id, 0, n)),
                                         list(self.kv.seqs[it.request_id].blocks)))
-        for budget, members in on_device.items():
+        for members in on_device.values():
             for at in range(0, len(members), MAX_GROWTH_BATCH):
-                self._grow_on_device(budget, members[at: at + MAX_GROWTH_BATCH])
+                self._grow_on_device(members[at: at + MAX_GROWTH_BATCH])
         if not growing:
             return trees
         # Level 0: the root's children come from the last computed position.
@@ -438,21 +440,29 @@ class DraftEngine:
             self.graphs_captured += self.capture_graphs
         return growth
 
-    def _grow_on_device(self, budget: DraftBudget, members: list[tuple[DraftTree, str]]) -> None:
-        growth = self.growth_for(len(members), budget)
+    def _grow_on_device(self, members: list[tuple[DraftTree, str, DraftBudget]]) -> None:
+        """One growth for trees of one top-k and size, whatever their depths: all grow to the deepest, and
+        each keeps its best nodes no deeper than its own budget's (BatchTreeGrowth.load's depths), which are
+        the nodes its own budget grows. The gateway gives a request with poor acceptance a shallower tree;
+        grown apart, each depth was a graph replay of its own (and a graph captured on first use: on an H100
+        at 16 requests one call met five such depths and spent 150 ms on captures), where one replay of the
+        deepest costs about one of them."""
+        deepest = max(budget.steps for _, _, budget in members)
+        topk, size = members[0][2].topk, members[0][2].num_draft_tokens
+        growth = self.growth_for(len(members), DraftBudget(deepest, topk, size))
         self.table.flush()  # catch-up may have added blocks
-        rids = [rid for _, rid in members]
+        rids = [rid for _, rid, _ in members]
         host_slots = None
         if self.model.attention.name == "torch":
             host_slots = [self.kv.host_slots(rid, 0, self.computed(rid)) for rid in rids]
         growth.load([self.requests[rid].last_h for rid in rids],
                     [self.computed(rid) for rid in rids], [self.kv.seqs[rid].row for rid in rids],
-                    self.table.padding_row, host_slots)
+                    self.table.padding_row, host_slots, depths=[budget.steps for _, _, budget in members])
         growth.run()
         timeline.mark("draft.grow.launched")
-        grown = growth.trees(len(members))  # waits for the GPU
+        grown = growth.trees([budget.max_nodes for _, _, budget in members])  # waits for the GPU
         timeline.mark("draft.grow.read")
-        for (tree, _), (tokens, parents, depths, lps, scores) in zip(members, grown):
+        for (tree, _, _), (tokens, parents, depths, lps, scores) in zip(members, grown):
             tree.tokens, tree.parents, tree.depths, tree.logprobs, tree.scores = tokens, parents, depths, lps, scores
 
     def _tree_level(self, active: list[_Growing]) -> None:

@@ -30,10 +30,13 @@ def pair(tiny_llama, tmp_path_factory):
     return target, make_tiny_eagle3(tmp_path_factory.mktemp("dev") / "d", target, draft_vocab_size=40, seed=31)
 
 
-def drafted(model: Eagle3Draft, on_device: bool, monkeypatch, fused_levels: bool = False) -> list:
+def drafted(model: Eagle3Draft, on_device: bool, monkeypatch, fused_levels: bool = False,
+            budgets: list[DraftBudget] = BUDGETS, engines: list | None = None) -> list:
     grows_on_device = (lambda budget: not budget.empty) if on_device else (lambda budget: False)
     monkeypatch.setattr(draft_engine, "fits", grows_on_device)
     engine = DraftEngine(model, num_blocks=96, block_size=4, fused_levels=fused_levels)
+    if engines is not None:
+        engines.append(engine)
     rng = random.Random(7)
     for i in range(6):
         n = rng.randint(2, 19)
@@ -41,7 +44,7 @@ def drafted(model: Eagle3Draft, on_device: bool, monkeypatch, fused_levels: bool
         tokens = torch.randint(0, model.cfg.target_vocab_size, (n + 1,), generator=gen).tolist()
         feats = torch.randn(n, model.cfg.feature_width, generator=gen)
         engine.ingest([IngestItem(f"r{i}", 0, tuple(tokens), feats)], catch_up=True)
-    items = [DraftItem(f"r{i}", BUDGETS[i % len(BUDGETS)]) for i in range(6)]
+    items = [DraftItem(f"r{i}", budgets[i % len(budgets)]) for i in range(6)]
     return engine.draft(items)
 
 
@@ -60,6 +63,37 @@ def test_device_growth_gives_the_host_rules_trees(pair, backend, fused_levels, m
     for a, b in zip(host, device, strict=True):
         assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths), a.request_id
         assert b.scores == pytest.approx(a.scores, abs=1e-5) and b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("backend,fused_levels", [("torch", False), ("triton", True)])
+def test_trees_that_differ_only_in_depth_grow_together_and_keep_their_own_depths_nodes(
+        pair, backend, fused_levels, monkeypatch):
+    """The gateway shortens the trees of requests whose acceptance is poor: one call then holds trees of one
+    top-k and size at several depths, grown as one group to the deepest. Each keeps the nodes its own depth
+    grows, also where that depth holds fewer nodes than the group keeps (1/4/8: 4 of 7; 2/1/11: 2 of 10)."""
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
+    budgets = [DraftBudget(5, 4, 8), DraftBudget(10, 1, 11), DraftBudget(2, 4, 8), DraftBudget(2, 1, 11),
+               DraftBudget(1, 4, 8), DraftBudget(6, 1, 11)]
+    host = drafted(model, on_device=False, monkeypatch=monkeypatch, budgets=budgets)
+    engines: list[DraftEngine] = []
+    device = drafted(model, on_device=True, monkeypatch=monkeypatch, fused_levels=fused_levels, budgets=budgets,
+                     engines=engines)
+    assert [len(t) for t in host] == [b.max_nodes for b in budgets] == [7, 10, 7, 2, 4, 6]
+    for a, b in zip(host, device, strict=True):
+        assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths), a.request_id
+        assert b.scores == pytest.approx(a.scores, abs=1e-5) and b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    # One growth per top-k and size, at its deepest.
+    assert {shape.budget for shape in engines[0]._growths} == {DraftBudget(5, 4, 8), DraftBudget(10, 1, 11)}
+
+
+def test_a_growth_refuses_depths_beyond_its_own():
+    from draft_service.device_tree import BatchTreeGrowth, GrowthShape
+
+    growth = BatchTreeGrowth.__new__(BatchTreeGrowth)
+    growth.shape = GrowthShape(batch=2, budget=DraftBudget(3, 2, 6))
+    with pytest.raises(ValueError, match="depths 1..3"):
+        growth.load([], [5], [0], 0, depths=[4])
 
 
 def test_the_top_k_reference_breaks_ties_towards_the_lower_index_like_a_stable_sort():
