@@ -471,10 +471,13 @@ def main(argv: list[str] | None = None) -> int:
                                    batch_invariant=args.deterministic)
         if args.l2_prefetch_mb:
             model.weight_prefetch = WeightPrefetch(model.device, args.l2_prefetch_mb << 20)
-    # + a block per request for the joining-prompt steps' decode items, and room for one joining prompt
+    # + the joining-prompt steps' decode items (a token a step, in up to three timings a prompt length: chunks
+    # kept out, ragged graphs, the default; two only made 64 x 96 run out on an H100), and room for one joining
+    # prompt
+    join_tokens = len(args.prompt_tokens) * 3 * (args.iters + 3)
     blocks = (max(batches) * (args.prefix + len(nodes) * max(nodes) * (args.iters + 4)) // 16 + 64
-              + (max(batches) * (len(args.prompt_tokens) * 2 * (args.iters + 3) // 16 + 1)
-                 + max(args.prompt_tokens) // 16 + 1 if args.prompt_tokens else 0))
+              + (max(batches) * (-(-join_tokens // 16) + 1) + max(args.prompt_tokens) // 16 + 1
+                 if args.prompt_tokens else 0))
     wanted = ["eager"] if args.tiny else args.modes.split(",")
     # Node buckets up to the longest joining prompt too (the served target's go up to 64).
     modes = {mode: GraphConfig(max_batch=max(batches), max_nodes=max(nodes + args.prompt_tokens),

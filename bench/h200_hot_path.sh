@@ -3,7 +3,8 @@
 #
 #   bash bench/h200_hot_path.sh STAGE...      # on the GPU machine, from the repo root; results in $OUT
 #
-# "before" is the code of .before/ (a `git archive` of the commit before the change, without demo/),
+# "before" is the code of .before/ (a `git archive` of the commit before the change, without demo/ and bench/results/
+# but with demo/heldout_prompts.jsonl, which the serves' benches read),
 # "after" the working tree. Stages:
 #   tests    the kernel, graph and engine tests on the GPU (compiled Triton, real CUDA graphs)
 #   forward  bench/step_cost.py: the model's forward alone, batch 1/8/64, decode and verify 8
@@ -227,6 +228,11 @@ scale_serve() {  # scale_serve DIR [ACCEPTANCE]: tandem serve flags for a scale 
 serve_bench() {  # serve_bench NAME PORT CONCURRENCY MODES SERVE_FLAGS...: tandem bench, 128 tokens, in the tree
                  # $SERVE_TREE (default after)
   local name=$1 port=$2 conc=$3 modes=$4; shift 4
+  # The bench reads the held-out prompts from the tree it runs in; a .before/ made without demo/ lacks them (the
+  # forty-third session's before serve stopped on that): they are data, the same in both trees.
+  if [[ ${SERVE_TREE:-after} == before && ! -f $root/.before/demo/heldout_prompts.jsonl ]]; then
+    mkdir -p "$root/.before/demo" && cp "$root/demo/heldout_prompts.jsonl" "$root/.before/demo/"
+  fi
   run "$name" "${SERVE_TREE:-after}" 600 env SERVE_PORT=$port bash "$root/bench/serve_and_bench.sh" "$OUT/$name" \
     "$conc" "$modes" 128 "$@"
 }

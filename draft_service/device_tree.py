@@ -7,7 +7,8 @@ parent score + log-prob, float64), and the best k of those k*k become the next
 frontier; finally the best num_draft_tokens - 1 candidates are kept, in
 creation order. Ties go to the earlier candidate, as a stable sort would.
 
-Here every request of a batch with one budget grows at once and nothing leaves
+Here every request of a batch with one top-k and size grows at once, to the deepest
+of their depths (each keeps only its own depth's nodes: see load), and nothing leaves
 the device until the trees are done: a fixed frontier of B x k rows per level,
 top-k without sorting the vocabulary, ancestor masks as bit words built level by
 level (a node's word is its parent's plus its own bit), and the selection on the
