@@ -233,12 +233,10 @@ class BatchTreeGrowth:
         n = self.shape.kept
         if n <= 0:
             return
-        too_deep = cand.level >= self.depths[:, None]
-        cand = cand._replace(score=cand.score.masked_fill(too_deep, float("-inf")))
         if self.fused_levels:
-            select_triton(cand, n, self.model.d2t, self.out)
+            select_triton(cand, n, self.model.d2t, self.out, self.depths)
         else:
-            select_reference(cand, n, self.model.d2t, self.out, top_k=self._top_k)
+            select_reference(cand, n, self.model.d2t, self.out, top_k=self._top_k, depths=self.depths)
 
     def _capture(self) -> None:
         t0 = time.perf_counter()

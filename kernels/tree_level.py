@@ -125,13 +125,17 @@ def _grow_level_kernel(ChildLp, ChildIds, Frontier, CandToken, CandParent, CandL
 
 
 def select_reference(cand: Candidates, n: int, d2t: torch.Tensor, out: torch.Tensor,
-                     top_k: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = top_k_ranked_reference
-                     ) -> None:
+                     top_k: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = top_k_ranked_reference,
+                     depths: torch.Tensor | None = None) -> None:
     """The tree's kept nodes: the n best scores (ties to the earlier candidate), in creation order,
     into out [B, 5 * n] int32: each request's target ids, parents' indices among the kept (-1: the
     root), depths (from 1), and the float32 bits of log-probs and scores. top_k: top_k_ranked's
-    contract (its Triton launches where the growth's other top-k run on Triton)."""
+    contract (its Triton launches where the growth's other top-k run on Triton). depths [B]: each
+    request's own depth; its candidates of level depth or more score -inf (kept only where it has
+    fewer than n others, and then last: see device_tree.BatchTreeGrowth.load)."""
     B, C = cand.token.shape
+    if depths is not None:
+        cand = cand._replace(score=cand.score.masked_fill(cand.level >= depths[:, None], float("-inf")))
     chosen = top_k(cand.score, n)[1].sort(-1).values  # [B, n] candidate indices, ascending
     index_of = torch.full((B, C + 1), -1, dtype=torch.long, device=cand.token.device)
     index_of.scatter_(1, chosen, torch.arange(n, device=cand.token.device).expand(B, n))
@@ -145,11 +149,15 @@ def select_reference(cand: Candidates, n: int, d2t: torch.Tensor, out: torch.Ten
 
 
 @triton.jit(do_not_specialize=["C", "n"])
-def _select_kernel(CandToken, CandParent, CandLevel, CandLp, CandScore, D2t, Out, C, n, BLOCK: tl.constexpr):
+def _select_kernel(CandToken, CandParent, CandLevel, CandLp, CandScore, D2t, Depths, Out, C, n, BLOCK: tl.constexpr,
+                   HAS_DEPTHS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     valid = lanes < C
     score = tl.load(CandScore + b * C + lanes, mask=valid, other=float("-inf"))
+    if HAS_DEPTHS:  # select_reference's depths, here rather than in a launch of its own
+        level = tl.load(CandLevel + b * C + lanes, mask=valid, other=0)
+        score = tl.where(level < tl.load(Depths + b), score, float("-inf"))
     kept = _best_lanes(score, valid, lanes, n, BLOCK)
     left = kept
     row = Out + b * 5 * n
@@ -169,13 +177,15 @@ def _select_kernel(CandToken, CandParent, CandLevel, CandLp, CandScore, D2t, Out
         tl.store(row + 4 * n + j, chosen_score.to(tl.float32).to(tl.int32, bitcast=True))
 
 
-def select_triton(cand: Candidates, n: int, d2t: torch.Tensor, out: torch.Tensor) -> None:
+def select_triton(cand: Candidates, n: int, d2t: torch.Tensor, out: torch.Tensor,
+                  depths: torch.Tensor | None = None) -> None:
     """select_reference in one launch (every tensor contiguous)."""
     B, C = cand.token.shape
     if B and n:
         block = _select_block(C)
-        _select_kernel[(B,)](cand.token, cand.parent, cand.level, cand.lp, cand.score, d2t, out, C, n,
-                             BLOCK=block, num_warps=1 if block <= 256 else 4)
+        _select_kernel[(B,)](cand.token, cand.parent, cand.level, cand.lp, cand.score, d2t,
+                             cand.level if depths is None else depths, out, C, n, BLOCK=block,
+                             num_warps=1 if block <= 256 else 4, HAS_DEPTHS=depths is not None)
 
 
 def _select_block(candidates: int) -> int:
@@ -223,8 +233,10 @@ def warm_up(device: torch.device | str, max_topk: int, max_candidates: int) -> i
     runs = 0
     block = MIN_BLOCK
     while True:  # a tree of `block` candidates (or of all there may be) takes that block
+        # With depths, as device_tree always selects.
         select_triton(_zeros(min(block, max_candidates), device), 1, torch.zeros(1, dtype=torch.long, device=device),
-                      torch.zeros(1, 5, dtype=torch.int32, device=device))
+                      torch.zeros(1, 5, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32,
+                                                                                      device=device))
         runs += 1
         if block >= max_candidates:
             break

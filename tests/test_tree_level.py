@@ -118,3 +118,11 @@ def test_one_launch_keeps_the_nodes_the_torch_rule_keeps(k, runs, kept):
         select_triton(Candidates(*(t.to(DEVICE) for t in cand)), kept, d2t.to(DEVICE), got)
         assert torch.equal(want, got.cpu()), (k, runs, kept, seed)
         assert bool((want.view(batch, 5, kept)[:, 1] < torch.arange(kept)).all())  # parents come first
+        # Each request at a depth of its own (device_tree's shallower trees in a deeper group).
+        depths = torch.randint(1, runs + 2, (batch,), generator=gen, dtype=torch.int32)
+        select_reference(cand, kept, d2t, want, top_k=top_k_ranked_reference, depths=depths)
+        select_triton(Candidates(*(t.to(DEVICE) for t in cand)), kept, d2t.to(DEVICE), got, depths.to(DEVICE))
+        assert torch.equal(want, got.cpu()), (k, runs, kept, seed, depths)
+        levels = want.view(batch, 5, kept)[:, 2]  # depths from 1
+        own = [min(kept, k + (int(d) - 1) * k * k) for d in depths]  # the candidates above each one's depth
+        assert all(bool((levels[b, :n] <= depths[b]).all()) for b, n in enumerate(own))
