@@ -251,10 +251,18 @@ class GatewayCore:
                 log.warning("draft replica %s unavailable at start (%s): will retry", replica.client.address, exc)
         self.configure(answering)
         if self.cfg.profile:
-            from gateway.profiling import profile_costs
+            from gateway.profiling import profile_costs, warm_draft
             self.costs = profile_costs(self.target, self.pool.healthy()[:1], self.cfg.policy,
                                        self.cfg.grant_steps)
             log.info("cost model: %s", self.costs)
+            for replica in self.pool.healthy():
+                try:
+                    t0 = time.perf_counter()
+                    if calls := warm_draft(replica, self.cfg.policy, self.cfg.scheduler.max_running):
+                        log.info("draft replica %s: %d warm-up calls in %.1f s (graphs for shapes new to it captured)",
+                                 replica.client.address, calls, time.perf_counter() - t0)
+                except Exception as exc:  # a graph not captured now is captured on first use
+                    log.warning("draft replica %s: warm-up failed (%s)", replica.client.address, exc)
         for fn, name in ((self._loop, "step-loop"), (self.pool.probe_forever, "draft-probe")):
             thread = threading.Thread(target=fn, name=name, daemon=True)
             thread.start()

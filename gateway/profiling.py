@@ -139,6 +139,43 @@ def _profile_draft(replica: DraftReplica, cfg: PolicyConfig) -> tuple[float, flo
     return tuple(_fit(rows, ys))
 
 
+# Batch buckets of the draft's growth graphs that the profile's calls (1 and 4 requests) leave uncaptured.
+WARM_BATCHES = (2, 8, 16, 32, 64)
+
+
+def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
+    """On a CUDA draft, one Draft call for each of auto's options at each batch bucket of WARM_BATCHES up to
+    max_batch requests (and what the draft's free KV holds), on throwaway requests: a draft captures a graph for
+    each (batch bucket, budget) on its first call, and under load that first call is a first probe of trees,
+    its capture a pause of every request. On an H200 at 16 requests a 10/1/11 capture took 30 of a probe
+    round's 43 ms draft phase; on an H100, before trees of several depths grew as one, captures took about
+    190 ms of two rounds (BENCHMARKS.md, forty-third session). Returns the calls made: none on a CPU draft,
+    which captures nothing, and none where no bucket fits."""
+    client = replica.client
+    info = client.info()
+    if info.device != "cuda" or cfg.mode == "never":
+        return 0
+    options = cfg.auto_options() if cfg.mode == "auto" else (cfg.fixed_budget,)
+    deepest = max(o.num_draft_tokens for o in options)
+    per_request = -(-(PREFIX + deepest) // info.load.block_size)
+    room = info.load.free_blocks // per_request
+    batches = [b for b in WARM_BATCHES if b <= min(max_batch, room)]
+    if not batches:
+        return 0
+    ids = [f"__warm_{i}" for i in range(batches[-1])]
+    prompt = tuple(1 + i % 50 for i in range(PREFIX))
+    client.ingest([IngestItem(rid, 0, prompt, None) for rid in ids], catch_up=True)
+    calls = 0
+    try:
+        for budget in options:
+            for batch in batches:
+                client.draft([], [(rid, budget, len(prompt)) for rid in ids[:batch]])
+                calls += 1
+    finally:
+        client.release(ids)
+    return calls
+
+
 def profile_costs(target: TargetClient, drafts: list[DraftReplica], cfg: PolicyConfig,
                   grant_steps: int = 1) -> CostModel:
     """grant_steps: the plain steps the gateway may grant (1: none; plain steps then cost what a step costs)."""
