@@ -19,6 +19,7 @@ does. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -65,31 +66,36 @@ def start_busy_gpu() -> subprocess.Popen:
     return proc
 
 
-def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters: int, device: str
+def time_wake_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, iters: int, device: str,
+                  around: tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager] | None = None
                   ) -> tuple[float, float]:
     """Median seconds of one wake-up's catch-up (`batch` requests, each `gap` tokens without features after a
     computed prefix, then one position with features), and of the prefixes' own catch-up before it: `batch`
-    prompts of `prefix` tokens with features, one eager forward, as a joining prompt's."""
+    prompts of `prefix` tokens with features, one eager forward, as a joining prompt's. `around`: entered for
+    the last iteration's prompts and wake-up (profilers)."""
     width, vocab, dtype = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size, engine.model.dtype
     times, prompts = [], []
     for it in range(iters + 2):
+        last = around is not None and it == iters + 1
         ids = [f"w{batch}-{gap}-{it}-{i}" for i in range(batch)]
         prompt = [IngestItem(r, 0, tuple(torch.randint(0, vocab, (prefix + 1,)).tolist()),
                              torch.randn(prefix, width, dtype=dtype)) for r in ids]
-        sync(device)
-        t0 = time.perf_counter()
-        engine.ingest(prompt, catch_up=True)
-        sync(device)
+        with around[0] if last else contextlib.nullcontext():
+            sync(device)
+            t0 = time.perf_counter()
+            engine.ingest(prompt, catch_up=True)
+            sync(device)
         prompts.append(time.perf_counter() - t0)
         engine.ingest([IngestItem(r, prefix + 1, tuple(torch.randint(0, vocab, (gap,)).tolist()), None)
                        for r in ids])
         # The step: its position's features (prefix + gap, the first after the gap) and the token after it.
         step = [IngestItem(r, prefix + gap, (engine.requests[r].tokens[-1], int(torch.randint(0, vocab, ()))),
                            torch.randn(1, width, dtype=dtype)) for r in ids]
-        sync(device)
-        t0 = time.perf_counter()
-        engine.ingest(step, catch_up=True)
-        sync(device)
+        with around[1] if last else contextlib.nullcontext():
+            sync(device)
+            t0 = time.perf_counter()
+            engine.ingest(step, catch_up=True)
+            sync(device)
         times.append(time.perf_counter() - t0)
         engine.release(ids)
     return statistics.median(times[2:]), statistics.median(prompts[2:])
@@ -108,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="another process replays GEMMs on the same GPU throughout, as a serving target does (CUDA "
                          "only)")
     ap.add_argument("--out", type=Path, help="also write JSON")
+    ap.add_argument("--profile", type=Path, metavar="FILE",
+                    help="instead of the table: one prompt catch-up and one wake-up of the first batch and gap "
+                         "(fixed-width on a GPU), each under torch.profiler after a warm-up, their ops by device "
+                         "time and by host time into FILE")
     args = ap.parse_args(argv)
     if args.busy_gpu and not head_device(args).startswith("cuda"):
         ap.error("--busy-gpu keeps a GPU busy: it needs --device cuda")
@@ -120,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     for fixed in (False, True):
         engine = engines[fixed] = DraftEngine(model, num_blocks=blocks, block_size=16)
         engine.fixed_catch_up = engine.fixed_wake_ups = fixed
+    if args.profile:
+        profile_catch_ups(engines[device.startswith("cuda")], batches[0], gaps[0], prefix, device, args.profile)
+        return 0
     busy = start_busy_gpu() if args.busy_gpu else None
     try:
         rows = run_shapes(engines, batches, gaps, prefix, args, device, track, dtype, busy is not None)
@@ -131,6 +144,29 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
                                         "busy_gpu": busy is not None, "rows": rows}, indent=2))
     return 0
+
+
+def profile_catch_ups(engine: DraftEngine, batch: int, gap: int, prefix: int, device: str, path: Path) -> None:
+    """Where a joining prompt's catch-up and a wake-up's go, by op: device time (kernels) and host time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profilers = (torch.profiler.profile(activities=activities), torch.profiler.profile(activities=activities))
+    wake, prompt = time_wake_ups(engine, batch, gap, prefix, 1, device, around=profilers)  # 2 warm-ups, then 1
+    device_key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    parts = []
+    for name, prof, seconds in (("prompt catch-up", profilers[0], prompt), ("wake-up", profilers[1], wake)):
+        ops = prof.key_averages()
+        kernels = sum(e.count for e in ops if e.self_cpu_time_total == 0 and e.self_device_time_total > 0)
+        device_ms = sum(e.self_device_time_total for e in ops) / 1000
+        by_device = ops.table(sort_by=device_key, row_limit=40)
+        by_host = ops.table(sort_by="self_cpu_time_total", row_limit=30)
+        parts.append(f"== {name}: {batch} requests, {prefix if name.startswith('prompt') else gap} positions "
+                     f"each; the profiled call: wall {1000 * seconds:.2f} ms (with the profiler's own cost), kernels "
+                     f"{kernels}, device time {device_ms:.3f} ms\n\nby device time:\n{by_device}\n\n"
+                     f"by host time:\n{by_host}\n")
+    path.write_text("\n".join(parts))
+    print(f"profile: {path}")
 
 
 def run_shapes(engines: dict[bool, DraftEngine], batches: list[int], gaps: list[int], prefix: int,

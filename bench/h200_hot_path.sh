@@ -43,6 +43,10 @@
 #            tokens without features, then a step's features) in eager forwards against fixed-width graph replays,
 #            alternated in one process (WAKE_BATCHES="1,4,16", WAKE_GAPS="1,4,7,8,12,16,64"), idle and then with
 #            another process keeping the GPU busy (--busy-gpu; WAKE_BUSY=0 skips it)
+#   catchupprofile  after only: bench/catch_up_cost.py --profile, a joining prompt's catch-up (CATCHUP_BATCH requests,
+#            default 16, of CATCHUP_PREFIX tokens, default 72) and a wake-up (gap CATCHUP_GAP, default 190), each under
+#            torch.profiler: kernels by device time and ops by host time (the H200 took 32.6 ms for 15 prompts of 72
+#            tokens, the H100 66 ms for a 15-request wake-up of 190; where does it go?)
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
@@ -352,6 +356,9 @@ for stage in "$@"; do
       # (Fewer shapes: every wake-up first ingests a 512-token prefix per request, slower on a shared GPU.)
       run catch_up_cost_busy after 240 python3 bench/catch_up_cost.py --batches "${WAKE_BATCHES:-1,4,16}" \
         --gaps "${WAKE_BUSY_GAPS:-1,8,16,64}" --iters 6 --turns 2 --busy-gpu --out "$OUT/catch_up_cost_busy.json" ;;
+    catchupprofile)
+      run catch_up_profile after 240 python3 bench/catch_up_cost.py --batches "${CATCHUP_BATCH:-16}" \
+        --gaps "${CATCHUP_GAP:-190}" --prefix "${CATCHUP_PREFIX:-72}" --profile "$OUT/catch_up_profile.txt" ;;
     featurepush)
       run feature_push after 200 python3 bench/feature_push.py --batches 1,8,16,64,128 --steps 40 \
         --out "$OUT/feature_push.json" ;;
