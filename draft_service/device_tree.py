@@ -228,8 +228,8 @@ class BatchTreeGrowth:
 
     def _select(self, cand: Candidates) -> None:
         """The kept nodes into self.out (kernels.tree_level.select_reference's layout). A request's
-        candidates below its depth score -inf: never kept where it has enough others, and where it has
-        fewer than the shape keeps, kept last (they were created last), so `trees` cuts them off."""
+        candidates deeper than its own depth score -inf: never kept where it has enough others, and where it
+        has fewer than the shape keeps, kept last (they were created last), so `trees` cuts them off."""
         n = self.shape.kept
         if n <= 0:
             return

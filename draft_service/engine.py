@@ -444,9 +444,9 @@ class DraftEngine:
         """One growth for trees of one top-k and size, whatever their depths: all grow to the deepest, and
         each keeps its best nodes no deeper than its own budget's (BatchTreeGrowth.load's depths), which are
         the nodes its own budget grows. The gateway gives a request with poor acceptance a shallower tree;
-        grown apart, each depth was a graph replay of its own (and a graph captured on first use: on an H100
-        at 16 requests one call met five such depths and spent 150 ms on captures), where one replay of the
-        deepest costs about one of them."""
+        grown apart, each depth was a graph replay of its own, and a graph captured on first use (on an H100 at
+        16 requests two calls that met five depths took 154 and 158 ms in their draft phase, about 190 ms of it
+        captures), where one replay of the deepest costs about what one of them did."""
         deepest = max(budget.steps for _, _, budget in members)
         topk, size = members[0][2].topk, members[0][2].num_draft_tokens
         growth = self.growth_for(len(members), DraftBudget(deepest, topk, size))
