@@ -221,3 +221,32 @@ def test_a_draft_stream_that_does_not_answer_is_a_lost_replica_after_the_timeout
     finally:
         client.close()
         server.stop(0)
+
+
+def test_the_gateways_start_up_warm_up_runs_against_a_real_draft_and_leaves_it_as_it_was(draft, stub):
+    """gateway.profiling.warm_draft on a draft that says it runs on CUDA (a CPU one here, so nothing is captured):
+    the real service takes its calls, and its requests are all released after."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gateway.policy import PolicyConfig
+    from gateway.profiling import warm_draft
+
+    client = DraftClient(draft.address)
+
+    class SaysCuda:  # the client, but its info says cuda
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def info(self):
+            return dataclasses.replace(client.info(), device="cuda")
+
+    try:
+        before = stub.GetLoad(draft_pb2.DraftLoadRequest())
+        # 32 blocks of 4 tokens, 12 a request (32 tokens of prompt, 16 of the widest tree): the 2-request bucket.
+        assert warm_draft(SimpleNamespace(client=SaysCuda()), PolicyConfig(), max_batch=256) == len(
+            PolicyConfig().auto_options())
+        after = stub.GetLoad(draft_pb2.DraftLoadRequest())
+        assert (after.num_sequences, after.free_blocks) == (before.num_sequences, before.free_blocks)
+    finally:
+        client.close()
