@@ -180,7 +180,11 @@ class GatewayCore:
         self._default_mode = SpecMode(cfg.policy.mode)
         self.model_name = model_name
         self.metrics = metrics or GatewayMetrics()
-        self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set())
+        # A replica back from a loss reports its KV: where the last requests ended while it was away, the idle
+        # refresh (_release_finished) found no healthy replica, and the gauge kept what it held before the loss
+        # (a CI soak that killed the draft read it above 0 for 60 s after every request had ended).
+        self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set(),
+                              on_back=lambda rep: rep.submit(lambda: self._draft_usage(rep.client.info().load)))
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)

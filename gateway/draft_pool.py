@@ -136,9 +136,12 @@ def feature_layers_match(expected: Callable[[], tuple[int, ...]]) -> AdmissionCh
 
 class DraftPool:
     def __init__(self, clients: list[DraftClient], on_lost: Callable[[DraftReplica], None],
-                 make_client: Callable[[str], DraftClient] = DraftClient):
+                 make_client: Callable[[str], DraftClient] = DraftClient,
+                 on_back: Callable[[DraftReplica], None] | None = None):
         self.replicas = [DraftReplica(i, c) for i, c in enumerate(clients)]
         self.on_lost = on_lost
+        # Called once a replica is healthy again (or, new, for the first time), after its orphans' release.
+        self.on_back = on_back
         self.admission: AdmissionCheck | None = None
         self.make_client = make_client
         self._stop = threading.Event()
@@ -187,6 +190,8 @@ class DraftPool:
                 return
             r.healthy = True
         log.info("draft replica %s is healthy", r.client.address)
+        if self.on_back is not None:
+            self.on_back(r)
 
     @staticmethod
     def _release_orphans(r: DraftReplica) -> bool:

@@ -29,9 +29,9 @@ class FakeClient:
         pass
 
 
-def lost_replica_with(requests: set[str]):
+def lost_replica_with(requests: set[str], back: list | None = None):
     client = FakeClient()
-    pool = DraftPool([client], on_lost=lambda _replica: None)
+    pool = DraftPool([client], on_lost=lambda _replica: None, on_back=None if back is None else back.append)
     replica = pool.replicas[0]
     replica.healthy, replica.requests = True, set(requests)
     pool.mark_lost(replica, "deadline exceeded")
@@ -72,5 +72,24 @@ def test_a_replica_lost_with_no_requests_comes_back_without_a_release():
         client.up = True
         pool.probe_once()
         assert replica.healthy and client.released == []
+    finally:
+        pool.stop()
+
+
+def test_a_replica_back_from_a_loss_is_announced_once_its_orphans_are_released():
+    """The core refreshes the draft KV gauge then (the last requests may have ended while it was away)."""
+    back: list = []
+    pool, replica, client = lost_replica_with({"a"}, back)
+    try:
+        pool.probe_once()
+        assert back == []  # its request is not detached yet
+        replica.requests.clear()
+        client.fail_releases = 1
+        pool.probe_once()
+        assert back == []  # the release failed: not back
+        pool.probe_once()
+        assert back == [replica] and replica.healthy
+        pool.probe_once()
+        assert back == [replica]  # healthy replicas are not probed again
     finally:
         pool.stop()

@@ -582,6 +582,35 @@ def test_a_lost_draft_falls_back_to_plain_decode_with_the_same_output(tokenizer)
     assert not core.pool.replicas[0].healthy and target.lengths == {}
 
 
+def test_a_draft_back_after_the_last_request_ended_without_it_brings_its_kv_gauge_to_zero(tokenizer):
+    """A CI soak killed the draft and its last requests ended before it was back: the idle refresh of the draft KV
+    gauge found no healthy replica, and the gauge kept what the draft held before the loss. Its return refreshes it."""
+    class CountingDraft(FakeDraft):
+        def load(self) -> KvLoad:  # a block per request held
+            return KvLoad(len(self.known), 4, 256, 256 - len(self.known))
+
+    core, _, _ = new_core(tokenizer, mode="always")
+    draft = core.pool.replicas[0].client = CountingDraft("draft0")
+    gauge = core.metrics.kv_usage.labels(service="draft")
+    submit(core, "a", [3, 4, 5], max_tokens=30)
+    core._take_inbox()
+    for _ in range(4):
+        core._step()
+        core._take_inbox()
+        time.sleep(0.005)
+    assert gauge._value.get() > 0
+    draft.fail = True
+    run_until_idle(core)
+    assert not core.pool.replicas[0].healthy and gauge._value.get() > 0  # nothing refreshed it: no replica
+    draft.fail = False
+    core.pool.probe_once()  # the orphan released, the replica healthy, its KV read
+    deadline = time.monotonic() + 10  # the refresh runs on the replica's worker thread
+    while gauge._value.get() != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gauge._value.get() == 0.0
+    assert core.pool.replicas[0].healthy and draft.known == {}
+
+
 def test_resource_exhausted_from_the_target_preempts_and_output_is_unchanged(tokenizer):
     core, target, _ = new_core(tokenizer, mode="never")
     outs = [submit(core, f"p{i}", [9 + i, 2], max_tokens=10) for i in range(3)]
