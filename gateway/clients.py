@@ -347,6 +347,7 @@ class DraftInfo:
     reads_target_features: bool = False  # it reads features the target holds (IngestItem.target_feature_rows)
     feature_sink: str = ""  # the name under which the target pushes it features (PackedStep.feature_sinks)
     device: str = ""  # "cpu" or "cuda" (a CUDA draft captures a graph for each new call shape)
+    feature_width: int = 0  # columns of one position's target features
 
 
 class DraftReply(NamedTuple):
@@ -388,7 +389,8 @@ class DraftClient:
         self.feature_sink = m.feature_sink
         self.lane.learn(m.step_lane if m.HasField("step_lane") else None)
         return DraftInfo(tuple(m.feature_layers), m.max_tokens, m.max_steps, m.max_topk,
-                         m.max_draft_tokens, _load(m.load), m.reads_target_features, m.feature_sink, m.device)
+                         m.max_draft_tokens, _load(m.load), m.reads_target_features, m.feature_sink, m.device,
+                         m.feature_width)
 
     @staticmethod
     def _ingest_proto(it: IngestItem) -> draft_pb2.IngestItem:

@@ -149,15 +149,17 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
     each (batch bucket, budget) on its first call, and under load that first call is a first probe of trees,
     its capture a pause of every request. On an H200 at 16 requests a 10/1/11 capture took 30 of a probe
     round's 43 ms draft phase; on an H100, before trees of several depths grew as one, captures took about
-    190 ms of two rounds (BENCHMARKS.md, forty-third session). Returns the calls made: none on a CPU draft,
-    which captures nothing, and none where no bucket fits."""
+    190 ms of two rounds (BENCHMARKS.md, forty-third session). Then, at each bucket, one call that first takes
+    in a verify's worth of tokens with features: the fixed-width catch-up's graph of that bucket (10-70 ms a
+    capture on an H100). Returns the calls made: none on a CPU draft, which captures nothing, and none where no
+    bucket fits."""
     client = replica.client
     info = client.info()
     if info.device != "cuda" or cfg.mode == "never":
         return 0
     options = cfg.auto_options() if cfg.mode == "auto" else (cfg.fixed_budget,)
     deepest = max(o.num_draft_tokens for o in options)
-    per_request = -(-(PREFIX + deepest) // info.load.block_size)
+    per_request = -(-(PREFIX + len(WARM_BATCHES) + deepest) // info.load.block_size)  # + a token a catch-up call
     room = info.load.free_blocks // per_request
     batches = [b for b in WARM_BATCHES if b <= min(max_batch, room)]
     if not batches:
@@ -166,11 +168,22 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
     prompt = tuple(1 + i % 50 for i in range(PREFIX))
     client.ingest([IngestItem(rid, 0, prompt, None) for rid in ids], catch_up=True)
     calls = 0
+    known = {rid: list(prompt) for rid in ids}
     try:
         for budget in options:
             for batch in batches:
                 client.draft([], [(rid, budget, len(prompt)) for rid in ids[:batch]])
                 calls += 1
+        for batch in batches if info.feature_width else ():
+            # The root and one accepted token, the root's features with them: as a verify step feeds the draft.
+            ingest = []
+            for rid in ids[:batch]:
+                tokens = known[rid]
+                ingest.append(IngestItem(rid, len(tokens) - 1, (tokens[-1], 1 + len(tokens) % 50),
+                                         torch.zeros(1, info.feature_width)))
+                tokens.append(1 + len(tokens) % 50)
+            client.draft(ingest, [(rid, cfg.fixed_budget, len(known[rid])) for rid in ids[:batch]])
+            calls += 1
     finally:
         client.release(ids)
     return calls

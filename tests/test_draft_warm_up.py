@@ -14,24 +14,38 @@ from target_service.types import KvLoad
 class RecordingDraft:
     """A draft client that answers info and records every ingest, draft and release."""
 
-    def __init__(self, device: str, free_blocks: int = 10_000, block_size: int = 16):
+    def __init__(self, device: str, free_blocks: int = 10_000, block_size: int = 16, feature_width: int = 12):
         self.device, self.free_blocks, self.block_size = device, free_blocks, block_size
-        self.ingested: list[str] = []
-        self.calls: list[tuple[DraftBudget, int]] = []
+        self.feature_width = feature_width
+        self.known: dict[str, int] = {}  # tokens each request holds
+        self.calls: list[tuple[DraftBudget, int]] = []  # growth calls: (budget, requests)
+        self.catch_ups: list[int] = []  # calls that first took in tokens with features: their requests
         self.released: list[str] = []
+
+    @property
+    def ingested(self) -> list[str]:
+        return list(self.known)
 
     def info(self) -> DraftInfo:
         load = KvLoad(0, self.block_size, self.free_blocks, self.free_blocks)
-        return DraftInfo((1, 2, 3), 4096, 8, 8, 64, load, device=self.device)
+        return DraftInfo((1, 2, 3), 4096, 8, 8, 64, load, device=self.device, feature_width=self.feature_width)
 
     def ingest(self, items, catch_up=False):
-        assert catch_up and all(len(it.tokens) == PREFIX for it in items)
-        self.ingested += [it.request_id for it in items]
+        assert catch_up and all(len(it.tokens) == PREFIX and it.features is None for it in items)
+        self.known.update({it.request_id: PREFIX for it in items})
 
     def draft(self, ingest, items):
-        assert not ingest and len({budget for _, budget, _ in items}) == 1
-        assert all(rid in self.ingested and n == PREFIX for rid, _, n in items)
-        self.calls.append((items[0][1], len(items)))
+        assert len({budget for _, budget, _ in items}) == 1
+        for it in ingest:  # a verify's root and one token, the root's features with them
+            assert it.start_position == self.known[it.request_id] - 1 and len(it.tokens) == 2
+            assert tuple(it.features.shape) == (1, self.feature_width)
+            self.known[it.request_id] += 1
+        assert all(n == self.known[rid] for rid, _, n in items)
+        if ingest:
+            assert [it.request_id for it in ingest] == [rid for rid, _, _ in items]
+            self.catch_ups.append(len(items))
+        else:
+            self.calls.append((items[0][1], len(items)))
 
     def release(self, request_ids):
         self.released += request_ids
@@ -45,9 +59,16 @@ def test_a_cuda_draft_gets_a_call_for_each_option_at_each_bucket_the_profile_lea
     client = RecordingDraft("cuda")
     cfg = PolicyConfig()
     calls = warm(client, cfg)
-    assert calls == len(client.calls) == len(cfg.auto_options()) * len(WARM_BATCHES)
+    assert calls == len(client.calls) + len(client.catch_ups) == (len(cfg.auto_options()) + 1) * len(WARM_BATCHES)
     assert set(client.calls) == {(o, b) for o in cfg.auto_options() for b in WARM_BATCHES}
+    assert client.catch_ups == list(WARM_BATCHES)  # the fixed-width catch-up's graph of each bucket
     assert sorted(client.released) == sorted(client.ingested) and len(client.ingested) == max(WARM_BATCHES)
+
+
+def test_a_draft_that_reports_no_feature_width_gets_no_catch_up_call():
+    client = RecordingDraft("cuda", feature_width=0)
+    warm(client)
+    assert client.calls and not client.catch_ups
 
 
 def test_a_cpu_draft_captures_nothing_and_is_not_called():
@@ -59,11 +80,12 @@ def test_the_warm_up_stays_within_the_running_batch_and_the_drafts_free_kv():
     client = RecordingDraft("cuda")
     warm(client, max_batch=20)
     assert {batch for _, batch in client.calls} == {2, 8, 16}
-    # 16-token blocks; the longest option (6/8/16) asks PREFIX + 16 = 48 tokens: 3 blocks a request.
-    tight = RecordingDraft("cuda", free_blocks=3 * 9)
+    # 16-token blocks; the longest option (6/8/16) asks PREFIX + 5 catch-up tokens + 16 = 53 tokens: 4 blocks a
+    # request.
+    tight = RecordingDraft("cuda", free_blocks=4 * 9)
     warm(tight)
     assert {batch for _, batch in tight.calls} == {2, 8}
-    assert warm(RecordingDraft("cuda", free_blocks=3)) == 0
+    assert warm(RecordingDraft("cuda", free_blocks=4)) == 0
 
 
 def test_only_what_the_mode_drafts_is_warmed():
