@@ -161,8 +161,7 @@ def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget
 
 
 def _calls(engine: DraftEngine, ids: list[str], budgets: list[DraftBudget], accepted: int, n: int, vocab: int,
-           width: int,
-           device: str, grow_only: bool, times: list[float]) -> None:
+           width: int, device: str, grow_only: bool, times: list[float]) -> None:
     for _ in range(n):
         ingest = []
         for r in ids if not grow_only else ():

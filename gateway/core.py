@@ -184,7 +184,7 @@ class GatewayCore:
         # refresh (_release_finished) found no healthy replica, and the gauge kept what it held before the loss
         # (a CI soak that killed the draft read it above 0 for 60 s after every request had ended).
         self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set(),
-                              on_back=lambda rep: rep.submit(lambda: self._draft_usage(rep.client.info().load)))
+                              on_back=self._refresh_draft_usage)
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)
@@ -1283,6 +1283,10 @@ class GatewayCore:
                 fut.add_done_callback(
                     lambda f, replica=replica: f.exception() and self._ingest_failed(replica, f.exception()))
 
+    def _refresh_draft_usage(self, replica: DraftReplica) -> None:
+        """The draft KV gauge from what the replica holds now, asked on its worker (after what is queued there)."""
+        replica.submit(lambda: self._draft_usage(replica.client.info().load))
+
     def _draft_usage(self, load: KvLoad) -> None:
         self.metrics.kv_usage.labels(service="draft").set(1 - load.free_blocks / max(load.total_blocks, 1))
 
@@ -1357,7 +1361,7 @@ class GatewayCore:
             self._flush_draft_releases()
         if not self.running and not self.waiting:  # idle: the draft gauge must not keep the last step's value
             for rep in self.pool.healthy():  # queued after the releases above, on the replica's FIFO worker
-                rep.submit(lambda rep=rep: self._draft_usage(rep.client.info().load))
+                self._refresh_draft_usage(rep)
 
     def _preempt(self, req: Request) -> None:
         """Out of KV: forget req everywhere; it resumes later from its tokens (recompute)."""

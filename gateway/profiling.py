@@ -178,10 +178,10 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
             # The root and one accepted token, the root's features with them: as a verify step feeds the draft.
             ingest = []
             for rid in ids[:batch]:
-                tokens = known[rid]
-                ingest.append(IngestItem(rid, len(tokens) - 1, (tokens[-1], 1 + len(tokens) % 50),
+                tokens, accepted = known[rid], 1 + len(known[rid]) % 50
+                ingest.append(IngestItem(rid, len(tokens) - 1, (tokens[-1], accepted),
                                          torch.zeros(1, info.feature_width)))
-                tokens.append(1 + len(tokens) % 50)
+                tokens.append(accepted)
             client.draft(ingest, [(rid, cfg.fixed_budget, len(known[rid])) for rid in ids[:batch]])
             calls += 1
     finally:
