@@ -1170,6 +1170,13 @@ class LoadGate:
         if seconds <= 0:
             return None
         b = batch_bucket(seqs if load is None else load)
+        if 2 * seqs < 1 << (b - 1):
+            # A step that carries under half its load's lightest count measures a lighter batch: the held
+            # load (HeldLoad) still judged 64-127 while a `tandem bench` level's 64 requests ended and the
+            # next ones were joining. On an H100 (scale track, 0.8, 2026-12-05) eight granted steps of 2
+            # sequences there took plain decoding at 64-127 from 8386 to 778 tok/s: trees (5519) won the
+            # verdict and were probed and drafted at 64 requests, where `always` delivered 0.73x `never`.
+            return None
         if spec and b in self._catch_up:
             self._end_catch_up(b, committed, seconds)
         if b in self._unsettled:

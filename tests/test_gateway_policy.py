@@ -1130,3 +1130,19 @@ def test_a_verdict_says_when_the_losing_arm_is_measured_again_and_what_the_last_
     close = LoadGate()
     run_gate(close, 8, 40, spec_rate=104, plain_rate=100)
     assert close.outlook(8).startswith(f"plain decoding measured again in {close.stale_after} steps, a second opinion")
+
+
+def test_steps_far_lighter_than_the_held_load_do_not_move_its_figures_or_verdict():
+    """Between one wave of requests and the next the held load still reads 64-127 while a step carries
+    2 sequences: such a step measures a 2-sequence batch, not that load. Recorded, eight of them took
+    plain decoding's figure there from 8386 to 778 tok/s on an H100, and trees won the verdict."""
+    gate = LoadGate()
+    run_gate(gate, 64, 40, spec_rate=4000, plain_rate=8000)
+    assert not gate.allow_spec(64)
+    arm = gate.arms[(batch_bucket(64), False)]
+    plain, samples = arm.goodput, arm.samples
+    for _ in range(8):
+        assert gate.record(2, False, 2, 0.0063, load=64) is None
+    assert (arm.goodput, arm.samples) == (plain, samples) and not gate.allow_spec(64)
+    gate.record(40, False, 40, 0.005, load=64)  # a dip to 40 sequences is still this load's: it counts
+    assert arm.samples == samples + 1
