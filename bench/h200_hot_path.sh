@@ -99,7 +99,8 @@
 #   auto     never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
 #            and 0.6 (AUTO_CONCURRENCY, AUTO_ACCEPTANCES and AUTO_MODES override the levels, rates and
 #            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before; AUTO_TP=N serves the
-#            target at --tp N, as auto_scale_RATE_tpN; AUTO_GATEWAY_ARGS="--fed-grants" adds gateway flags); tandem bench
+#            target at --tp N, as auto_scale_RATE_tpN; AUTO_GATEWAY_ARGS="--fed-grants" adds gateway flags,
+#            AUTO_TARGET_ARGS="--graph-ragged-rows 1024" target flags); tandem bench
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
 #            and each mode's metrics are scraped after it; bench/auto_report.py then prints the modes side by
 #            side (auto / max, the audit beside `always` and `never`) into auto_scale_RATE_report.log;
@@ -128,6 +129,8 @@
 #            then never and always (RAGGED_MODES) at RAGGED_CONCURRENCY (default 8,16,64), scale track at 0.8, on a
 #            serve with `--graph-ragged-rows 0` (today) and one with RAGGED_ROWS, back to back (RAGGED_ROUNDS
 #            interleaved rounds, default 2)
+#   raggedeq after only: bench/greedy_equality.py on the demo pair (bf16, --deterministic unless RAGGED_EQ_FLAGS
+#            is set, e.g. to "") with `--graph-ragged-rows 0`, then RAGGED_ROWS (default 1024) compared with it
 #   l2prefetch  after only: each GEMM's weight asked of L2 ahead of it (kernels/l2_prefetch.py, `--l2-prefetch-mb`):
 #            bench/l2_prefetch_cost.py (one-row GEMMs behind an idle window, per shape, window and cap); the forward
 #            with caps L2_CAPS (default 0,16,32,0,16,32: off and on alternated in one process, batch 1/8/64, decode and
@@ -532,6 +535,7 @@ for stage in "$@"; do
         scale_serve $scale $acceptance
         [[ -n ${AUTO_TP:-} ]] && serve+=(--tp "$AUTO_TP")
         [[ -n ${AUTO_GATEWAY_ARGS:-} ]] && serve+=("--gateway-args=$AUTO_GATEWAY_ARGS")
+        if [[ -n ${AUTO_TARGET_ARGS:-} ]]; then with_target_args "$AUTO_TARGET_ARGS"; serve=("${joined[@]}"); fi
         for tree in ${AUTO_TREES:-after}; do
           suffix=""; [[ $tree == before ]] && suffix=_before
           [[ -n ${AUTO_TP:-} ]] && suffix+=_tp$AUTO_TP
@@ -598,6 +602,13 @@ for stage in "$@"; do
           "ragged_rows$rows" $((8750 + rows % 100)) "${RAGGED_CONCURRENCY:-8,16,64}" "${RAGGED_MODES:-never,always}" \
           "${joined[@]}"
         run "ragged_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/ragged_rows$rows"
+      done ;;
+    raggedeq)  # after only: greedy texts of the demo pair in bf16 with ragged graphs off, then on (compared with off),
+               # --deterministic unless RAGGED_EQ_FLAGS says otherwise
+      for rows in 0 "${RAGGED_ROWS:-1024}"; do
+        against=""; [[ $rows != 0 ]] && against=raggedeq_rows0
+        equality "raggedeq_rows$rows" $((8460 + rows % 100)) 64 "$against" --device cuda --dtype bfloat16 \
+          ${RAGGED_EQ_FLAGS---deterministic} "--target-args=--graph-ragged-rows $rows"
       done ;;
     l2prefetch)  # after only: weights asked of L2 ahead of their GEMM, off against on
       run l2prefetch_tests after 240 python3 -m pytest -q -x tests/test_l2_prefetch.py
