@@ -74,18 +74,44 @@ class GraphConfig:
     # max_nodes) replays a ragged bucket of at most this many rows (0: off): its rows are packed sequence
     # after sequence, as an eager step's, and only their total is padded. On the H200 scale track (0.8,
     # 2026-12-04) steps with a joining prompt ran eagerly at 19-31 ms beside 5-9 ms decode and tree steps,
-    # 38-43% of `never`'s time at 64 requests. Captured on first use (a one-time pause of a capture).
+    # 38-43% of `never`'s time at 64 requests. With them (1024 rows) on an H100 (2026-12-05, same track)
+    # `always` delivered 4-10% more at 8-64 requests and `never` the same; `tandem target` serves 1024 rows
+    # by default (--graph-ragged-rows), the engine alone none.
     ragged_rows: int = 0
+    # A ragged bucket's tree nodes: 1 where every decode item is plain, else the tree bucket raised to at
+    # least this (its rows are packed, so the bound costs no rows): trees of 2 to 16 nodes share buckets.
+    ragged_tree: int = 16
+    # capture_all also captures the ragged buckets of every batch bucket, trees 1 and ragged_tree, rows
+    # from this many (or the batch) up to ragged_rows (0: none; the rest are captured on first use). On an
+    # H100 (2026-12-05) 38 ragged buckets met in one serve took 0.04-0.08 s each, and four of them, met
+    # in the first steps of one level's first probe of trees, made that probe read trees at 2449 tok/s
+    # where they then ran at 3234: plain decoding won the verdict and auto delivered 0.82 of `always`.
+    ragged_warm_rows: int = 64
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_nodes < 1 or self.max_tokens < 1 or self.max_chain_rows < 0 \
-                or self.ragged_rows < 0:
-            raise ValueError("CUDA graph limits: max batch, nodes and tokens must be positive, chain and "
-                             "ragged rows not negative")
+                or self.ragged_rows < 0 or self.ragged_tree < 1 or self.ragged_warm_rows < 0:
+            raise ValueError("CUDA graph limits: max batch, nodes, tokens and ragged tree must be positive, "
+                             "chain, ragged and warm ragged rows not negative")
 
     def buckets(self) -> list[tuple[int, int]]:
         return [(b, n) for b in _pow2_upto(self.max_batch) for n in _pow2_upto(self.max_nodes)
                 if b * n <= self.max_tokens]
+
+    def ragged_tree_bucket(self, tree: int) -> int | None:
+        """The tree nodes of the ragged bucket for decode items of up to `tree` nodes (None: past max_nodes)."""
+        if tree > self.max_nodes:
+            return None
+        return 1 if tree == 1 else min(self.max_nodes, max(self.ragged_tree, 1 << (tree - 1).bit_length()))
+
+    def warm_ragged_buckets(self) -> list[tuple[int, int, int]]:
+        """The ragged buckets capture_all captures (see ragged_warm_rows)."""
+        if not self.ragged_rows or not self.ragged_warm_rows:
+            return []
+        trees = sorted({1, self.ragged_tree_bucket(min(self.ragged_tree, self.max_nodes))})
+        return [(b, n, rows) for b in _pow2_upto(self.max_batch) for n in trees
+                for rows in _pow2_upto(self.ragged_rows) if rows >= max(b, self.ragged_warm_rows)
+                and rows == 1 << (rows - 1).bit_length()]
 
 
 def bucket_shape(engine: TargetEngine, batch: int, nodes: int) -> tuple[InputShape, int]:
@@ -253,12 +279,11 @@ class StepGraphs:
         rows = 1 << max(len(batch.tokens) - 1, 0).bit_length()  # the step's rows, to a power of two
         if rows > self.cfg.ragged_rows:
             return None
-        tree = max_tree(batch)
+        tree = self.cfg.ragged_tree_bucket(max_tree(batch))
         batches = [b for b, _ in self.keys if b >= batch.size]
-        trees = [n for _, n in self.keys if n >= tree]
-        if not batches or not trees:
+        if not batches or tree is None:
             return None
-        return min(batches), min(trees), max(rows, min(batches))
+        return min(batches), tree, max(rows, min(batches))
 
     def _bucket(self, key: tuple[int, ...]) -> BucketGraph:
         bucket = self._buckets.get(key)
@@ -279,8 +304,11 @@ class StepGraphs:
         self._buckets.clear()
 
     def capture_all(self) -> float:
-        """Capture every bucket now (largest first, so smaller graphs reuse the pool); returns seconds."""
+        """Capture every bucket now (largest first, so smaller graphs reuse the pool), then the ragged
+        buckets of GraphConfig.ragged_warm_rows; returns seconds."""
         t0 = time.perf_counter()
         for key in sorted(self.keys, key=lambda bn: -bn[0] * bn[1]):
             self._bucket(key)
+        for ragged in sorted(self.cfg.warm_ragged_buckets(), key=lambda key: (-key[2], -key[0], -key[1])):
+            self._bucket(ragged)
         return time.perf_counter() - t0

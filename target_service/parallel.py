@@ -73,7 +73,8 @@ class EngineSpec:
     cuda_graphs: bool = True  # on CUDA with TP=1: decode/verify steps replay captured graphs
     graph_max_batch: int = 128
     graph_chain_rows: int = 512  # GraphConfig.max_chain_rows: prompt chunks replay buckets of at most this many rows
-    graph_ragged_rows: int = 0  # GraphConfig.ragged_rows: ragged buckets for prompt chunks (0: off)
+    graph_ragged_rows: int = 1024  # GraphConfig.ragged_rows: ragged buckets for prompt chunks (0: off)
+    graph_ragged_warm_rows: int = 64  # GraphConfig.ragged_warm_rows: those captured at start-up (0: none)
     batch_invariant: bool = False  # --deterministic: kernels whose rows do not depend on the step
     l2_prefetch_mb: int = 0  # on CUDA, ask L2 for up to this many MiB of each GEMM's weight ahead of it (0: off)
 
@@ -115,10 +116,11 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
         # inside (NCCL collectives can be captured); ranks then replay in lockstep, since each
         # runs the same step sequence rank 0 broadcasts.
         graphs = GraphConfig(max_batch=spec.graph_max_batch, max_chain_rows=spec.graph_chain_rows,
-                             ragged_rows=spec.graph_ragged_rows)
+                             ragged_rows=spec.graph_ragged_rows, ragged_warm_rows=spec.graph_ragged_warm_rows)
     engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs)
     if engine.graphs is not None:
-        log.info("capturing %d CUDA graphs (batch up to %d)", len(engine.graphs.keys), spec.graph_max_batch)
+        log.info("capturing %d CUDA graphs (batch up to %d) and %d ragged ones", len(engine.graphs.keys),
+                 spec.graph_max_batch, len(graphs.warm_ragged_buckets()))
         log.info("CUDA graphs captured in %.1f s", engine.graphs.capture_all())
     return engine
 

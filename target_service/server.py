@@ -437,10 +437,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a step with a prompt chunk replays a CUDA graph only where the graph's padded rows "
                    "(batch bucket x nodes bucket) are at most ROWS or at most twice the step's own; 0 keeps "
                    "prompt chunks eager unless they pad little (default 512)")
-    p.add_argument("--graph-ragged-rows", type=int, default=0, metavar="ROWS",
+    p.add_argument("--graph-ragged-rows", type=int, default=1024, metavar="ROWS",
                    help="a step with a prompt chunk that no graph above takes replays a ragged graph sized by "
-                   "the step's own rows (to a power of two, at most ROWS), captured on first use; 0 runs such "
-                   "steps eagerly (default 0: not yet measured on a GPU)")
+                   "the step's own rows (to a power of two, at most ROWS); 0 runs such steps eagerly "
+                   "(default 1024)")
+    p.add_argument("--graph-ragged-warm-rows", type=int, default=64, metavar="ROWS",
+                   help="capture the ragged graphs of every batch for plain decode and for trees at start-up, "
+                   "rows from ROWS to --graph-ragged-rows (78 graphs by default, a few seconds); the others, "
+                   "and all with 0, are captured the first time a step needs them, which pauses that step "
+                   "(default 64)")
     p.add_argument("--l2-prefetch-mb", type=int, default=0, metavar="MIB",
                    help="on CUDA (Hopper or later), ask the L2 cache for up to MIB MiB of each GEMM's weight on a "
                    "side stream while the kernels before that GEMM run; output unchanged, only its time "
@@ -474,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --graph-chain-rows must be >= 0")
     if args.graph_ragged_rows < 0:
         raise SystemExit("error: --graph-ragged-rows must be >= 0")
+    if args.graph_ragged_warm_rows < 0:
+        raise SystemExit("error: --graph-ragged-warm-rows must be >= 0")
     if args.l2_prefetch_mb < 0:
         raise SystemExit("error: --l2-prefetch-mb must be >= 0")
     pacing = pacing_from_args(args.emulate_step_cost)
@@ -484,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                       kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                       random_weights=args.random_weights, cuda_graphs=not args.no_cuda_graphs,
                       graph_max_batch=args.graph_max_batch, graph_chain_rows=args.graph_chain_rows,
-                      graph_ragged_rows=args.graph_ragged_rows, l2_prefetch_mb=args.l2_prefetch_mb,
+                      graph_ragged_rows=args.graph_ragged_rows,
+                      graph_ragged_warm_rows=args.graph_ragged_warm_rows, l2_prefetch_mb=args.l2_prefetch_mb,
                       batch_invariant=args.deterministic)
     if args.max_held_features < 1:
         raise SystemExit("error: --max-held-features must be >= 1")

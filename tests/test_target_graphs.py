@@ -114,15 +114,48 @@ def test_prompt_chunks_no_bucket_takes_replay_a_ragged_bucket_sized_by_their_row
                                      SequenceStep.chain("b", PROMPT[:3], create=True, return_features=True)])
     assert graphs.graphs.replays == 1 and (2, 1, 32) in graphs.graphs._buckets
     # The rest of a's prompt (9 fixed nodes) beside a 5-node tree for b: 14 rows. The 2 x 16 bucket would pad
-    # to 32, over max(16, twice 14): the ragged 2 x 8 x 16 bucket (trees of up to 8 nodes, 16 rows).
+    # to 32, over max(16, twice 14): the ragged 2 x 16 x 16 bucket (trees of up to GraphConfig.ragged_tree,
+    # 16 nodes, and 16 rows).
     toks, parents = tree_with_path(first[1].tokens[-1], [3, 8], {1: [5]})
     run_both(eager, graphs, [SequenceStep.chain("a", prompt[20:29], return_features=True),
                              SequenceStep("b", tuple(toks), tuple(parents), 1, return_features=True)])
-    assert graphs.graphs.replays == 2 and (2, 8, 16) in graphs.graphs._buckets
+    assert graphs.graphs.replays == 2 and (2, 16, 16) in graphs.graphs._buckets
     # 35 rows are over ragged_rows 32: eager.
     run_both(eager, graphs, [SequenceStep.chain("c", prompt + PROMPT, create=True)])
     assert graphs.graphs.replays == 2
     assert_caches_agree(eager, graphs, ("a", "b", "c"))
+
+
+def test_the_common_ragged_buckets_are_captured_at_start_up_and_a_joining_prompt_replays_one(models):
+    """GraphConfig.ragged_warm_rows: capture_all also takes the ragged buckets of every batch bucket for plain
+    decode and for trees (ragged_tree nodes), rows from ragged_warm_rows up, so that no capture pauses a step
+    under load (on an H100 four of them paused one level's first probe of trees, which then lost its verdict).
+    A step that meets one replays it, with the eager step's results; trees of 2-16 nodes share one."""
+    eager, graphs = engines(models, max_chain_rows=16, ragged_rows=32, ragged_warm_rows=16)
+    cfg = graphs.graphs.cfg
+    warm = cfg.warm_ragged_buckets()
+    assert sorted(warm) == sorted((b, n, rows) for b in (1, 2, 4) for n in (1, 16) for rows in (16, 32))
+    assert [cfg.ragged_tree_bucket(t) for t in (1, 2, 5, 16, 17)] == [1, 16, 16, 16, None]
+    graphs.graphs.capture_all()
+    captured = set(graphs.graphs._buckets)
+    assert set(warm) <= captured
+    prompt = [(t * 5) % 97 + 1 for t in PROMPT * 6][:20]
+    first = run_both(eager, graphs, [SequenceStep.chain("a", PROMPT[:4], create=True)])
+    # A 20-token prompt joining a's 3-node tree: 23 rows, the warm 2 x 16 x 32 bucket.
+    toks, parents = tree_with_path(first[0].tokens[-1], [3, 8], {})
+    run_both(eager, graphs, [SequenceStep("a", tuple(toks), tuple(parents), 1),
+                             SequenceStep.chain("b", prompt, create=True, return_features=True)])
+    assert graphs.graphs.replays == 2 and set(graphs.graphs._buckets) == captured
+    assert_caches_agree(eager, graphs, ("a", "b"))
+
+
+def test_no_ragged_bucket_is_captured_at_start_up_where_ragged_graphs_or_their_warm_rows_are_off():
+    assert GraphConfig(ragged_rows=0).warm_ragged_buckets() == []
+    assert GraphConfig(ragged_rows=1024, ragged_warm_rows=0).warm_ragged_buckets() == []
+    # The defaults: batches 1-128, trees 1 and 16, rows 64-1024 (128-1024 for 128 sequences).
+    assert len(GraphConfig(ragged_rows=1024).warm_ragged_buckets()) == 2 * (7 * 5 + 4)
+    with pytest.raises(ValueError, match="ragged tree must be positive"):
+        GraphConfig(ragged_tree=0)
 
 
 def test_steps_outside_every_bucket_run_eagerly(models):
@@ -141,6 +174,10 @@ def test_steps_outside_every_bucket_run_eagerly(models):
 def test_a_negative_ragged_row_limit_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match="ragged rows not negative"):
         GraphConfig(ragged_rows=-1)
+    with pytest.raises(ValueError, match="warm ragged rows not negative"):
+        GraphConfig(ragged_warm_rows=-1)
     from target_service.server import main
     with pytest.raises(SystemExit, match="error: --graph-ragged-rows must be >= 0"):
         main(["--model", "no-such-model", "--port", "0", "--graph-ragged-rows", "-1"])
+    with pytest.raises(SystemExit, match="error: --graph-ragged-warm-rows must be >= 0"):
+        main(["--model", "no-such-model", "--port", "0", "--graph-ragged-warm-rows", "-1"])
