@@ -10,6 +10,8 @@ buffer the next call is filling.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -34,3 +36,15 @@ class StagedInput:
         dst.copy_(src, non_blocking=self._sent is not None)
         if self._sent is not None:
             self._sent.record()
+
+
+def staged_chunks(stage: StagedInput, rows: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Host rows on their way to the device through `stage`, as many at a time as it holds: (the first
+    row's index, the chunk on the device). Use each chunk before asking for the next: the next one is copied
+    into the same device rows (after, in stream order, whatever the caller queued on this one)."""
+    size = stage.device.shape[0]
+    for at in range(0, len(rows), size):
+        chunk = rows[at: at + size]
+        torch.stack(chunk, out=stage.host()[: len(chunk)])
+        stage.send(len(chunk))
+        yield at, stage.device[: len(chunk)]

@@ -203,3 +203,36 @@ def test_fused_growth_levels_are_taken_only_where_attention_runs_on_triton(pair)
         assert DraftEngine(model, num_blocks=8, block_size=4, fused_levels=True).fused_levels is fused
         assert DraftEngine(model, num_blocks=8, block_size=4).fused_levels is fused  # on by default, where it can
         assert DraftEngine(model, num_blocks=8, block_size=4, fused_levels=False).fused_levels is False
+
+
+def test_prompts_whose_features_pass_through_the_staging_buffer_leave_the_draft_state_of_a_direct_copy(
+        pair, monkeypatch):
+    """On a GPU an eager catch-up's host feature rows go through a pinned buffer, STAGED_FEATURE_ROWS at a
+    time. Here a 5-row buffer on the CPU: prompts of 6-18 positions in chunks of 5 leave the same draft KV and
+    hidden state as the rows stacked and projected at once."""
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend="torch", device=DEVICE)
+    monkeypatch.setattr(draft_engine, "STAGED_FEATURE_ROWS", 5)
+    engines = {}
+    for staged in (False, True):
+        engine = engines[staged] = DraftEngine(model, num_blocks=96, block_size=4)
+        engine.stage_host_features = staged
+        engine.fixed_catch_up = False  # a joining prompt's catch-up: one eager forward (WIDTH is wider than these)
+        prompts = []
+        for i in range(3):
+            gen = torch.Generator().manual_seed(60 + i)
+            n = 6 + 6 * i
+            tokens = torch.randint(0, model.cfg.target_vocab_size, (n + 1,), generator=gen).tolist()
+            prompts.append(IngestItem(f"r{i}", 0, tuple(tokens), torch.randn(n, model.cfg.feature_width,
+                                                                               generator=gen)))
+        engine.ingest(prompts, catch_up=True)
+    direct, staged = engines[False], engines[True]
+    assert staged._feature_stage is not None and direct._feature_stage is None
+    for i in range(3):
+        rid = f"r{i}"
+        n = direct.computed(rid)
+        assert staged.computed(rid) == n > 0
+        for got, want in zip(staged.kv.read(0, staged.kv.slots(rid, 0, n)),
+                             direct.kv.read(0, direct.kv.slots(rid, 0, n))):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(staged.requests[rid].last_h, direct.requests[rid].last_h, atol=0, rtol=0)
