@@ -1067,7 +1067,12 @@ class LoadGate:
         if min(winner.goodput, loser.goodput, winner.seconds, loser.seconds) <= 0:
             return self.stale_after
         reprobe = self.probe_steps // 4 + 1  # unrecorded warm-up steps, then one recorded
-        lost = reprobe * loser.seconds * max(0.0, 1.0 - loser.goodput / winner.goodput)
+        # As delivered, prompts charged, as the verdict was taken: on decode steps alone trees at 64-127 sequences
+        # measured 8912 tok/s against plain's 8427 on an H100 (scale track, 0.8, 2026-12-05) where their prompts
+        # made them lose; read raw, a re-probe lost nothing, and trees were probed again every 48 steps (9% of
+        # auto's step time in the level went to tree steps; `always` delivered 0.9x `never` there).
+        shortfall = 1.0 - self._delivered(b, not spec_wins) / self._delivered(b, spec_wins)
+        lost = reprobe * loser.seconds * max(0.0, shortfall)
         lost = max(lost, self._probe_lost.get(b, 0.0))  # what the last probe here really lost
         steps = lost / (self.probe_budget * winner.seconds)
         return min(max(steps, self.stale_after), self.stale_after * self.max_stale_factor)
@@ -1149,7 +1154,9 @@ class LoadGate:
         seconds, committed = self._probe_spent.pop(b, (0.0, 0.0))
         winner = self.arms[(b, self._verdict[b])]
         if winner.goodput > 0:
-            self._probe_lost[b] = max(0.0, seconds - committed / winner.goodput)
+            # Both sides as delivered (see _stale_after): the probe's own tokens carry its arm's prompt charge.
+            charged = seconds + committed * self.prompts.seconds_per_token(probe.spec, b)
+            self._probe_lost[b] = max(0.0, charged - committed / self._delivered(b, self._verdict[b]))
             if not probe.spec and self._verdict[b]:
                 self._catch_up[b] = [0.0, 0.0]
 
