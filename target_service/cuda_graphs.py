@@ -75,7 +75,7 @@ class GraphConfig:
     # after sequence, as an eager step's, and only their total is padded. On the H200 scale track (0.8,
     # 2026-12-04) steps with a joining prompt ran eagerly at 19-31 ms beside 5-9 ms decode and tree steps,
     # 38-43% of `never`'s time at 64 requests. With them (1024 rows) on an H100 (2026-12-05, same track)
-    # `always` delivered 4-10% more at 8-64 requests and `never` the same; `tandem target` serves 1024 rows
+    # `always` delivered 4-13% more at 8-64 requests and `never` about the same; `tandem target` serves 1024 rows
     # by default (--graph-ragged-rows), the engine alone none.
     ragged_rows: int = 0
     # A ragged bucket's tree nodes: 1 where every decode item is plain, else the tree bucket raised to at
@@ -108,7 +108,8 @@ class GraphConfig:
         """The ragged buckets capture_all captures (see ragged_warm_rows)."""
         if not self.ragged_rows or not self.ragged_warm_rows:
             return []
-        trees = sorted({1, self.ragged_tree_bucket(min(self.ragged_tree, self.max_nodes))})
+        shared = self.ragged_tree_bucket(2)  # the bucket of every tree of 2 to ragged_tree nodes
+        trees = [1] if shared is None else [1, shared]
         return [(b, n, rows) for b in _pow2_upto(self.max_batch) for n in trees
                 for rows in _pow2_upto(self.ragged_rows) if rows >= max(b, self.ragged_warm_rows)
                 and rows == 1 << (rows - 1).bit_length()]
