@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="print where each level of this tandem bench run spent its step time (repeatable: one "
                          "serve's benches, one bench.json each)")
     args = ap.parse_args(argv)
+    if not args.log.is_file():
+        ap.error(f"no such log: {args.log}")
     text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
     rows = [m.groups() for m in map(STEP.search, text.splitlines()) if m]
     rows = [row for row in rows if args.since <= row[0] <= args.until]
