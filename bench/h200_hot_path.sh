@@ -127,7 +127,7 @@
 #            the graph tests on the GPU; bench/engine_step.py --prompt-tokens 40,96 --ragged-rows RAGGED_ROWS (default
 #            1024: b - 1 decode items and a joining prompt, with today's graphs, chunks kept out, and ragged graphs);
 #            then never and always (RAGGED_MODES) at RAGGED_CONCURRENCY (default 8,16,64), scale track at 0.8, on a
-#            serve with `--graph-ragged-rows 0` (today) and one with RAGGED_ROWS, back to back (RAGGED_ROUNDS
+#            serve with `--graph-ragged-rows 0` (off; 1024 is the default since 2026-12-05) and one with RAGGED_ROWS, back to back (RAGGED_ROUNDS
 #            interleaved rounds, default 2)
 #   raggedeq after only: bench/greedy_equality.py on the demo pair (bf16, --deterministic unless RAGGED_EQ_FLAGS
 #            is set, e.g. to "") with `--graph-ragged-rows 0`, then RAGGED_ROWS (default 1024) compared with it
@@ -590,7 +590,7 @@ for stage in "$@"; do
           "join_rows$rows" $((8650 + rows % 100)) "${JOIN_CONCURRENCY:-1,2,4}" "${JOIN_MODES:-never,always,auto}" "${joined[@]}"
         run "join_rows${rows}_report" after 60 python3 bench/auto_report.py "$OUT/join_rows$rows"
       done ;;
-    ragged)  # after only: prompt chunks through ragged graphs (--graph-ragged-rows) against today's graphs
+    ragged)  # after only: prompt chunks through ragged graphs (--graph-ragged-rows) against none (0 rows)
       [[ ${RAGGED_TESTS:-1} == 1 ]] && run raggedtests after 240 python3 -m pytest -q -x tests/test_target_graphs.py
       run engine_ragged after 240 python3 bench/engine_step.py --batches 4,8,16,64 --nodes 1 --prompt-tokens 40,96 \
         --ragged-rows "${RAGGED_ROWS:-1024}" --iters 10 --modes graphs --out "$OUT/engine_ragged.json"
