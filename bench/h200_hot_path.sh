@@ -127,8 +127,8 @@
 #            the graph tests on the GPU; bench/engine_step.py --prompt-tokens 40,96 --ragged-rows RAGGED_ROWS (default
 #            1024: b - 1 decode items and a joining prompt, with today's graphs, chunks kept out, and ragged graphs);
 #            then never and always (RAGGED_MODES) at RAGGED_CONCURRENCY (default 8,16,64), scale track at 0.8, on a
-#            serve with `--graph-ragged-rows 0` (off; 1024 is the default since 2026-12-05) and one with RAGGED_ROWS, back to back (RAGGED_ROUNDS
-#            interleaved rounds, default 2)
+#            serve with `--graph-ragged-rows 0` (off; 1024 is the default since 2026-12-05) and one with RAGGED_ROWS,
+#            back to back (RAGGED_ROUNDS interleaved rounds, default 2)
 #   raggedeq after only: bench/greedy_equality.py on the demo pair (bf16, --deterministic unless RAGGED_EQ_FLAGS
 #            is set, e.g. to "") with `--graph-ragged-rows 0`, then RAGGED_ROWS (default 1024) compared with it
 #   l2prefetch  after only: each GEMM's weight asked of L2 ahead of it (kernels/l2_prefetch.py, `--l2-prefetch-mb`):
