@@ -432,8 +432,7 @@ class DraftEngine:
             if it.budget.empty or st.last_h is None:
                 continue
             if fits(it.budget):
-                group = (it.budget.topk, it.budget.num_draft_tokens)
-                on_device.setdefault(group, []).append((tree, it.request_id, it.budget))
+                on_device.setdefault(it.budget.shape, []).append((tree, it.request_id, it.budget))
             else:
                 growing.append(_Growing(tree, TreeGrowth(it.budget), n, st.last_h,
                                         torch.from_numpy(self.kv.host_slots(it.request_id, 0, n)),
@@ -472,9 +471,8 @@ class DraftEngine:
         grown apart, each depth was a graph replay of its own, and a graph captured on first use (on an H100 at
         16 requests two calls that met five depths took 154 and 158 ms in their draft phase, about 190 ms of it
         captures), where one replay of the deepest costs about what one of them did."""
-        deepest = max(budget.steps for _, _, budget in members)
-        topk, size = members[0][2].topk, members[0][2].num_draft_tokens
-        growth = self.growth_for(len(members), DraftBudget(deepest, topk, size))
+        deepest = max((budget for _, _, budget in members), key=lambda budget: budget.steps)  # one shape, all
+        growth = self.growth_for(len(members), deepest)
         self.table.flush()  # catch-up may have added blocks
         rids = [rid for _, rid, _ in members]
         host_slots = None

@@ -81,6 +81,12 @@ class DraftBudget:
         return self.steps <= 0 or self.topk <= 0 or self.num_draft_tokens <= 1
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """(topk, num_draft_tokens): budgets of one shape differ only in depth, and the draft grows their
+        trees as one group, to the deepest (DraftEngine._grow)."""
+        return self.topk, self.num_draft_tokens
+
+    @property
     def max_nodes(self) -> int:
         """Nodes the tree can hold: the final top-N, or fewer when the levels hold fewer candidates."""
         if self.empty:

@@ -223,7 +223,7 @@ def _single_option(budgets: list[DraftBudget]) -> DraftBudget | None:
     requests (scale track, 0.8, 2026-12-05) a third of auto's 10/1/11 steps held some shorter chains, and
     the chain, priced at least 5% above 5/4/8, delivered 11% below it."""
     live = [b for b in budgets if not b.empty]
-    if not live or any((b.topk, b.num_draft_tokens) != (live[0].topk, live[0].num_draft_tokens) for b in live):
+    if not live or any(b.shape != live[0].shape for b in live):
         return None
     return max(live, key=lambda b: b.steps)
 
