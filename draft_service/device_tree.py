@@ -40,7 +40,13 @@ from tandem.graph_capture import capture_graphs
 
 log = logging.getLogger(__name__)
 
+INTS_PER_16_BYTES = 4  # int32s
 MAX_SLOTS = 64  # run slots per request: one 64-bit ancestor word (5/4/8 uses 16, 6/8/16 uses 40)
+
+
+def _aligned(count: int, multiple: int) -> int:
+    """`count` rounded up to a multiple of `multiple`."""
+    return -(-count // multiple) * multiple
 
 
 def fits(budget: DraftBudget) -> bool:
@@ -86,11 +92,15 @@ class BatchTreeGrowth:
         self.tiles_per_run = -(-K // self.per_tile)
         tiles = B * self.tiles_per_run
         # ints: seq_info [B, 4] (a request's length first), then each run's tiles [tiles, 3], then each
-        # request's depth (its own budget's steps: see load); one non-blocking copy a call.
-        tile_ints = 3 * tiles * max(shape.runs, 1)
-        self.ints_in = StagedInput((SEQ_INFO_FIELDS * B + tile_ints + B,), torch.int32, dev)
+        # request's depth (its own budget's steps: see load); one non-blocking copy a call. The depths
+        # start on a 16-byte boundary: Triton specialises a pointer argument on that alignment, and
+        # kernels.tree_level.warm_up compiles the aligned variant. Unaligned, a shortened depth's first
+        # growth compiled the selection while a served step waited for it (0.12-0.23 s on an H100,
+        # 2026-12-05: one such step cost a lone request's level 12% of its tok/s).
+        depths_at = _aligned(SEQ_INFO_FIELDS * B + 3 * tiles * max(shape.runs, 1), INTS_PER_16_BYTES)
+        self.ints_in = StagedInput((depths_at + B,), torch.int32, dev)
         self.ints = self.ints_in.device
-        self.depths = self.ints[SEQ_INFO_FIELDS * B + tile_ints:]
+        self.depths = self.ints[depths_at:]
         self.root_h = torch.zeros(B, model.cfg.hidden_size, dtype=model.dtype, device=dev)
         self.words = torch.zeros(B * R, 1, dtype=torch.int64, device=dev)
         self.q = torch.zeros(B * R, model.num_heads, model.head_dim, dtype=model.dtype, device=dev)

@@ -87,6 +87,22 @@ def test_trees_that_differ_only_in_depth_grow_together_and_keep_their_own_depths
     assert {shape.budget for shape in engines[0]._growths} == {DraftBudget(5, 4, 8), DraftBudget(10, 1, 11)}
 
 
+
+def test_every_growths_depths_start_on_the_16_byte_boundary_that_the_warm_up_compiles_for(pair, monkeypatch):
+    """Triton specialises the selection kernel on its depths pointer's alignment, and
+    kernels.tree_level.warm_up compiles the aligned variant: a growth whose depths sat off that
+    boundary compiled another while a served step waited (0.2 s on an H100)."""
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend="torch", device=DEVICE)
+    engines: list[DraftEngine] = []
+    budgets = [DraftBudget(5, 4, 8), DraftBudget(3, 1, 4), DraftBudget(3, 8, 16), DraftBudget(2, 3, 30),
+               DraftBudget(4, 1, 6), DraftBudget(7, 2, 12)]
+    drafted(model, on_device=True, monkeypatch=monkeypatch, budgets=budgets, engines=engines)
+    growths = list(engines[0]._growths.values())
+    assert len(growths) >= 5
+    for growth in growths:
+        assert growth.depths.data_ptr() % 16 == 0, growth.shape
+        assert growth.depths.numel() == growth.shape.batch
 def test_a_growth_refuses_depths_beyond_its_own():
     from draft_service.device_tree import BatchTreeGrowth, GrowthShape
 
