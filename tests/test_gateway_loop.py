@@ -1088,8 +1088,9 @@ def run_settled_steps(core, steps: int) -> None:
 
 def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_before_going_dormant(tokenizer):
     """Issue 14: what a plain step costs above a granted one (it feeds the draft, ungranted) is spread
-    over the plain spell it would start: the request's remaining tokens, up to WAKE_EVERY; only the
-    steps left before dormancy pay it, and nothing is added before a fed step has been measured."""
+    over the plain spell it would start: the request's remaining tokens, or as many steps as the load
+    has held where that is more, up to WAKE_EVERY; only the steps left before dormancy pay it, and
+    nothing is added before a fed step has been measured."""
     core, _, _ = new_core(tokenizer, mode="auto")
     submit(core, "solo", [3, 4, 5], max_tokens=100)
     core._take_inbox()
@@ -1103,6 +1104,13 @@ def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_bef
     assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * core.QUIET_STEPS / 100)
     core._dormancy.quiet = core.QUIET_STEPS - 6  # 6 awake steps left
     assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / 100)
+    # A load that has held longer than the request has left: the requests that follow it at this load
+    # start dormant, so the spell is as long as the load has held, up to WAKE_EVERY.
+    core._dormancy.held_steps = 110
+    assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / 110)
+    core._dormancy.held_steps = 10 * core.WAKE_EVERY
+    assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / core.WAKE_EVERY)
+    core._dormancy.held_steps = 1
     core._dormancy.quiet = core.QUIET_STEPS
     assert core._plain_extra_seconds(plan, cands) == 0.0
     assert core._plain_extra_seconds(plan, [Candidate("solo", {}, SpecMode.ALWAYS)]) == 0.0
@@ -1478,3 +1486,20 @@ def test_each_steps_debug_line_carries_its_phases_and_bench_step_log_reads_them(
     budgets = proc.stdout.split("\n\n")[1].splitlines()
     assert budgets[0].split()[-4:] == ["schedule", "draft", "execute", "update"]
     assert len(budgets[1].split()) == 1 + 5 + 4  # the budgets, five figures, four phase means
+
+
+def test_a_load_counts_the_steps_it_has_held_and_a_new_load_counts_from_one(tokenizer):
+    """_plain_extra_seconds reads how long the load has held: each plan at a load counts one step there,
+    and a plan at another load starts that load's count afresh."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    submit(core, "solo", [3, 4, 5], max_tokens=100)
+    core._take_inbox()
+    for _ in range(3):
+        core._schedule()
+    lone = core._dormancy
+    assert lone.held_steps == 3
+    for i in range(2):
+        submit(core, f"more{i}", [3, 4, 5], max_tokens=100)
+    core._take_inbox()
+    core._schedule()
+    assert core._dormancy is not lone and core._dormancy.held_steps == 1
