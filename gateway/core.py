@@ -76,7 +76,9 @@ class WakeSchedule:
     spell_start: int = 0  # the quiet count at which auto requests last woke (0: the first spell)
     # A wake-up's decode steps so far: [their seconds, the seconds as many granted plain steps would take]
     wake_cost: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    held_steps: int = 0  # steps planned at this load since the gateway last came to it (_plain_extra_seconds)
+    # Plans made at this load since the gateway last came to it (_plain_extra_seconds): a lower bound of its
+    # steps, since a grant's plan runs several.
+    held_steps: int = 0
 
     def speculating(self, wake_every: int) -> None:
         """Trees were chosen: awake from now, and the next wake-up as soon as any."""
@@ -711,8 +713,8 @@ class GatewayCore:
         the load's), at most WAKE_EVERY steps (a wake-up then feeds them again). Bounded by the requests'
         own tokens alone, plain decoding looked dearer the nearer each request came to its end: on an
         H100 (demo track, bf16, 2026-12-05) a lone request drafted trees in 74-98% of its steps where
-        `never` delivered 1.2-1.4x `always`. `spell_breaks`: the spell ends before dormancy (trees
-        again), so every step of it pays the whole difference."""
+        `never` delivered 1.33x `always`. `spell_breaks`: the spell ends before dormancy (trees again),
+        so every step of it pays the whole difference."""
         auto = {c.key for c in cands if c.mode == SpecMode.AUTO}
         if not auto:
             return 0.0

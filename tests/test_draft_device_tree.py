@@ -87,7 +87,6 @@ def test_trees_that_differ_only_in_depth_grow_together_and_keep_their_own_depths
     assert {shape.budget for shape in engines[0]._growths} == {DraftBudget(5, 4, 8), DraftBudget(10, 1, 11)}
 
 
-
 def test_every_growths_depths_start_on_the_16_byte_boundary_that_the_warm_up_compiles_for(pair, monkeypatch):
     """Triton specialises the selection kernel on its depths pointer's alignment, and
     kernels.tree_level.warm_up compiles the aligned variant: a growth whose depths sat off that
@@ -103,6 +102,8 @@ def test_every_growths_depths_start_on_the_16_byte_boundary_that_the_warm_up_com
     for growth in growths:
         assert growth.depths.data_ptr() % 16 == 0, growth.shape
         assert growth.depths.numel() == growth.shape.batch
+
+
 def test_a_growth_refuses_depths_beyond_its_own():
     from draft_service.device_tree import BatchTreeGrowth, GrowthShape
 

@@ -1088,7 +1088,7 @@ def run_settled_steps(core, steps: int) -> None:
 
 def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_before_going_dormant(tokenizer):
     """Issue 14: what a plain step costs above a granted one (it feeds the draft, ungranted) is spread
-    over the plain spell it would start: the request's remaining tokens, or as many steps as the load
+    over the plain spell it would start: the request's remaining tokens, or as many plans as the load
     has held where that is more, up to WAKE_EVERY; only the steps left before dormancy pay it, and
     nothing is added before a fed step has been measured."""
     core, _, _ = new_core(tokenizer, mode="auto")
@@ -1488,9 +1488,9 @@ def test_each_steps_debug_line_carries_its_phases_and_bench_step_log_reads_them(
     assert len(budgets[1].split()) == 1 + 5 + 4  # the budgets, five figures, four phase means
 
 
-def test_a_load_counts_the_steps_it_has_held_and_a_new_load_counts_from_one(tokenizer):
-    """_plain_extra_seconds reads how long the load has held: each plan at a load counts one step there,
-    and a plan at another load starts that load's count afresh."""
+def test_a_load_counts_the_plans_made_at_it_and_a_new_load_counts_from_one(tokenizer):
+    """_plain_extra_seconds reads how long the load has held: each plan at a load counts one there, and a
+    plan at another load starts that load's count afresh."""
     core, _, _ = new_core(tokenizer, mode="auto")
     submit(core, "solo", [3, 4, 5], max_tokens=100)
     core._take_inbox()
