@@ -228,6 +228,9 @@ def _single_option(budgets: list[DraftBudget]) -> DraftBudget | None:
     return max(live, key=lambda b: b.steps)
 
 
+OUTLIER_STEP = 1.5  # the most an established cost ratio takes one measurement for, as a multiple of itself
+
+
 def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
     """A learned cost ratio after one more measurement, the `seen + 1`th since the starting value `old` (None:
     no starting value, the measurement is taken whole). A measurement moves it a fifth of the way, from
@@ -240,10 +243,21 @@ def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
     steps although its trees accepted 2.0 tokens each; on the dev machine a draft call priced at 38 ms
     (as one CI start-up had profiled it; the emulated call costs 5 ms) left 69-99% of the steps plain in
     three runs, and 5-9% in three runs with this rule. Too cheap a start corrects itself: the trees it
-    chooses are measured."""
+    chooses are measured.
+    Too dear a ratio does not: an option priced out is not drafted, so nothing measures it again. Once a
+    ratio rests on three measurements, one that reads over OUTLIER_STEP times it counts as that much. On
+    an H100 (scale track, 0.8, 2026-12-05) the last two rounds of an `always` level at 2 requests took 25
+    and 44 ms against 12-13 for the rest (a stall spread over their phases; no capture, no compile), and
+    lifted 5/4/8's ratio at 2-3 sequences from 1.25 to 1.98. The `auto` level that followed
+    priced 5/4/8 for 2 requests at 20.8 ms a round against the 12.7 that `always` had measured, drafted
+    6/8/16, 5/1/6 and 10/1/11 instead (467-597 tok/s against 5/4/8's 585), and read 0.92 of `always`.
+    Capped, the same two rounds lift it to 1.51. A real rise is followed all the same: the cap moves with
+    the ratio, 10% a step at most until the measurements come within it."""
     measured = min(max(measured, 0.25), 4.0)
     if old is None:
         return measured
+    if seen >= 3:
+        measured = min(measured, OUTLIER_STEP * old)
     weight = max(1.0 / (seen + 2), 0.2) if measured < old else 0.2
     return (1 - weight) * old + weight * measured
 

@@ -293,6 +293,28 @@ def test_measured_step_times_correct_a_noisy_profile():
     assert costs.step_time(40, 40, []) == costs.profiled_time(40, 40, [])
 
 
+
+def test_an_established_ratio_takes_a_stalled_round_for_at_most_half_again_and_still_follows_a_real_rise():
+    """Issue 14: an option priced out by a host stall is not drafted again, so nothing would correct it. On an
+    H100 two stalled rounds (25 and 44 ms against 12-13) lifted 5/4/8's ratio at 2 requests from 1.25 to 1.98,
+    and `auto` drafted worse options for the whole next level."""
+    costs = CostModel(target_base=7.6e-3, target_per_token=1.8e-5, target_per_seq=0.0, draft_base=8.9e-4,
+                      draft_per_level=3.2e-4, draft_per_expansion=2.9e-6)
+    tree = DraftBudget(5, 4, 8)
+    two = [tree, tree]
+    profiled = costs.profiled_time(2 + 2 * tree.max_nodes, 2, two)
+    for _ in range(20):
+        costs.observe(2, 2, two, 1.25 * profiled)
+    assert costs.step_time(2 + 2 * tree.max_nodes, 2, two) == pytest.approx(1.25 * profiled, rel=0.01)
+    costs.observe(2, 2, two, 0.0251)
+    costs.observe(2, 2, two, 0.0441)
+    stalled = costs.step_time(2 + 2 * tree.max_nodes, 2, two)
+    assert stalled < 1.25 * profiled * 1.1 * 1.1 + 1e-9  # each moved it 10% at most
+    # A real rise to 2.5x the profile is followed: within 5% after 15 rounds.
+    for _ in range(15):
+        costs.observe(2, 2, two, 2.5 * profiled)
+    assert costs.step_time(2 + 2 * tree.max_nodes, 2, two) == pytest.approx(2.5 * profiled, rel=0.05)
+
 def test_each_tree_shape_is_priced_from_the_steps_that_drafted_it_alone():
     """The profile's fit prices a 5/4/8 round 0.05 ms above a 5/1/6 one; on the H200 scale track it took 0.6 ms
     more. Steps whose trees all share one budget teach that budget's own ratio; an option not measured alone
