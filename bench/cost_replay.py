@@ -1,0 +1,140 @@
+"""What the `auto` cost model predicted for each tree option, replayed from a gateway's DEBUG log.
+
+    python bench/cost_replay.py GATEWAY_LOG[.gz] [--levels BENCH_JSON] [--options "5,4,8;5,1,6"]
+                                [--outlier-step X]
+
+The gateway logs its start-up profile (`cost model: CostModel(...)`), each plan's trees (`step N: ...
+trees [...]`) and each step's wall time (`step N+1 done: ...`). This replays the steps through
+gateway.policy.CostModel.observe as the gateway's _record does, and prints, at the start of each `auto`
+level of the `tandem bench` run whose bench.json --levels names (or once, at the log's end), the round
+each option was priced at with every one of the level's requests drafting it; beside it, the mean round
+that option x that many requests measured over the whole log (steps whose plan gave every request that
+option: `always` levels measure the configured tree). A price far above what the option measures is an
+option `auto` will not draft, and so will not measure again.
+
+An approximation: the log does not say which rounds captured a draft graph or waited on a joining prompt's
+ingest, which the gateway leaves out of the cost model; the replay counts them. --outlier-step replays with
+another gateway.policy.OUTLIER_STEP (100: as before it existed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.step_log import PLAN, STAMP, STEP  # noqa: E402
+from draft_service.types import DraftBudget  # noqa: E402
+from gateway import policy  # noqa: E402
+from gateway.policy import CostModel, PolicyConfig  # noqa: E402
+
+PROFILE = re.compile(r"cost model: (CostModel\(.*\))\s*$")
+
+
+def parse_budget(text: str) -> DraftBudget:
+    steps, topk, tokens = (int(part) for part in re.split(r"[,/]", text.strip().strip("'")))
+    return DraftBudget(steps, topk, tokens)
+
+
+def name(budget: DraftBudget) -> str:
+    return f"{budget.steps}/{budget.topk}/{budget.num_draft_tokens}"
+
+
+def load_profile(text: str) -> CostModel:
+    """The CostModel of a `cost model: CostModel(...)` log line (its repr: numbers, dicts of tuples, DraftBudget)."""
+    return eval(text, {"__builtins__": {}}, {"CostModel": CostModel, "DraftBudget": DraftBudget})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("log", type=Path)
+    ap.add_argument("--levels", type=Path, metavar="BENCH_JSON", help="price the options at each auto level's start")
+    ap.add_argument("--options", default=None,
+                    help='"steps,topk,tokens;..." (default: the auto options of the default PolicyConfig)')
+    ap.add_argument("--outlier-step", type=float, default=None, help="replay with this OUTLIER_STEP")
+    args = ap.parse_args(argv)
+    if not args.log.is_file():
+        ap.error(f"no such log: {args.log}")
+    options = ([parse_budget(o) for o in args.options.split(";")] if args.options
+               else list(PolicyConfig().auto_options()))
+    if args.outlier_step is not None:
+        policy.OUTLIER_STEP = args.outlier_step
+    starts: list[tuple[float, int, int]] = []  # (epoch seconds, concurrency, round) of each auto level
+    if args.levels:
+        try:
+            results = json.loads(args.levels.read_text())["results"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"cannot read the levels of {args.levels}: {e}", file=sys.stderr)
+            return 1
+        starts = sorted((r["started_at"], r["concurrency"], r.get("round", 1)) for r in results
+                        if r.get("mode") == "auto" and r.get("started_at") is not None)
+    text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
+
+    costs: CostModel | None = None
+    planned: dict[int, list[DraftBudget]] = {}  # step number of the `done` line -> its plan's trees
+    measured: dict[tuple[DraftBudget, int], list[float]] = {}  # (option, requests) -> [rounds, ms]
+    printed: list[tuple[int, int, list[float]]] = []
+    for line in text.splitlines():
+        stamp = STAMP.match(line)
+        if stamp and starts and costs is not None:
+            when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            while starts and when >= starts[0][0]:
+                _, conc, round_ = starts.pop(0)
+                printed.append((conc, round_, price(costs, options, conc)))
+        if costs is None:
+            if m := PROFILE.search(line):
+                costs = load_profile(m.group(1))
+            continue
+        if m := PLAN.search(line):
+            planned[int(m.group(1)) + 1] = [parse_budget(b) for b in m.group(2).split(",") if b.strip()]
+            continue
+        if not (m := STEP.search(line)):
+            continue
+        row = m.groups()
+        seqs, trees, fed, decode, ms = int(row[2]), int(row[3]), row[5], row[6], float(row[8])
+        budgets = planned.get(int(row[1]), []) if trees else []
+        if decode == "True" and (trees or fed == "False"):  # GatewayCore._record's arm steps, as far as a log says
+            costs.observe(seqs, seqs, budgets, ms / 1000)
+        if trees and len(budgets) == seqs and len(set(budgets)) == 1:
+            total = measured.setdefault((budgets[0], seqs), [0, 0.0])
+            total[0] += 1
+            total[1] += ms
+    if costs is None:
+        print("no `cost model:` line in the log (was the gateway at INFO or DEBUG?)", file=sys.stderr)
+        return 1
+    if not args.levels:
+        printed.append((0, 0, []))
+    head = " ".join(f"{name(o) + ' pred':>14} {'meas':>6}" for o in options)
+    print(f"{'conc':>5} {'round':>5} {head}")
+    for conc, round_, prices in printed:
+        if not conc:  # the log's end: every batch size an option was measured at
+            for seqs in sorted({s for _, s in measured}):
+                print_row(costs, options, measured, seqs, "end", price(costs, options, seqs))
+            continue
+        print_row(costs, options, measured, conc, str(round_), prices)
+    return 0
+
+
+def price(costs: CostModel, options: list[DraftBudget], requests: int) -> list[float]:
+    """Each option's predicted round in ms with every one of `requests` requests drafting it."""
+    return [1000 * costs.step_time(requests * (1 + o.max_nodes), requests, [o] * requests) for o in options]
+
+
+def print_row(costs: CostModel, options: list[DraftBudget], measured: dict, requests: int, label: str,
+              prices: list[float]) -> None:
+    cells = []
+    for option, predicted in zip(options, prices):
+        rounds, ms = measured.get((option, requests), (0, 0.0))
+        cells.append(f"{predicted:>14.1f} {ms / rounds if rounds else float('nan'):>6.1f}")
+    print(f"{requests:>5} {label:>5} {' '.join(cells)}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

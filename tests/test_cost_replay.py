@@ -1,0 +1,65 @@
+"""bench/cost_replay.py replays a gateway's DEBUG log through the cost model: what each option was priced at."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from draft_service.types import DraftBudget
+from gateway.policy import CostModel
+from tests.test_step_log import START, stamped
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILE = CostModel(target_base=7.6e-3, target_per_token=1.8e-5, target_per_seq=0.0, draft_base=8.9e-4,
+                    draft_per_level=3.2e-4, draft_per_expansion=2.9e-6, ratios={(2, True): 1.1},
+                    option_ratios={(2, DraftBudget(5, 4, 8)): 1.1})
+
+
+def round_lines(at: float, step: int, ms: float) -> list[str]:
+    """A plan giving both of 2 requests a 5/4/8 tree, and its step done in `ms`."""
+    return [f"{stamped(at)} gateway DEBUG step {step}: 2 items, 2 tokens, trees ['5/4/8', '5/4/8'], gate 2-3 sequences",
+            f"{stamped(at + 0.01)} gateway DEBUG step {step + 1} done: 2 seqs, 2 trees, granted 0, fed draft True, "
+            f"decode True, 8 committed, {ms:.2f} ms, quiet 0, ingests queued 0, phases 0.25/3.50/9.00/0.25 ms"]
+
+
+def replay(tmp_path: Path, lines: list[str], *flags: str) -> list[list[str]]:
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "bench/cost_replay.py", str(log), "--options", "5,4,8;10,1,11", *flags],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return [row.split() for row in proc.stdout.splitlines()[1:]]
+
+
+def test_the_replay_prices_each_option_beside_what_it_measured_and_shows_what_two_stalled_rounds_did(tmp_path):
+    lines = [f"{stamped(0)} gateway INFO cost model: {PROFILE!r}"]
+    for i in range(10):
+        lines += round_lines(1 + i, 2 * i, 13.0)
+    lines += round_lines(20, 100, 25.1) + round_lines(21, 102, 44.1)
+    (conc, label, pred_tree, meas_tree, pred_chain, meas_chain), = replay(tmp_path, lines)
+    assert (conc, label) == ("2", "end")
+    assert float(meas_tree) == round((10 * 13.0 + 25.1 + 44.1) / 12, 1)
+    assert meas_chain == "nan"  # never drafted alone
+    profiled = 1000 * PROFILE.profiled_time(16, 2, [DraftBudget(5, 4, 8)] * 2)
+    assert 13.0 < float(pred_tree) <= 13.0 * 1.1 * 1.1  # the stalls moved it 10% each at most
+    (row,) = replay(tmp_path, lines, "--outlier-step", "100")  # as before OUTLIER_STEP existed
+    uncapped = float(row[2])
+    assert uncapped > 1.5 * 13.0 and uncapped > float(pred_tree)
+    assert float(pred_tree) > profiled  # 13 ms rounds against a profile of less
+
+
+def test_the_replay_prices_the_options_at_each_auto_levels_start(tmp_path):
+    lines = [f"{stamped(0)} gateway INFO cost model: {PROFILE!r}"]
+    for i in range(10):
+        lines += round_lines(1 + i, 2 * i, 13.0)
+    bench = tmp_path / "bench.json"  # started_at is epoch seconds; stamped() counts from START
+    bench.write_text(json.dumps({"meta": {}, "results": [
+        {"mode": "always", "concurrency": 2, "round": 1, "started_at": START + 1, "ended_at": START + 10.5},
+        {"mode": "auto", "concurrency": 2, "round": 1, "started_at": START + 11, "ended_at": START + 12},
+    ]}))
+    lines += [f"{stamped(12)} gateway DEBUG step 99: 2 items, 2 tokens, trees [], gate 2-3 sequences"]
+    (conc, label, pred_tree, *_), = replay(tmp_path, lines, "--levels", str(bench))
+    assert (conc, label) == ("2", "1")  # the auto level alone, round 1
+    assert abs(float(pred_tree) - 13.0) < 0.6  # ten 13 ms rounds taught it
