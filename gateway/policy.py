@@ -248,11 +248,12 @@ def _moved_ratio(old: float | None, measured: float, seen: int = 0) -> float:
     ratio rests on three measurements, one that reads over OUTLIER_STEP times it counts as that much. On
     an H100 (scale track, 0.8, 2026-12-05) the last two rounds of an `always` level at 2 requests took 25
     and 44 ms against 12-13 for the rest (a stall spread over their phases; no capture, no compile), and
-    lifted 5/4/8's ratio at 2-3 sequences from 1.25 to 1.98. The `auto` level that followed
-    priced 5/4/8 for 2 requests at 20.8 ms a round against the 12.7 that `always` had measured, drafted
-    6/8/16, 5/1/6 and 10/1/11 instead (467-597 tok/s against 5/4/8's 585), and read 0.92 of `always`.
-    Capped, the same two rounds lift it to 1.51. A real rise is followed all the same: the cap moves with
-    the ratio, 10% a step at most until the measurements come within it."""
+    lifted 5/4/8's ratio at 2-3 sequences from 1.25 to 1.98 (the log replayed by bench/cost_replay.py, which
+    cannot leave out the rounds the gateway does). The `auto` level that followed priced 5/4/8 for 2
+    requests at 20.8 ms a round against the 12.7 that `always` had measured, drafted 6/8/16, 5/1/6 and
+    10/1/11 instead (467-597 tok/s against 5/4/8's 585), and read 0.92 of `always`. Capped, the same two
+    rounds lift it to 1.51. A real rise is followed all the same: the cap moves with the ratio, 10% a step
+    at most until the measurements come within it."""
     measured = min(max(measured, 0.25), 4.0)
     if old is None:
         return measured
