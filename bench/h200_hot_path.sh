@@ -109,7 +109,8 @@
 #            one bench (serve_and_bench.sh), and the report gives each round's auto / max and the medians
 #            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh),
 #            and bench/step_log.py --budgets --levels then tabulates the trees chosen and each level's step time
-#            by kind (auto_scale_RATE_budgets.log)
+#            by kind (auto_scale_RATE_budgets.log), and bench/cost_replay.py what the cost model priced each
+#            option at when each auto level began, beside what it measured (auto_scale_RATE_prices.log)
 #   fedgrants after only: `auto` with fed grants (`--gateway-args=--fed-grants`: awake auto requests decode plainly
 #            in grants that push each step's features to the drafts) against without (the default), each on a fresh
 #            serve, demo track (bf16) then scale track (0.8), FED_CONCURRENCY (default 1,2,4); `never` (and, without
@@ -555,6 +556,9 @@ for stage in "$@"; do
             # What the drafts' wake-ups and joining prompts cost, level by level (their DEBUG catch-up lines).
             run "auto_scale_${acceptance}${suffix}_catch_ups" after 60 \
               python3 bench/catch_up_log.py "$OUT/auto_scale_$acceptance$suffix/logs/draft0.log" "${levels[@]}"
+            # Each option's price at each auto level's start beside what it measured (the first bench.json's levels).
+            run "auto_scale_${acceptance}${suffix}_prices" after 60 \
+              python3 bench/cost_replay.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" "${levels[@]:0:2}"
           fi
         done
       done ;;
