@@ -20,7 +20,6 @@ another gateway.policy.OUTLIER_STEP (100: as before it existed).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.step_log import PLAN, STAMP, STEP  # noqa: E402
+from bench.step_log import PLAN, STAMP, STEP, read_log  # noqa: E402
 from draft_service.types import DraftBudget  # noqa: E402
 from gateway import policy  # noqa: E402
 from gateway.policy import CostModel, PolicyConfig  # noqa: E402
@@ -75,19 +74,19 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         starts = sorted((r["started_at"], r["concurrency"], r.get("round", 1)) for r in results
                         if r.get("mode") == "auto" and r.get("started_at") is not None)
-    text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
+    text = read_log(args.log)
 
     costs: CostModel | None = None
     planned: dict[int, list[DraftBudget]] = {}  # step number of the `done` line -> its plan's trees
     measured: dict[tuple[DraftBudget, int], list[float]] = {}  # (option, requests) -> [rounds, ms]
-    printed: list[tuple[int, int, list[float]]] = []
+    printed: list[tuple[int, str, list[float]]] = []  # (requests, round or "end", each option's price)
     for line in text.splitlines():
         stamp = STAMP.match(line)
         if stamp and starts and costs is not None:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             while starts and when >= starts[0][0]:
                 _, conc, round_ = starts.pop(0)
-                printed.append((conc, round_, price(costs, options, conc)))
+                printed.append((conc, str(round_), price(costs, options, conc)))
         if costs is None:
             if m := PROFILE.search(line):
                 costs = load_profile(m.group(1))
@@ -109,16 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     if costs is None:
         print("no `cost model:` line in the log (was the gateway at INFO or DEBUG?)", file=sys.stderr)
         return 1
-    if not args.levels:
-        printed.append((0, 0, []))
     head = " ".join(f"{name(o) + ' pred':>14} {'meas':>6}" for o in options)
     print(f"{'conc':>5} {'round':>5} {head}")
-    for conc, round_, prices in printed:
-        if not conc:  # the log's end: every batch size an option was measured at
-            for seqs in sorted({s for _, s in measured}):
-                print_row(costs, options, measured, seqs, "end", price(costs, options, seqs))
-            continue
-        print_row(costs, options, measured, conc, str(round_), prices)
+    if not args.levels:  # the log's end: every batch size an option was measured at
+        printed = [(seqs, "end", price(costs, options, seqs)) for seqs in sorted({s for _, s in measured})]
+    for conc, label, prices in printed:
+        print_row(options, measured, conc, label, prices)
     return 0
 
 
@@ -127,8 +122,7 @@ def price(costs: CostModel, options: list[DraftBudget], requests: int) -> list[f
     return [1000 * costs.step_time(requests * (1 + o.max_nodes), requests, [o] * requests) for o in options]
 
 
-def print_row(costs: CostModel, options: list[DraftBudget], measured: dict, requests: int, label: str,
-              prices: list[float]) -> None:
+def print_row(options: list[DraftBudget], measured: dict, requests: int, label: str, prices: list[float]) -> None:
     cells = []
     for option, predicted in zip(options, prices):
         rounds, ms = measured.get((option, requests), (0, 0.0))

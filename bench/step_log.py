@@ -39,6 +39,11 @@ PHASES = ("schedule", "draft", "execute", "update")
 PHASE_HEAD = " ".join(f"{name:>8}" for name in PHASES)
 
 
+def read_log(path: Path) -> str:
+    """A gateway log's text, gzipped (.gz) or not."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def parse_phases(field: str | None) -> list[float] | None:
     """A step line's phases ("0.20/3.60/7.50/0.70"), in ms; None where the line has none."""
     return [float(part) for part in field.split("/")] if field else None
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.log.is_file():
         ap.error(f"no such log: {args.log}")
-    text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
+    text = read_log(args.log)
     rows = [m.groups() for m in map(STEP.search, text.splitlines()) if m]
     rows = [row for row in rows if args.since <= row[0] <= args.until]
     if not rows:
