@@ -261,7 +261,6 @@ class GatewayCore:
             from gateway.profiling import profile_costs, warm_draft
             self.costs = profile_costs(self.target, self.pool.healthy()[:1], self.cfg.policy,
                                        self.cfg.grant_steps)
-            log.info("cost model: %s", self.costs)
             for replica in self.pool.healthy():
                 try:
                     t0 = time.perf_counter()
@@ -270,12 +269,32 @@ class GatewayCore:
                                  replica.client.address, calls, time.perf_counter() - t0)
                 except Exception as exc:  # a graph not captured now is captured on first use
                     log.warning("draft replica %s: warm-up failed (%s)", replica.client.address, exc)
+            self._price_rounds()
+            log.info("cost model: %s", self.costs)
         for fn, name in ((self._loop, "step-loop"), (self.pool.probe_forever, "draft-probe")):
             thread = threading.Thread(target=fn, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         self._ready = True
         self._readiness_changed()
+
+    def _price_rounds(self) -> None:
+        """Each tree shape's round timed at start-up, once the draft's graphs are captured (see
+        gateway.profiling.price_rounds); a failure leaves the linear fits alone."""
+        from gateway.profiling import price_rounds
+
+        replica = next(iter(self.pool.healthy()), None)
+        if replica is None:
+            return
+        try:
+            t0 = time.perf_counter()
+            if factors := price_rounds(self.target, replica, self.cfg.policy, self.costs,
+                                       self.cfg.scheduler.max_running):
+                self.costs.shape_factors = factors
+                log.info("priced %d rounds (batch bucket, tree shape) in %.1f s", len(factors),
+                         time.perf_counter() - t0)
+        except Exception as exc:  # the linear fits price every shape alike
+            log.warning("round pricing failed (%s); trees priced by the linear fits", exc)
 
     def configure(self, replicas: list[DraftReplica] | None = None) -> None:
         """Learn the model's facts from the target and the feature layers from `replicas`

@@ -139,6 +139,14 @@ class CostModel:
     # scale track at one request a 5/4/8 round took 0.6 ms more than a 5/1/6 one where the fit put
     # 0.05 ms, and a 10/1/11 chain 2.0-2.5 ms more where it put 1.8 (2026-12-04).
     option_ratios: dict[tuple[int, DraftBudget], float] = field(default_factory=dict)
+    # Per (batch bucket, tree shape): a round of that shape at the bucket's smallest batch (a Draft call,
+    # then the verify of its trees), timed at start-up on a CUDA draft (gateway.profiling.price_rounds),
+    # over what the linear fits put it at. profiled_time scales by it, so the ratios learned online are
+    # what serving adds to any shape alike, and an option not yet drafted alone at a load is priced by its
+    # own shape. The fits see the draft at one and four requests only: on an H100 (scale track, 0.8,
+    # 2026-12-05) a 10/1/11 chain's round, priced from 5/4/8's learned ratio, was put at 17.0 and 20.0 ms at
+    # 4 and 16 requests and took 24.7 and 30.8 (its draft phase at 16: 16.1 ms against 5/4/8's 7.0).
+    shape_factors: dict[tuple[int, tuple[int, int]], float] = field(default_factory=dict)
     # Measurements behind each learned ratio (keys of `ratios`, and ("fed", bucket) for `fed_ratios`):
     # _moved_ratio weighs the first three more than later ones where they read below the ratio.
     observed: dict[tuple, int] = field(default_factory=dict)
@@ -156,7 +164,16 @@ class CostModel:
         return self.draft_base + self.draft_per_level * levels + self.draft_per_expansion * expansions
 
     def profiled_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
-        return self.target_time(tokens, seqs) + self.draft_time(budgets)
+        return (self.target_time(tokens, seqs) + self.draft_time(budgets)) * self.shape_factor(seqs, budgets)
+
+    def shape_factor(self, seqs: int, budgets: list[DraftBudget]) -> float:
+        """The start-up rounds' factor for these trees at this load (1: none timed, or no tree). Trees of
+        several shapes take the dearest shape's: the draft grows each shape as a group of its own."""
+        if not self.shape_factors:
+            return 1.0
+        bucket = batch_bucket(seqs)
+        shapes = {b.shape for b in budgets if not b.empty}
+        return max((self.shape_factors.get((bucket, shape), 1.0) for shape in shapes), default=1.0)
 
     def step_time(self, tokens: int, seqs: int, budgets: list[DraftBudget]) -> float:
         key = (batch_bucket(seqs), any(not b.empty for b in budgets))
@@ -178,6 +195,8 @@ class CostModel:
         """tree_step_time at this load and depth as (seconds, per token, per expansion): linear in both;
         `option`: the trees' budget, where they all share one (its own learned ratio applies)."""
         ratio = self._ratio((batch_bucket(seqs), True), option)
+        if option is not None and self.shape_factors:
+            ratio *= self.shape_factors.get((batch_bucket(seqs), option.shape), 1.0)
         base = self.target_time(0, seqs) + self._draft_time(levels, 0)
         return base * ratio, self.target_per_token * ratio, self.draft_per_expansion * ratio
 

@@ -189,6 +189,68 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
     return calls
 
 
+# Batch sizes at which price_rounds times each option's round: the smallest of each batch bucket.
+ROUND_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ROUND_REPEATS = 3  # timed calls of each kind per (batch, option), their median kept
+
+
+def price_rounds(target: TargetClient, replica: DraftReplica, cfg: PolicyConfig, costs: CostModel,
+                 max_batch: int) -> dict[tuple[int, tuple[int, int]], float]:
+    """On a CUDA draft under `auto`: each of auto's options' round timed at each batch of ROUND_BATCHES up to
+    max_batch (and what both services' free KV holds), on throwaway requests: a Draft call (the median of
+    ROUND_REPEATS after one untimed), then the target's verify of the trees it drafted (the median of
+    ROUND_REPEATS). Returns, per (batch bucket, tree shape), that round over what `costs`' linear fits put it
+    at, for CostModel.shape_factors; empty on a CPU draft (its costs swing with the host more than with the
+    shape) and where no batch fits.
+
+    Why: the fits see the draft at one and four requests, and are linear in levels and expansions, where a
+    GPU's round is not: the verify's nodes bucket, a chain's ten levels at 16 requests. Run after
+    warm_draft, so no capture is timed; the rounds see no features, which every shape pays alike (the
+    learned ratios take them)."""
+    draft, info = replica.client, replica.client.info()
+    if info.device != "cuda" or cfg.mode != "auto":
+        return {}
+    options = cfg.auto_options()
+    target_load = target.info().load
+    # Each timed verify may keep a whole tree and its bonus token.
+    target_tokens = PREFIX + ROUND_REPEATS * sum(o.max_nodes + 1 for o in options)
+    room = min(target_load.free_blocks // -(-target_tokens // target_load.block_size),
+               info.load.free_blocks // -(-(PREFIX + max(o.num_draft_tokens for o in options))
+                                           // info.load.block_size))
+    batches = [b for b in ROUND_BATCHES if b <= min(max_batch, room)]
+    if not batches:
+        return {}
+    ids = [f"__round_{i}" for i in range(batches[-1])]
+    prompt = tuple(1 + i % 50 for i in range(PREFIX))
+    draft.ingest([IngestItem(rid, 0, prompt, None) for rid in ids], catch_up=True)
+    factors: dict[tuple[int, tuple[int, int]], float] = {}
+    try:
+        pending = {res.request_id: res.tokens[-1] for res in target.step(
+            [SequenceStep.chain(rid, prompt, create=True) for rid in ids], ())[0]}
+        for batch in batches:
+            for option in options:
+                calls = [(rid, option, len(prompt)) for rid in ids[:batch]]
+                trees = {tree.request_id: tree for tree in draft.draft([], calls).trees}
+                drafting = _median_time(lambda calls=calls: draft.draft([], calls), ROUND_REPEATS)
+
+                def verify(batch=batch, trees=trees):
+                    steps = []
+                    for rid in ids[:batch]:
+                        tokens, parents, num_fixed = trees[rid].verify_tree()
+                        tokens[0] = pending[rid]  # the tree hangs below the target's pending token
+                        steps.append(SequenceStep(rid, tuple(tokens), tuple(parents), num_fixed))
+                    for res in target.step(steps, ())[0]:
+                        pending[res.request_id] = res.tokens[-1]
+
+                verifying = _median_time(verify, ROUND_REPEATS)
+                fitted = costs.target_time(batch * (1 + option.max_nodes), batch) + costs.draft_time([option] * batch)
+                factors[(batch_bucket(batch), option.shape)] = min(max((drafting + verifying) / fitted, 0.25), 4.0)
+    finally:
+        target.release(ids)
+        draft.release(ids)
+    return factors
+
+
 def profile_costs(target: TargetClient, drafts: list[DraftReplica], cfg: PolicyConfig,
                   grant_steps: int = 1) -> CostModel:
     """grant_steps: the plain steps the gateway may grant (1: none; plain steps then cost what a step costs)."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from draft_service.types import DraftBudget
 from gateway.policy import CostModel
@@ -63,3 +66,18 @@ def test_the_replay_prices_the_options_at_each_auto_levels_start(tmp_path):
     (conc, label, pred_tree, *_), = replay(tmp_path, lines, "--levels", str(bench))
     assert (conc, label) == ("2", "1")  # the auto level alone, round 1
     assert abs(float(pred_tree) - 13.0) < 0.6  # ten 13 ms rounds taught it
+
+
+def test_the_replay_prices_a_shape_with_the_round_timed_for_it_at_start_up(tmp_path):
+    """A profile line with shape_factors (gateway.profiling.price_rounds) prices the never-drafted 10/1/11 chain
+    at its timed round times the ratio that 5/4/8's rounds taught."""
+    timed = dataclasses.replace(PROFILE, shape_factors={(2, (1, 11)): 1.4, (2, (4, 8)): 1.0})
+    priced = {}
+    for name, profile in (("fits", PROFILE), ("timed", timed)):
+        lines = [f"{stamped(0)} gateway INFO cost model: {profile!r}"]
+        for i in range(10):
+            lines += round_lines(1 + i, 2 * i, 13.0)
+        (row,) = replay(tmp_path, lines)
+        priced[name] = float(row[2]), float(row[4])
+    assert priced["timed"][0] == priced["fits"][0]  # 5/4/8: the fits' own round, factor 1
+    assert priced["timed"][1] == pytest.approx(1.4 * priced["fits"][1], abs=0.15)

@@ -1278,6 +1278,26 @@ def test_the_start_up_profile_prices_plain_steps_as_granted_steps():
     assert without.ratios == {}
 
 
+def test_the_gateway_prices_trees_with_the_rounds_timed_at_start_up_and_keeps_the_fits_if_that_fails(
+        tokenizer, monkeypatch):
+    from gateway import profiling
+
+    core, _, _ = new_core(tokenizer, mode="auto")
+    assert profiling.price_rounds(core.target, core.pool.healthy()[0], core.cfg.policy, core.costs, 64) == {}  # CPU
+    timed = {(3, (1, 11)): 1.4, (3, (4, 8)): 1.0}
+    monkeypatch.setattr(profiling, "price_rounds", lambda target, replica, cfg, costs, max_batch: timed)
+    core._price_rounds()
+    assert core.costs.shape_factors == timed
+
+    def lost(*args):
+        raise RuntimeError("draft lost")
+
+    core.costs.shape_factors = {}
+    monkeypatch.setattr(profiling, "price_rounds", lost)
+    core._price_rounds()  # logged, not raised
+    assert core.costs.shape_factors == {}
+
+
 def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_the_figures_choose_one(tokenizer):
     """Each wake-up after which auto still declines trees doubles the wait for the next (128, 256,
     512 steps), so a batch where plain decoding wins spends fewer steps fed and ungranted; a tree
