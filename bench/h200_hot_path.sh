@@ -98,7 +98,8 @@
 #            TP=8 by bench/scale_track.py --shape 70b --tp 8) with never/always/auto at 1..128
 #   auto     never, always and auto at 1..64 requests, scale track at forced acceptance 0.8
 #            and 0.6 (AUTO_CONCURRENCY, AUTO_ACCEPTANCES and AUTO_MODES override the levels, rates and
-#            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before; AUTO_TP=N serves the
+#            modes; AUTO_TREES="before after" runs .before/ first, as auto_scale_RATE_before (AUTO_BEFORE_MODES: its
+#            modes, e.g. auto alone beside the after serve's three); AUTO_TP=N serves the
 #            target at --tp N, as auto_scale_RATE_tpN; AUTO_GATEWAY_ARGS="--fed-grants" adds gateway flags,
 #            AUTO_TARGET_ARGS="--graph-ragged-rows 1024" target flags); tandem bench
 #            prints auto's audit per level (predicted and measured goodput per arm, tandem_policy_* sums),
@@ -538,10 +539,11 @@ for stage in "$@"; do
         [[ -n ${AUTO_GATEWAY_ARGS:-} ]] && serve+=("--gateway-args=$AUTO_GATEWAY_ARGS")
         if [[ -n ${AUTO_TARGET_ARGS:-} ]]; then with_target_args "$AUTO_TARGET_ARGS"; serve=("${joined[@]}"); fi
         for tree in ${AUTO_TREES:-after}; do
-          suffix=""; [[ $tree == before ]] && suffix=_before
+          suffix=""; modes=${AUTO_MODES:-never,always,auto}
+          [[ $tree == before ]] && suffix=_before && modes=${AUTO_BEFORE_MODES:-$modes}
           [[ -n ${AUTO_TP:-} ]] && suffix+=_tp$AUTO_TP
           SERVE_TREE=$tree serve_bench "auto_scale_$acceptance$suffix" $((8700 + ${acceptance#0.})) \
-            "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "${AUTO_MODES:-never,always,auto}" "${serve[@]}"
+            "${AUTO_CONCURRENCY:-1,2,4,8,16,32,64}" "$modes" "${serve[@]}"
           run "auto_scale_${acceptance}${suffix}_report" after 60 python3 bench/auto_report.py \
             "$OUT/auto_scale_$acceptance$suffix"
           # The trees each plan chose and what they delivered (every mode's trees: AUTO_MODES=auto for auto's alone).
