@@ -222,6 +222,7 @@ class GatewayCore:
         self._dormancy = self._wake_schedule_for(1)
         self._dormant_plans = 0  # plans made while auto's requests slept (see _predict_while_dormant)
         self._explored = False  # this step's auto trees are exploration (see _explore_now)
+        self._ramp_steps = 0  # tree steps in a row of the drafts' ramp (see RAMP_SHARE)
         # The load gate measured that plain decoding pays at this step's load: auto requests then
         # run as plain decoding really runs (dormant: no features, no ingest, grantable), so the
         # plain arm is measured as `never` would run and not taxed by feature traffic (issue 14).
@@ -541,10 +542,12 @@ class GatewayCore:
         return min(self.max_model_len - req.num_tokens, req.params.max_tokens - len(req.output)) - 1
 
     def _budgets(self, plan: StepPlan) -> dict[str, DraftBudget]:
-        ready = [it.request for it in plan.items
-                 if it.is_decode and self._mode(it.request) != SpecMode.NEVER and self._draft_ready(it.request)
-                 and self._draft_room(it.request) >= 1]
-        cands = [self._candidate(req) for req in self._without_joining_prompts(ready)]
+        able = [it.request for it in plan.items
+                if it.is_decode and self._mode(it.request) != SpecMode.NEVER and self._replica(it.request) is not None
+                and self._draft_room(it.request) >= 1]
+        cands = [self._candidate(req) for req in self._without_joining_prompts(
+            [req for req in able if self._draft_ready(req)])]
+        plan.drafts_behind = len(able) - len(cands)
 
         # What the step's other items commit whatever the policy chooses: one token each that
         # reaches its end (a decode, a prompt's last chunk). Candidates all decode.
@@ -637,6 +640,18 @@ class GatewayCore:
     # and where trees win at one request the schedule that slept through heavier loads would not wake.
     QUIET_STEPS = 16
     WAKE_EVERY = 128
+    # A step with trees in which at least this share of the decoding requests had drafts still taking in their
+    # tokens (plan.drafts_behind) measures the drafts' ramp, not trees: those requests decode a token each, at
+    # a tree step's price. The load gate is not given it, up to RAMP_STEPS such steps in a row (a draft that
+    # never keeps up is then measured as it is). On an H100 (scale track, 0.8, 32 requests, 2026-12-05) the
+    # first probe of trees at 32-63 sequences fell as the level's 32 requests joined: four of its six
+    # recorded steps carried 16-28 trees for 32 requests, at 2,250-5,300 tok/s, and judged trees at 3,443
+    # against plain's 4,712; a re-probe 2 s later read trees at 4,439 against 4,269, inside the margin that
+    # keeps a verdict, and `always` delivered 1.05x `never` there (auto 0.87 of it). The step's time still
+    # counts towards a probe's cost (LoadGate.spend), and the cost model, which prices a step by what it
+    # carries, still learns it.
+    RAMP_SHARE = 0.25
+    RAMP_STEPS = 8
     MAX_WAKE_EVERY = 4096
     WAKE_BUDGET = 0.02
 
@@ -1144,10 +1159,20 @@ class GatewayCore:
                 sched.wake_cost[0] += seconds
                 sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
             verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load)
-                       if arm_step else None)
+                       if arm_step and not self._ramp(plan, outcome, seqs) else None)
             if verdict is not None:
                 log.info("load gate, %s: %s; %s", self.gate.describe(gate_load),
                          "speculating" if verdict else "decoding plainly", self.gate.outlook(gate_load))
+
+    def _ramp(self, plan: StepPlan, outcome: StepOutcome, seqs: int) -> bool:
+        """Whether this decode step is a tree step of the drafts' ramp, kept from the load gate (see RAMP_SHARE)."""
+        if not outcome.trees:
+            return False
+        if plan.drafts_behind < self.RAMP_SHARE * seqs:
+            self._ramp_steps = 0
+            return False
+        self._ramp_steps += 1
+        return self._ramp_steps <= self.RAMP_STEPS
 
     def _charge_prompts(self, plan: StepPlan, outcome: StepOutcome, seconds: float, committed: int) -> None:
         """What the prompts in this step cost beyond its decode items' price, for the load gate's prompt charges

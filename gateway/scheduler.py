@@ -49,6 +49,9 @@ class StepPlan:
     # Prompt tokens a drafting replica took in (its queued ingests) ahead of this plan's draft call: a round
     # that waits on a prompt's catch-up pays for the prompt, not for its trees (see GatewayCore._draft).
     draft_prompt_tokens: int = 0
+    # Decoding requests that could draft but whose drafts were still taking in their tokens (a joining prompt,
+    # a woken request's gap), so that they decode plainly in this step (filled by the policy).
+    drafts_behind: int = 0
     # Requests in the gateway (running or waiting) when this step was planned, held at the highest of the last
     # plans (policy.HeldLoad): the load the load gate judges. A step may carry fewer: while a burst's prompts
     # take their chunks, a step holds two of thirty-two.
