@@ -4,17 +4,21 @@ bench/l2_prefetch_cost.py's and bench/step_cost.py --l2-prefetch-mb's)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels.l2_prefetch import CHUNKS_PER_PROGRAM, WeightPrefetch, _prefetch_l2_kernel, prefetch_bytes
+from kernels.l2_prefetch import WeightPrefetch, prefetch_bytes
 from kernels.tree_attention import StepLayout
 from tandem.model_config import LlamaConfig
 from tandem.tree import ancestor_mask
 from target_service.random_model import random_llama_model
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_prefetch_asks_for_the_weights_first_bytes_up_to_the_cap_in_16_byte_units_or_for_nothing():
@@ -57,23 +61,43 @@ def test_on_a_gpu_a_captured_forward_with_l2_prefetch_gives_the_logits_of_one_wi
     assert torch.equal(captured("with"), without)
 
 
-def test_the_prefetch_kernel_builds_for_hopper_into_bulk_l2_prefetches(tmp_path):
-    """The CPU cannot run it; the build shows that ptxas takes its PTX for sm_90, and what it became."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+# Builds the kernel for sm_90 and writes its PTX and cubin to the folder given (argv[1]).
+BUILD = """
+import sys
+from pathlib import Path
 
-    # The suite runs Triton interpreted (conftest): build the kernel's own function, compiled for real.
-    kernel_fn = getattr(_prefetch_l2_kernel, "fn", _prefetch_l2_kernel)
-    source = triton.compiler.ASTSource(
-        fn=triton.runtime.jit.JITFunction(kernel_fn), signature={"Base": "*u8", "nbytes": "i64", "CHUNK": "constexpr",
-                                           "PER_PROGRAM": "constexpr"},
-        constexprs={"CHUNK": 1 << 16, "PER_PROGRAM": CHUNKS_PER_PROGRAM})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    assert "cp.async.bulk.prefetch.L2.global" in kernel.asm["ptx"]
+import triton
+from triton.backends.compiler import GPUTarget
+
+from kernels.l2_prefetch import CHUNKS_PER_PROGRAM, _prefetch_l2_kernel
+
+source = triton.compiler.ASTSource(
+    fn=_prefetch_l2_kernel,
+    signature={"Base": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "PER_PROGRAM": "constexpr"},
+    constexprs={"CHUNK": 1 << 16, "PER_PROGRAM": CHUNKS_PER_PROGRAM})
+kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+out = Path(sys.argv[1])
+(out / "prefetch.ptx").write_text(kernel.asm["ptx"])
+(out / "prefetch.cubin").write_bytes(kernel.asm["cubin"])
+"""
+
+
+def test_the_prefetch_kernel_builds_for_hopper_into_bulk_l2_prefetches(tmp_path):
+    """The CPU cannot run it; the build shows that ptxas takes its PTX for sm_90, and what it became. The build
+    runs in a process of its own without TRITON_INTERPRET: the suite runs Triton interpreted (conftest), and
+    in a worker where an interpreted kernel had run, the language's functions still bore the interpreter's
+    builder and the real compile failed ('value' object has no attribute 'dtype'; a CI run on 2026-12-05)."""
+    import triton
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    build = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path)], capture_output=True, text=True, env=env,
+                           cwd=REPO, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    assert "cp.async.bulk.prefetch.L2.global" in (tmp_path / "prefetch.ptx").read_text()
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    cubin = tmp_path / "prefetch.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([str(nvdisasm), "-c", str(tmp_path / "prefetch.cubin")], capture_output=True, text=True,
+                          check=True).stdout
     assert "UBLKPF.L2" in sass
 
 
