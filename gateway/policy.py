@@ -1155,6 +1155,11 @@ class LoadGate:
         probe = self._probing.get(batch_bucket(seqs))
         return seqs >= self.min_batch and probe is not None and probe.spec
 
+    def first_probe_of_trees(self, seqs: int) -> bool:
+        """Whether this load's trees are being measured for the first time (a first probe, not a re-probe)."""
+        probe = self._probing.get(batch_bucket(seqs))
+        return probe is not None and probe.spec and not probe.reprobe and not probe.second
+
     def predict(self, seqs: int, rates: Rates) -> None:
         """Keeps what the cost model predicts for each arm at this load, next to what the arms
         measure (describe, audit): the policy's decisions can be checked against what followed."""

@@ -1082,13 +1082,26 @@ def test_tree_steps_in_which_a_quarter_of_the_requests_drafts_are_still_catching
 def test_a_draft_that_stays_behind_is_given_to_the_gate_after_RAMP_STEPS_tree_steps(tokenizer):
     core, _, _ = new_core(tokenizer, mode="auto")
     plan, outcome = SimpleNamespace(drafts_behind=2), SimpleNamespace(trees={"a": None})
-    kept = [core._ramp(plan, outcome, 4) for _ in range(core.RAMP_STEPS + 3)]
+    kept = [core._ramp(plan, outcome, 4, 4) for _ in range(core.RAMP_STEPS + 3)]
     assert kept == [True] * core.RAMP_STEPS + [False] * 3
     plan.drafts_behind = 0
-    assert not core._ramp(plan, outcome, 4)
+    assert not core._ramp(plan, outcome, 4, 4)
     plan.drafts_behind = 1  # a quarter of four
-    assert core._ramp(plan, outcome, 4)
-    assert not core._ramp(plan, SimpleNamespace(trees={}), 4)  # plain steps are never a ramp
+    assert core._ramp(plan, outcome, 4, 4)
+    assert not core._ramp(plan, SimpleNamespace(trees={}), 4, 4)  # plain steps are never a ramp
+
+
+def test_a_first_probe_of_trees_is_measured_once_every_draft_has_caught_up(tokenizer):
+    """While a load's trees are measured for the first time, one draft behind of sixteen keeps the step from the
+    gate (its replica's catch-ups hold up the others' calls); at a load with a verdict a quarter must be."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    plan, outcome = SimpleNamespace(drafts_behind=2), SimpleNamespace(trees={"a": None})
+    assert not core._ramp(plan, outcome, 16, 16)  # no probe under way: 2 of 16 is under a quarter
+    assert core.gate.allow_spec(16)  # a new load: its trees probed first
+    assert core.gate.first_probe_of_trees(16) and not core.gate.first_probe_of_trees(4)
+    assert core._ramp(plan, outcome, 16, 16)
+    plan.drafts_behind = 0
+    assert not core._ramp(plan, outcome, 16, 16)
 
 
 def test_a_request_joining_two_drafting_ones_waits_a_round_for_its_first_tree_its_prompt_sent_behind_their_call(
