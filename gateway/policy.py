@@ -1238,7 +1238,16 @@ class LoadGate:
         # model may still choose none, and such a step says nothing about trees.
         probe = self._probing.get(b)
         probing = probe is not None and probe.spec == spec
-        recorded = not probing or probe.lengthened or probe.steps_left <= self.probe_steps - self.probe_steps // 4
+        # A step lighter than its load's lightest count (but not under half, above) is this load's as a probe
+        # measures it, where the load cannot fill its batch (a request waiting for KV), but it does not move a
+        # standing arm's figures: they would mix batch sizes the other arm was not measured at. On an H100
+        # (scale track, 0.6, 4 requests, 2026-12-05) a `tandem bench` level's last ten tree steps carried 3
+        # and 2 sequences under the held load of 4-7; they took trees' figure from about 830 to 531 tok/s,
+        # the re-probe of plain decoding that came at the next level's start measured 4 sequences at 648 and
+        # won, and trees came back after a quarter of the level (auto 0.95 of `always`).
+        lighter = seqs < 1 << (b - 1)
+        recorded = not lighter if not probing else (
+            probe.lengthened or probe.steps_left <= self.probe_steps - self.probe_steps // 4)
         this = self.arms.setdefault((b, spec), Arm())
         other = self.arms.setdefault((b, not spec), Arm())
         this.committed_total += committed

@@ -1186,8 +1186,32 @@ def test_steps_far_lighter_than_the_held_load_do_not_move_its_figures_or_verdict
     for _ in range(8):
         assert gate.record(2, False, 2, 0.0063, load=64) is None
     assert (arm.goodput, arm.samples) == (plain, samples) and not gate.allow_spec(64)
-    gate.record(40, False, 40, 0.005, load=64)  # a dip to 40 sequences is still this load's: it counts
-    assert arm.samples == samples + 1
+
+
+def test_steps_lighter_than_their_load_count_towards_a_probe_but_do_not_move_a_standing_arms_figures():
+    """A level's last tree steps carry 3 and 2 sequences under the held load of 4-7: recorded, they took trees'
+    figure from about 830 to 531 tok/s on an H100 (0.6), and a re-probe of plain decoding measured at 4
+    sequences won. Such steps still count towards a probe: where the load cannot fill its batch (a request
+    waiting for KV), every step is lighter than it."""
+    gate = LoadGate()
+    run_gate(gate, 4, 40, spec_rate=830, plain_rate=650)
+    assert gate.allow_spec(4)
+    trees = gate.arms[(batch_bucket(4), True)]
+    figure, samples = trees.goodput, trees.samples
+    for _ in range(10):  # the level drains: 3 sequences a step, each committing at the arm's usual tokens
+        assert gate.record(3, True, round(3 * trees.tokens_per_seq), 0.0118, load=4) is None
+    assert (trees.goodput, trees.samples) == (figure, samples)
+    # A re-probe of plain decoding at 3 sequences of the load 4-7 is measured, and ends.
+    while gate.allow_spec(4):
+        gate.record(4, True, round(4 * trees.tokens_per_seq), 4 * trees.tokens_per_seq / 830, load=4)
+    plain = gate.arms[(batch_bucket(4), False)]
+    before = plain.samples
+    verdict = None
+    for _ in range(gate.probe_steps):
+        verdict = gate.record(3, False, 3, 3 / 500, load=4)
+        if verdict is not None:
+            break
+    assert plain.samples > before and verdict is True  # the probe ended on lighter steps; trees stand
 
 
 def test_a_probe_of_trees_that_win_on_decode_steps_but_lose_with_their_prompts_is_spaced_by_what_it_lost():
