@@ -965,6 +965,14 @@ class LoadGate:
     # 0.79-0.87 a round to 0.97-1.00; at 8, where the two modes were 2-6% apart, it read 0.94-0.99 without
     # and 0.86-0.97 with (BENCHMARKS.md, "Common draws").
     close_probe_steps: int = 16
+    # A load without a verdict that was last met this many seconds ago is measured afresh when met again: its
+    # figures, and a first probe left pending, belong to another workload. On an H100 (scale track, 0.8,
+    # 2026-12-05) `tandem bench`'s warm-up burst (16-token requests) passed through 32-63 sequences, left plain
+    # decoding there at 7,663 tok/s on six granted steps and a probe of trees pending; 81 s later the level of
+    # 32 requests finished that probe against the warm-up's figure (plain: its own steps then read 4,787), and
+    # `auto` decoded plainly where `always` delivered 1.02x `never` (0.96 of it).
+    idle_forget_seconds: float = 5.0
+    clock: Callable[[], float] = time.monotonic
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
     _verdict: dict[int, bool] = field(default_factory=dict)  # bucket -> speculate, as of the last probe
@@ -988,6 +996,7 @@ class LoadGate:
     # (bucket, mix at its verdict, mix now) of each load measured afresh since the caller last took them (for logs)
     remeasured: list[tuple[int, float, float]] = field(default_factory=list)
     prompts: PromptCharges = field(default_factory=PromptCharges)
+    _met: dict[int, float] = field(default_factory=dict)  # bucket -> when it was last met (clock seconds)
 
     def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
         """Whether auto may speculate at this load. model_prefers_spec: whether the cost model gives
@@ -995,6 +1004,7 @@ class LoadGate:
         if seqs < self.min_batch:
             return True
         b = batch_bucket(seqs)
+        self._forget_if_idle(b)
         self._forget_if_moved(b)
         spec = self.arms.setdefault((b, True), Arm())
         plain = self.arms.setdefault((b, False), Arm())
@@ -1061,6 +1071,7 @@ class LoadGate:
         if seqs < self.min_batch:
             return True
         b = batch_bucket(seqs)
+        self._forget_if_idle(b)
         self._forget_if_moved(b)
         if self._trees_need_no_probe(b):
             return False
@@ -1094,6 +1105,20 @@ class LoadGate:
         if b in self._probing:
             self._drop_probe(b)
         self.prompts.forget(b)
+
+    def _forget_if_idle(self, b: int) -> None:
+        """This load is measured afresh where it has no verdict and was last met over idle_forget_seconds ago
+        (see there): its arms' figures and a pending first probe are dropped, the audit's running sums kept."""
+        now = self.clock()
+        last, self._met[b] = self._met.get(b), now
+        if last is None or b in self._verdict or now - last <= self.idle_forget_seconds:
+            return
+        for spec in (True, False):
+            arm = self.arms.get((b, spec))
+            if arm is not None:
+                arm.forget()
+        if b in self._probing:
+            self._drop_probe(b)
 
     def _trees_need_no_probe(self, b: int) -> bool:
         """This load has no verdict (a first probe may be under way) and plain decoding won at a lighter one."""

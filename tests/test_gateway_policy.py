@@ -1188,6 +1188,34 @@ def test_steps_far_lighter_than_the_held_load_do_not_move_its_figures_or_verdict
     assert (arm.goodput, arm.samples) == (plain, samples) and not gate.allow_spec(64)
 
 
+def test_a_load_left_without_a_verdict_is_measured_afresh_when_met_again_after_a_while():
+    """A warm-up burst passed through 32-63 sequences on an H100: it measured plain decoding there at 7,663 tok/s
+    and left a probe of trees pending; 81 s later the level of 32 requests finished that probe against the
+    warm-up's figure (its own plain steps read 4,787) and decoded plainly where trees delivered 5,830."""
+    now = [0.0]
+    gate = LoadGate(clock=lambda: now[0])
+
+    def steps(n: int, spec_rate: float, plain_rate: float) -> list[bool]:
+        seen = []
+        for _ in range(n):
+            now[0] += 0.01
+            spec = gate.allow_spec(32, lambda: False)
+            seen.append(spec)
+            gate.record(32, spec, 32, 32 / (spec_rate if spec else plain_rate))
+        return seen
+
+    assert steps(8, spec_rate=5830, plain_rate=7663) == [False] * 8  # the burst: plain measured first
+    assert gate.allow_spec(32) and batch_bucket(32) not in gate._verdict  # trees' probe, pending
+    now[0] += 81.0
+    seen = steps(40, spec_rate=5830, plain_rate=4787)
+    assert seen[-1] and gate.arms[(batch_bucket(32), False)].goodput == pytest.approx(4787, rel=0.01)
+    # Met again within the idle time, a pending probe carries on with the figures it has.
+    gate = LoadGate(clock=lambda: now[0])
+    steps(8, spec_rate=5830, plain_rate=7663)
+    now[0] += 2.0
+    assert not steps(40, spec_rate=5830, plain_rate=4787)[-1]
+
+
 def test_steps_lighter_than_their_load_count_towards_a_probe_but_do_not_move_a_standing_arms_figures():
     """A level's last tree steps carry 3 and 2 sequences under the held load of 4-7: recorded, they took trees'
     figure from about 830 to 531 tok/s on an H100 (0.6), and a re-probe of plain decoding measured at 4
