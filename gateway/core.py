@@ -489,8 +489,8 @@ class GatewayCore:
         self._track_quiet(plan)
         if log.isEnabledFor(logging.DEBUG):
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
-            log.debug("step %d: %d items, %d tokens, trees %s, gate %s", self.step_count,
-                      len(plan.items), plan.num_tokens, spec, self.gate.describe(plan.load))
+            log.debug("step %d: %d items, %d tokens, trees %s, %d drafts behind, gate %s", self.step_count,
+                      len(plan.items), plan.num_tokens, spec, plan.drafts_behind, self.gate.describe(plan.load))
         return plan
 
     def _mode(self, req: Request) -> SpecMode:

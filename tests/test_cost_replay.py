@@ -21,8 +21,11 @@ PROFILE = CostModel(target_base=7.6e-3, target_per_token=1.8e-5, target_per_seq=
 
 
 def round_lines(at: float, step: int, ms: float) -> list[str]:
-    """A plan giving both of 2 requests a 5/4/8 tree, and its step done in `ms`."""
-    return [f"{stamped(at)} gateway DEBUG step {step}: 2 items, 2 tokens, trees ['5/4/8', '5/4/8'], gate 2-3 sequences",
+    """A plan giving both of 2 requests a 5/4/8 tree, and its step done in `ms` (the plan line as the gateway
+    logs it since the drafts behind were counted; test_the_replay_prices_the_options_at_each_auto_levels_start
+    has one without them)."""
+    return [f"{stamped(at)} gateway DEBUG step {step}: 2 items, 2 tokens, trees ['5/4/8', '5/4/8'], 0 drafts behind, "
+            "gate 2-3 sequences",
             f"{stamped(at + 0.01)} gateway DEBUG step {step + 1} done: 2 seqs, 2 trees, granted 0, fed draft True, "
             f"decode True, 8 committed, {ms:.2f} ms, quiet 0, ingests queued 0, phases 0.25/3.50/9.00/0.25 ms"]
 
