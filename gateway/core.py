@@ -640,6 +640,9 @@ class GatewayCore:
     # and where trees win at one request the schedule that slept through heavier loads would not wake.
     QUIET_STEPS = 16
     WAKE_EVERY = 128
+    MAX_WAKE_EVERY = 4096
+    WAKE_BUDGET = 0.02
+
     # A step with trees in which at least this share of the decoding requests had drafts still taking in their
     # tokens (plan.drafts_behind) measures the drafts' ramp, not trees: those requests decode a token each, at
     # a tree step's price. The load gate is not given it, up to RAMP_STEPS such steps in a row (a draft that
@@ -658,8 +661,6 @@ class GatewayCore:
     # steps keep the share: joins at a steady load cost trees what they cost `always`.
     RAMP_SHARE = 0.25
     RAMP_STEPS = 8
-    MAX_WAKE_EVERY = 4096
-    WAKE_BUDGET = 0.02
 
     def _wake_schedule_for(self, seqs: int) -> WakeSchedule:
         """The wake schedule of this load's batch bucket, new (awake) at a load not met before."""

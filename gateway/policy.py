@@ -198,8 +198,8 @@ class CostModel:
         """tree_step_time at this load and depth as (seconds, per token, per expansion): linear in both;
         `option`: the trees' budget, where they all share one (its own learned ratio applies)."""
         ratio = self._ratio((batch_bucket(seqs), True), option)
-        if option is not None and self.shape_factors:
-            ratio *= self.shape_factors.get((batch_bucket(seqs), option.shape), 1.0)
+        if option is not None:
+            ratio *= self.shape_factor(seqs, [option])
         base = self.target_time(0, seqs) + self._draft_time(levels, 0)
         return base * ratio, self.target_per_token * ratio, self.draft_per_expansion * ratio
 
