@@ -93,6 +93,9 @@ class CoreConfig:
     max_queue: int = 1024
     max_model_len: int | None = None
     profile: bool = True  # measure the cost model at start-up
+    # Tokens of context each request holds in the start-up rounds of gateway.profiling.price_rounds: set near
+    # the traffic's typical prompt plus output, since a round's attention reads it.
+    profile_context: int = 32
     # Plain-decode steps granted to the target at once when a batch decodes plainly; 1 = one call
     # per step.
     grant_steps: int = 1
@@ -120,6 +123,8 @@ class CoreConfig:
             raise ValueError(f"target wait must be >= 0 seconds, got {self.target_wait_s}")
         if self.grant_steps < 1:
             raise ValueError(f"grant steps must be >= 1, got {self.grant_steps}")
+        if self.profile_context < 1:
+            raise ValueError(f"the profile's context must be >= 1 token, got {self.profile_context}")
         if self.max_queue < 1:
             raise ValueError(f"max queue must be >= 1, got {self.max_queue}")
         if self.gate_close_probe_steps < 0:
@@ -290,10 +295,10 @@ class GatewayCore:
         try:
             t0 = time.perf_counter()
             if factors := price_rounds(self.target, replica, self.cfg.policy, self.costs,
-                                       self.cfg.scheduler.max_running):
+                                       self.cfg.scheduler.max_running, context=self.cfg.profile_context):
                 self.costs.shape_factors = factors
-                log.info("priced %d rounds (batch bucket, tree shape) in %.1f s", len(factors),
-                         time.perf_counter() - t0)
+                log.info("priced %d rounds (batch bucket, tree shape) at %d tokens of context in %.1f s",
+                         len(factors), self.cfg.profile_context, time.perf_counter() - t0)
         except Exception as exc:  # the linear fits price every shape alike
             log.warning("round pricing failed (%s); trees priced by the linear fits", exc)
 

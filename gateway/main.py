@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "past it they end with 503 / UNAVAILABLE, and the gateway serves again once the target "
                         f"is back (default {DEFAULT_TARGET_WAIT_S:g})")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up cost profile (tests)")
+    p.add_argument("--profile-context", type=int, default=32, metavar="TOKENS",
+                   help="under --speculation auto on a GPU draft, the context each throwaway request holds when "
+                        "the start-up profile times every tree shape's round (a round's attention reads it): set "
+                        "it near your traffic's typical prompt plus output. Default 32")
     p.add_argument("--no-step-lane", action="store_true",
                    help="keep the step streams to the target and drafts on gRPC even where a service offers a "
                         "same-host lane (its --step-lane; by default the gateway uses one it can reach)")
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --gate-min-batch must be at least 1")
     if args.gate_load_hold_plans < 1:
         raise SystemExit("error: --gate-load-hold-plans must be at least 1")
+    if args.profile_context < 1:
+        raise SystemExit("error: --profile-context must be at least 1 token")
     try:
         policy = PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens,
                               option_margin=args.spec_option_margin)
@@ -212,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=policy,
         scheduler=SchedulerConfig(args.max_step_tokens, args.max_running, info.load.block_size),
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
+        profile_context=args.profile_context,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
         gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch,
         gate_load_hold_plans=args.gate_load_hold_plans)

@@ -192,41 +192,52 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
 # Batch sizes at which price_rounds times each option's round: the smallest of each batch bucket.
 ROUND_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ROUND_REPEATS = 3  # timed calls of each kind per (batch, option), their median kept
+PREFILL_TOKENS = 8192  # the most prompt tokens price_rounds hands either service in one call
 
 
 def price_rounds(target: TargetClient, replica: DraftReplica, cfg: PolicyConfig, costs: CostModel,
-                 max_batch: int) -> dict[tuple[int, tuple[int, int]], float]:
+                 max_batch: int, context: int = PREFIX) -> dict[tuple[int, tuple[int, int]], float]:
     """On a CUDA draft under `auto`: each of auto's options' round timed at each batch of ROUND_BATCHES up to
     max_batch (and what both services' free KV holds), on throwaway requests: a Draft call (the median of
     ROUND_REPEATS after one untimed), then the target's verify of the trees it drafted (the median of
-    ROUND_REPEATS). Returns, per (batch bucket, tree shape), that round over what `costs`' linear fits put it
-    at, for CostModel.shape_factors; empty on a CPU draft (its costs swing with the host more than with the
-    shape) and where no batch fits.
+    ROUND_REPEATS). The throwaway requests hold prompts of `context` tokens (the gateway's --profile-context):
+    the round's attention, in the draft's levels and the target's verify, reads that much context. Returns,
+    per (batch bucket, tree shape), that round over what `costs`' linear fits put it at, for
+    CostModel.shape_factors; empty on a CPU draft (its costs swing with the host more than with the shape)
+    and where no batch fits.
 
     Why: the fits see the draft at one and four requests, and are linear in levels and expansions, where a
     GPU's round is not: the verify's nodes bucket, a chain's ten levels at 16 requests. Run after
     warm_draft, so no capture is timed; the rounds see no features, which every shape pays alike (the
-    learned ratios take them)."""
+    learned ratios take them). Timed on 32-token prompts, a 10/1/11 chain at 16 requests was priced at
+    18.3-21.8 ms where serving's 1,024-token contexts made it 23.4 (H100, BENCHMARKS.md, forty-sixth
+    session): a chain's ten levels and a wide verify read the context more often than a 5/4/8 round does."""
+    if context < 1:
+        raise ValueError(f"the rounds' context must be >= 1 token, got {context}")
     draft, info = replica.client, replica.client.info()
     if info.device != "cuda" or cfg.mode != "auto":
         return {}
     options = cfg.auto_options()
     target_load = target.info().load
     # Each timed verify may keep a whole tree and its bonus token.
-    target_tokens = PREFIX + ROUND_REPEATS * sum(o.max_nodes + 1 for o in options)
+    target_tokens = context + ROUND_REPEATS * sum(o.max_nodes + 1 for o in options)
     room = min(target_load.free_blocks // -(-target_tokens // target_load.block_size),
-               info.load.free_blocks // -(-(PREFIX + max(o.num_draft_tokens for o in options))
+               info.load.free_blocks // -(-(context + max(o.num_draft_tokens for o in options))
                                            // info.load.block_size))
     batches = [b for b in ROUND_BATCHES if b <= min(max_batch, room)]
     if not batches:
         return {}
     ids = [f"__round_{i}" for i in range(batches[-1])]
-    prompt = tuple(1 + i % 50 for i in range(PREFIX))
-    draft.ingest([IngestItem(rid, 0, prompt, None) for rid in ids], catch_up=True)
+    prompt = tuple(1 + i % 50 for i in range(context))
+    per_call = max(1, PREFILL_TOKENS // context)  # requests whose prompts one call takes in
     factors: dict[tuple[int, tuple[int, int]], float] = {}
     try:
-        pending = {res.request_id: res.tokens[-1] for res in target.step(
-            [SequenceStep.chain(rid, prompt, create=True) for rid in ids], ())[0]}
+        pending: dict[str, int] = {}
+        for start in range(0, len(ids), per_call):
+            group = ids[start:start + per_call]
+            draft.ingest([IngestItem(rid, 0, prompt, None) for rid in group], catch_up=True)
+            pending |= {res.request_id: res.tokens[-1] for res in target.step(
+                [SequenceStep.chain(rid, prompt, create=True) for rid in group], ())[0]}
         for batch in batches:
             for option in options:
                 calls = [(rid, option, len(prompt)) for rid in ids[:batch]]

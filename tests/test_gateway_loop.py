@@ -1350,9 +1350,15 @@ def test_the_gateway_prices_trees_with_the_rounds_timed_at_start_up_and_keeps_th
     core, _, _ = new_core(tokenizer, mode="auto")
     assert profiling.price_rounds(core.target, core.pool.healthy()[0], core.cfg.policy, core.costs, 64) == {}  # CPU
     timed = {(3, (1, 11)): 1.4, (3, (4, 8)): 1.0}
-    monkeypatch.setattr(profiling, "price_rounds", lambda target, replica, cfg, costs, max_batch: timed)
+    contexts = []
+
+    def price(target, replica, cfg, costs, max_batch, context):
+        contexts.append(context)
+        return timed
+
+    monkeypatch.setattr(profiling, "price_rounds", price)
     core._price_rounds()
-    assert core.costs.shape_factors == timed
+    assert core.costs.shape_factors == timed and contexts == [core.cfg.profile_context]
 
     def lost(*args):
         raise RuntimeError("draft lost")

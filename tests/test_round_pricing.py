@@ -11,7 +11,7 @@ from draft_service.types import DraftBudget, DraftTree
 from gateway import profiling
 from gateway.clients import DraftInfo, TargetInfo
 from gateway.policy import CostModel, PolicyConfig, batch_bucket
-from gateway.profiling import PREFIX, ROUND_BATCHES, ROUND_REPEATS, price_rounds
+from gateway.profiling import PREFILL_TOKENS, PREFIX, ROUND_BATCHES, ROUND_REPEATS, price_rounds
 from target_service.types import KvLoad, SequenceResult
 
 # A linear profile (seconds): what price_rounds measures the shapes against.
@@ -40,8 +40,9 @@ def verify_seconds(nodes: int, batch: int) -> float:
 
 
 class FakeDraft:
-    def __init__(self, clock: Clock, device: str = "cuda", free_blocks: int = 10_000):
-        self.clock, self.device, self.free_blocks = clock, device, free_blocks
+    def __init__(self, clock: Clock, device: str = "cuda", free_blocks: int = 10_000, context: int = PREFIX):
+        self.clock, self.device, self.free_blocks, self.context = clock, device, free_blocks, context
+        self.ingest_calls: list[int] = []  # requests taken in per Ingest call
         self.ingested: list[str] = []
         self.released: list[str] = []
         self.calls: list[tuple[DraftBudget, int]] = []
@@ -51,7 +52,8 @@ class FakeDraft:
         return DraftInfo((1, 2, 3), 4096, 10, 8, 64, load, device=self.device, feature_width=12)
 
     def ingest(self, items, catch_up=False):
-        assert catch_up and all(len(it.tokens) == PREFIX for it in items)
+        assert catch_up and all(len(it.tokens) == self.context for it in items)
+        self.ingest_calls.append(len(items))
         self.ingested += [it.request_id for it in items]
 
     def draft(self, ingest, items):
@@ -69,8 +71,9 @@ class FakeDraft:
 
 
 class FakeTarget:
-    def __init__(self, clock: Clock, free_blocks: int = 10_000):
-        self.clock, self.free_blocks = clock, free_blocks
+    def __init__(self, clock: Clock, free_blocks: int = 10_000, context: int = PREFIX):
+        self.clock, self.free_blocks, self.context = clock, free_blocks, context
+        self.creates: list[int] = []  # requests created per Step call
         self.pending: dict[str, int] = {}
         self.released: list[str] = []
 
@@ -81,13 +84,15 @@ class FakeTarget:
         results = []
         for it in items:
             if it.create:
-                assert len(it.tokens) == PREFIX
+                assert len(it.tokens) == self.context
             else:  # a verify: the tree hangs below this sequence's pending token
                 assert it.tokens[0] == self.pending[it.request_id] and it.num_fixed == 1
                 assert it.parents[:2] == (-1, 0)
             self.pending[it.request_id] = 1 + len(self.pending) + int(self.clock.now * 1e6) % 500
             results.append(SequenceResult(it.request_id, [0], [self.pending[it.request_id]], [0.0], [], None, 1))
-        if not items[0].create:
+        if items[0].create:
+            self.creates.append(len(items))
+        else:
             self.clock.now += verify_seconds(len(items[0].tokens) - 1, len(items))
         return results, None, 0.0
 
@@ -141,6 +146,27 @@ def test_rounds_stay_within_the_running_batch_and_both_services_free_kv(clock):
     assert batches(draft_blocks=2) == set()
 
 
+def test_rounds_run_on_prompts_of_the_profile_context_taken_in_a_few_requests_at_a_time(clock):
+    """--profile-context: each throwaway request holds that many tokens, so a round reads a serve's context; its
+    prompts reach each service in calls of at most PREFILL_TOKENS tokens, and KV room is counted with them."""
+    cfg = PolicyConfig("auto")
+    context = 1024
+    target, draft = FakeTarget(clock, context=context), FakeDraft(clock, context=context)
+    factors = price_rounds(target, SimpleNamespace(client=draft), cfg, CostModel(**LINEAR), 64, context=context)
+    assert {batch for _, batch in draft.calls} == set(ROUND_BATCHES) and len(factors) == 35
+    per_call = PREFILL_TOKENS // context
+    assert draft.ingest_calls == target.creates == [per_call] * (64 // per_call)
+    assert sorted(target.released) == sorted(draft.ingested) == sorted(draft.released)
+    # Room on the draft: the context and the deepest tree per request.
+    blocks = -(-(context + 16) // 16)
+    draft = FakeDraft(clock, free_blocks=10 * blocks, context=context)
+    price_rounds(FakeTarget(clock, context=context), SimpleNamespace(client=draft), cfg, CostModel(**LINEAR), 64,
+                 context=context)
+    assert {batch for _, batch in draft.calls} == {1, 2, 4, 8}
+    with pytest.raises(ValueError, match="context"):
+        price_rounds(target, SimpleNamespace(client=draft), cfg, CostModel(**LINEAR), 64, context=0)
+
+
 def test_a_cpu_draft_or_a_fixed_mode_prices_no_rounds(clock):
     for device, mode in (("cpu", "auto"), ("cuda", "always"), ("cuda", "never")):
         draft = FakeDraft(clock, device=device)
@@ -181,3 +207,15 @@ def test_a_shape_timed_at_start_up_is_priced_at_its_round_and_takes_the_ratio_an
     mixed = [tree] * 3 + [deep]
     assert costs.profiled_time(4 + 3 * tree.max_nodes + deep.max_nodes, 4, mixed) == pytest.approx(
         1.45 * (costs.target_time(4 + 3 * tree.max_nodes + deep.max_nodes, 4) + costs.draft_time(mixed)))
+
+
+def test_the_profile_context_flag_reaches_the_gateway_config_and_a_bad_value_is_refused():
+    from gateway.core import CoreConfig
+    from gateway.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--target", "t:1"]).profile_context == CoreConfig().profile_context == PREFIX
+    assert parser.parse_args(["--target", "t:1", "--profile-context", "1024"]).profile_context == 1024
+    assert "--profile-context TOKENS" in " ".join(parser.format_help().split())
+    with pytest.raises(ValueError, match="context"):
+        CoreConfig(profile_context=0)
