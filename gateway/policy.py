@@ -145,10 +145,11 @@ class CostModel:
     # what serving adds to any shape alike, and an option not yet drafted alone at a load is priced by its
     # own shape. The fits see the draft at one and four requests only: on an H100 (scale track, 0.8,
     # 2026-12-05) a 10/1/11 chain's round, priced from 5/4/8's learned ratio, was put at 17.0 and 20.0 ms at
-    # 4 and 16 requests and took 24.7 and 30.8 (its draft phase at 16: 16.1 ms against 5/4/8's 7.0). The rounds
-    # run on 32-token prompts, so what a shape pays for a long context is left to the learned ratios: with
-    # them the same chain was still priced at 18.3-21.8 ms against 23.4 at 16 requests (BENCHMARKS.md,
-    # forty-sixth session); what they did correct was a start-up whose fit put a token at twice its cost.
+    # 4 and 16 requests and took 24.7 and 30.8 (its draft phase at 16: 16.1 ms against 5/4/8's 7.0). Timed on
+    # 32-token prompts the same chain was still priced at 18.3-21.8 ms against 23.4 at 16 requests (BENCHMARKS.md,
+    # forty-sixth session); what they did correct was a start-up whose fit put a token at twice its cost. The
+    # rounds' context is the gateway's --profile-context; at the scale track's 1,088 tokens the chain's factor
+    # over 5/4/8's at 16-31 requests fell (1.15 to 1.04; forty-seventh session), so context does not explain it.
     shape_factors: dict[tuple[int, tuple[int, int]], float] = field(default_factory=dict)
     # Measurements behind each learned ratio (keys of `ratios`, and ("fed", bucket) for `fed_ratios`):
     # _moved_ratio weighs the first three more than later ones where they read below the ratio.
