@@ -812,6 +812,42 @@ def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_ar
     assert not any(fed[core.QUIET_STEPS + 4: core.WAKE_EVERY - 4]), "features kept flowing while dormant"
 
 
+def test_a_plain_grant_ends_at_the_step_on_which_the_load_gate_chooses_trees(tokenizer, monkeypatch):
+    """A re-probe of plain decoding runs as a grant; once the gate has settled it for trees, the grant's other
+    steps would decode plainly for nothing, so the grant is interrupted there. A verdict for plain decoding
+    lets it run on."""
+    core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay: dormant
+    for i in range(2):
+        submit(core, f"r{i}", [4 + i, 5, 6], max_tokens=300)
+    core._take_inbox()
+    recorded: list[int] = []  # granted steps given to the gate, per grant
+    verdict_at: dict[int, bool] = {}  # the grant's n-th recorded step -> the verdict it ends a probe with
+
+    def record(seqs, spec, committed, seconds, load=None):
+        if target.grants:
+            while len(recorded) < target.grants:
+                recorded.append(0)
+            recorded[-1] += 1
+            return verdict_at.get(recorded[-1]) if target.grants == 2 else None
+        return None
+
+    monkeypatch.setattr(core.gate, "record", record)
+    monkeypatch.setattr(core.gate, "allow_spec", lambda seqs, model_prefers_spec=None: False)
+    steps = 0
+    while target.grants < 1:
+        core._step()
+        steps += 1
+        assert steps < 100, "no grant came"
+    assert recorded == [8], "a grant with no verdict for trees runs all its steps"
+    verdict_at[3] = False  # plain decoding wins: the grant runs on
+    verdict_at[5] = True  # then trees do: it ends on that step
+    while target.grants < 3:
+        core._step()
+    assert recorded[1] == 5
+    assert recorded[2] == 8, "the next grant is whole again"
+
+
 def price_as_the_emulated_ci_track(core) -> None:
     """The start-up profile of the demo's emulated-cost CI track (tests/test_gateway_auto_phases.py at
     4 ms a token), fixed: the fake's steps take microseconds, so these prices decide, not its timing."""
