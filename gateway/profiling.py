@@ -218,9 +218,14 @@ def price_rounds(target: TargetClient, replica: DraftReplica, cfg: PolicyConfig,
     if info.device != "cuda" or cfg.mode != "auto":
         return {}
     options = cfg.auto_options()
-    target_load = target.info().load
-    # Each timed verify may keep a whole tree and its bonus token.
-    target_tokens = context + ROUND_REPEATS * sum(o.max_nodes + 1 for o in options)
+    target_info = target.info()
+    target_load = target_info.load
+    # Each timed verify may keep a whole tree and its bonus token; a context past the model's length is cut to fit.
+    growth = ROUND_REPEATS * sum(o.max_nodes + 1 for o in options)
+    context = min(context, target_info.max_model_len - growth)
+    if context < 1:
+        return {}
+    target_tokens = context + growth
     room = min(target_load.free_blocks // -(-target_tokens // target_load.block_size),
                info.load.free_blocks // -(-(context + max(o.num_draft_tokens for o in options))
                                            // info.load.block_size))

@@ -165,6 +165,11 @@ def test_rounds_run_on_prompts_of_the_profile_context_taken_in_a_few_requests_at
     assert {batch for _, batch in draft.calls} == {1, 2, 4, 8}
     with pytest.raises(ValueError, match="context"):
         price_rounds(target, SimpleNamespace(client=draft), cfg, CostModel(**LINEAR), 64, context=0)
+    # A context past the model's length (4096 here) is cut to leave room for the timed trees.
+    growth = ROUND_REPEATS * sum(o.max_nodes + 1 for o in cfg.auto_options())
+    longest = FakeTarget(clock, context=4096 - growth)
+    assert price_rounds(longest, SimpleNamespace(client=FakeDraft(clock, context=4096 - growth)), cfg,
+                        CostModel(**LINEAR), 4, context=100_000)
 
 
 def test_a_cpu_draft_or_a_fixed_mode_prices_no_rounds(clock):
