@@ -1100,14 +1100,9 @@ class LoadGate:
         if then is None or now is None or max(then, now) <= self.mix_shift * min(then, now):
             return
         self.remeasured.append((b, then, now))
-        for spec in (True, False):
-            arm = self.arms.get((b, spec))
-            if arm is not None:
-                arm.forget()
+        self._forget_figures(b)
         for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost, self._catch_up):
             state.pop(b, None)
-        if b in self._probing:
-            self._drop_probe(b)
         self.prompts.forget(b)
 
     def _forget_if_idle(self, b: int) -> None:
@@ -1117,6 +1112,10 @@ class LoadGate:
         last, self._met[b] = self._met.get(b), now
         if last is None or b in self._verdict or now - last <= self.idle_forget_seconds:
             return
+        self._forget_figures(b)
+
+    def _forget_figures(self, b: int) -> None:
+        """Drops this load's arm figures (the audit's running sums stay) and a probe pending there."""
         for spec in (True, False):
             arm = self.arms.get((b, spec))
             if arm is not None:
