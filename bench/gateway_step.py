@@ -2,14 +2,25 @@
 and draft (tests/test_gateway_loop.py), so that what is timed is the gateway's Python
 (scheduling, budgets, applying results, detokenizing, metrics) and the fakes' little work.
 
-    python bench/gateway_step.py [--requests 1,16,64,128] [--steps 60]
+    python bench/gateway_step.py [--requests 1,16,64,128] [--steps 60] [--target-ms 3] [--phases]
+                                 [--debug-log]
 
 Prints the median step time per (requests, mode). A benchmark, not a test.
+
+--target-ms: each fake target step also sleeps this long, as a GPU step would take. The fake draft
+is always right, so with a target step that dear `auto`'s load gate measures trees winning and
+`auto` drafts, as it does on a GPU where trees pay (without it, plain steps are cheaper and `auto`
+decodes plainly). --phases: the mean milliseconds a step of the loop's phases (and of the policy's
+search) took. --debug-log: the gateway's DEBUG lines are formatted and written (to /dev/null), as
+in the GPU benches' serves (SERVE_LOG_LEVEL=DEBUG).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
+import logging
 import statistics
 import sys
 import tempfile
@@ -19,31 +30,109 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gateway import core as gateway_core  # noqa: E402
 from tests import test_gateway_loop as loop  # noqa: E402
+
+# What --phases times: the loop's phases and the policy's search of the figures.
+PHASES = ("_schedule", "_budgets", "_draft", "_update", "_apply", "_record")
+POLICY = ("search_budgets",)
+
+
+class PhaseClock:
+    """Seconds spent in each timed function, summed, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._undo: list[tuple[object, str, object]] = []
+
+    def install(self) -> None:
+        for name in PHASES:
+            self._wrap(gateway_core.GatewayCore, name)
+        for name in POLICY:
+            self._wrap(gateway_core, name)
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+    def _wrap(self, owner: object, name: str) -> None:
+        original = getattr(owner, name)
+        seconds = self.seconds
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+
+        self._undo.append((owner, name, original))
+        setattr(owner, name, timed)
+
+
+def slow_target(target_ms: float) -> None:
+    """Each fake target step (a call's, or a granted one's) sleeps `target_ms` first."""
+    run = loop.FakeTarget.run
+
+    def slow_run(self, items, *args, **kwargs):
+        time.sleep(target_ms / 1000)
+        return run(self, items, *args, **kwargs)
+
+    loop.FakeTarget.run = slow_run
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", default="1,16,64,128")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--target-ms", type=float, default=0.0,
+                    help="each fake target step also sleeps this long (default 0)")
+    ap.add_argument("--phases", action="store_true", help="print the mean ms a step of each phase")
+    ap.add_argument("--debug-log", action="store_true", help="write the gateway's DEBUG lines (to /dev/null)")
     args = ap.parse_args(argv)
+    if args.steps < 6 or args.target_ms < 0:
+        ap.error("--steps must be at least 6 and --target-ms at least 0")
+    if args.target_ms:
+        slow_target(args.target_ms)
+    if args.debug_log:
+        logging.basicConfig(filename="/dev/null", level=logging.DEBUG,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = loop.make_char_tokenizer(Path(tempfile.mkdtemp(prefix="tandem-gw-")))
     for n in (int(x) for x in args.requests.split(",")):
         for mode in ("never", "always", "auto"):  # auto: its per-step search of the figures too
-            core, _, _ = loop.new_core(tokenizer, mode=mode, blocks=100_000)
+            core, _, drafts = loop.new_core(tokenizer, mode=mode, blocks=100_000)
             for i in range(n):
                 loop.submit(core, f"r{i}", [5 + i % 50, 11, 13], max_tokens=100_000)
             core._take_inbox()
-            times = []
-            for _ in range(args.steps):
+            gc.freeze()  # as the services do once ready (tandem/gc_pauses.py)
+            warm = args.steps // 6
+            clock = PhaseClock()
+            times, calls_before, tokens_before = [], 0, 0
+            for step in range(args.steps):
+                if step == warm:
+                    calls_before = drafts[0].draft_calls
+                    tokens_before = sum(len(req.output) for req in core.running)
+                    if args.phases:
+                        clock.install()
                 t0 = time.perf_counter()
                 core._step()
                 times.append(time.perf_counter() - t0)
                 core._take_inbox()
                 time.sleep(0.002)  # the replica workers report their ingests, as between real steps
-            ms = 1e3 * statistics.median(times[args.steps // 6:])
-            print(f"{n:5d} requests {mode:>6}: {ms:7.3f} ms per step ({1e3 * ms / n:6.1f} us per request)",
-                  flush=True)
+            clock.uninstall()
+            gc.unfreeze()
+            timed = args.steps - warm
+            ms = 1e3 * statistics.median(times[warm:])
+            drafted = (drafts[0].draft_calls - calls_before) / timed  # the share of rounds that drafted trees
+            tokens = (sum(len(req.output) for req in core.running) - tokens_before) / timed / n
+            line = (f"{n:5d} requests {mode:>6}: {ms:7.3f} ms per step ({1e3 * ms / n:6.1f} us per request), "
+                    f"trees in {100 * drafted:3.0f}% of steps, {tokens:4.1f} tokens a request a step")
+            if args.phases:
+                line += "  " + " ".join(f"{name.lstrip('_')} {1e3 * s / timed:.3f}"
+                                        for name, s in clock.seconds.items())
+            print(line, flush=True)
     return 0
 
 
