@@ -92,28 +92,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true", help="print the mean ms a step of each phase")
     ap.add_argument("--debug-log", action="store_true", help="write the gateway's DEBUG lines (to /dev/null)")
     args = ap.parse_args(argv)
-    if args.steps < 6 or args.target_ms < 0:
-        ap.error("--steps must be at least 6 and --target-ms at least 0")
+    try:
+        loads = [int(x) for x in args.requests.split(",")]
+    except ValueError:
+        ap.error(f"--requests takes request counts separated by commas, got {args.requests!r}")
+    if min(loads) < 1 or args.steps < 6 or args.target_ms < 0:
+        ap.error("--requests must be at least 1, --steps at least 6 and --target-ms at least 0")
     if args.target_ms:
         slow_target(args.target_ms)
     if args.debug_log:
         logging.basicConfig(filename="/dev/null", level=logging.DEBUG,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = loop.make_char_tokenizer(Path(tempfile.mkdtemp(prefix="tandem-gw-")))
-    for n in (int(x) for x in args.requests.split(",")):
+    for n in loads:
         for mode in ("never", "always", "auto"):  # auto: its per-step search of the figures too
             core, _, drafts = loop.new_core(tokenizer, mode=mode, blocks=100_000)
             for i in range(n):
                 loop.submit(core, f"r{i}", [5 + i % 50, 11, 13], max_tokens=100_000)
             core._take_inbox()
+            reqs = list(core.waiting)
             gc.freeze()  # as the services do once ready (tandem/gc_pauses.py)
             warm = args.steps // 6
             clock = PhaseClock()
             times, calls_before, tokens_before = [], 0, 0
             for step in range(args.steps):
+                if not core.running and not core.waiting:  # every request reached the fake model's length
+                    break
                 if step == warm:
                     calls_before = drafts[0].draft_calls
-                    tokens_before = sum(len(req.output) for req in core.running)
+                    tokens_before = sum(len(req.output) for req in reqs)
                     if args.phases:
                         clock.install()
                 t0 = time.perf_counter()
@@ -123,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.002)  # the replica workers report their ingests, as between real steps
             clock.uninstall()
             gc.unfreeze()
-            timed = args.steps - warm
+            timed = len(times) - warm
+            if timed < 1:
+                print(f"{n:5d} requests {mode:>6}: the requests ended before the timed steps (fewer --steps)")
+                continue
             ms = 1e3 * statistics.median(times[warm:])
             drafted = (drafts[0].draft_calls - calls_before) / timed  # the share of rounds that drafted trees
-            tokens = (sum(len(req.output) for req in core.running) - tokens_before) / timed / n
+            tokens = (sum(len(req.output) for req in reqs) - tokens_before) / timed / n
             line = (f"{n:5d} requests {mode:>6}: {ms:7.3f} ms per step ({1e3 * ms / n:6.1f} us per request), "
                     f"trees in {100 * drafted:3.0f}% of steps, {tokens:4.1f} tokens a request a step")
             if args.phases:
