@@ -1,7 +1,7 @@
 """What the `auto` cost model predicted for each tree option, replayed from a gateway's DEBUG log.
 
     python bench/cost_replay.py GATEWAY_LOG[.gz] [--levels BENCH_JSON] [--options "5,4,8;5,1,6"]
-                                [--outlier-step X]
+                                [--outlier-step X] [--accepted A]
 
 The gateway logs its start-up profile (`cost model: CostModel(...)`), each plan's trees (`step N: ...
 trees [...]`) and each step's wall time (`step N+1 done: ...`). This replays the steps through
@@ -15,6 +15,12 @@ option `auto` will not draft, and so will not measure again.
 An approximation: the log does not say which rounds captured a draft graph or waited on a joining prompt's
 ingest, which the gateway leaves out of the cost model; the replay counts them. --outlier-step replays with
 another gateway.policy.OUTLIER_STEP (100: as before it existed).
+
+--accepted A: each row also gives the configured tree's goodput with every request drafting it, as
+gateway.policy.search_budgets predicts it (the audit's 'cfg pred') from the replayed model and a book in
+which every configured tree accepted A drafted tokens, for requests with no figures of their own (a
+dormant request's): set beside the audit's prediction, it says whether the live figure's excess is in
+the model or in the tokens expected.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from bench.step_log import PLAN, STAMP, STEP, read_log  # noqa: E402
 from draft_service.types import DraftBudget  # noqa: E402
 from gateway import policy  # noqa: E402
-from gateway.policy import CostModel, PolicyConfig  # noqa: E402
+from gateway.policy import AcceptanceBook, Candidate, CostModel, PolicyConfig, search_budgets  # noqa: E402
 
 PROFILE = re.compile(r"cost model: (CostModel\(.*\))\s*$")
 
@@ -58,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--options", default=None,
                     help='"steps,topk,tokens;..." (default: the auto options of the default PolicyConfig)')
     ap.add_argument("--outlier-step", type=float, default=None, help="replay with this OUTLIER_STEP")
+    ap.add_argument("--accepted", type=float, default=None, metavar="A",
+                    help="also the configured tree's predicted tok/s, every tree accepting A drafted tokens")
     args = ap.parse_args(argv)
     if not args.log.is_file():
         ap.error(f"no such log: {args.log}")
+    if args.accepted is not None and args.accepted < 0:
+        ap.error(f"--accepted must be at least 0, got {args.accepted}")
     options = ([parse_budget(o) for o in args.options.split(";")] if args.options
                else list(PolicyConfig().auto_options()))
     if args.outlier_step is not None:
@@ -79,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     costs: CostModel | None = None
     planned: dict[int, list[DraftBudget]] = {}  # step number of the `done` line -> its plan's trees
     measured: dict[tuple[DraftBudget, int], list[float]] = {}  # (option, requests) -> [rounds, ms]
-    printed: list[tuple[int, str, list[float]]] = []  # (requests, round or "end", each option's price)
+    printed: list[tuple[int, str, list[float], float | None]] = []  # (requests, round or "end", prices, cfg rate)
     for line in text.splitlines():
         stamp = STAMP.match(line)
         if stamp and starts and costs is not None:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             while starts and when >= starts[0][0]:
                 _, conc, round_ = starts.pop(0)
-                printed.append((conc, str(round_), price(costs, options, conc)))
+                printed.append((conc, str(round_), price(costs, options, conc), configured(costs, conc, args.accepted)))
         if costs is None:
             if m := PROFILE.search(line):
                 costs = load_profile(m.group(1))
@@ -109,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         print("no `cost model:` line in the log (was the gateway at INFO or DEBUG?)", file=sys.stderr)
         return 1
     head = " ".join(f"{name(o) + ' pred':>14} {'meas':>6}" for o in options)
-    print(f"{'conc':>5} {'round':>5} {head}")
+    print(f"{'conc':>5} {'round':>5} {head}" + (f" {'cfg tok/s':>10}" if args.accepted is not None else ""))
     if not args.levels:  # the log's end: every batch size an option was measured at
-        printed = [(seqs, "end", price(costs, options, seqs)) for seqs in sorted({s for _, s in measured})]
-    for conc, label, prices in printed:
-        print_row(options, measured, conc, label, prices)
+        printed = [(seqs, "end", price(costs, options, seqs), configured(costs, seqs, args.accepted))
+                   for seqs in sorted({s for _, s in measured})]
+    for conc, label, prices, rate in printed:
+        print_row(options, measured, conc, label, prices, rate)
     return 0
 
 
@@ -122,12 +133,26 @@ def price(costs: CostModel, options: list[DraftBudget], requests: int) -> list[f
     return [1000 * costs.step_time(requests * (1 + o.max_nodes), requests, [o] * requests) for o in options]
 
 
-def print_row(options: list[DraftBudget], measured: dict, requests: int, label: str, prices: list[float]) -> None:
+def configured(costs: CostModel, requests: int, accepted: float | None) -> float | None:
+    """The configured tree's tok/s for `requests` requests with no figures of their own, each drafting it, as
+    search_budgets predicts it from this model and a book whose configured trees each accepted `accepted`."""
+    if accepted is None:
+        return None
+    cfg = PolicyConfig("auto")
+    book = AcceptanceBook()
+    for _ in range(500):  # the book's decayed count is then at its ceiling, as after a serve's first few hundred trees
+        book.record(cfg.fixed_budget, accepted)
+    cands = [Candidate(f"r{i}", dict.fromkeys(cfg.explored_options()), "auto") for i in range(requests)]
+    return search_budgets(cfg, costs, book, cands, 0, 0).rates.configured
+
+
+def print_row(options: list[DraftBudget], measured: dict, requests: int, label: str, prices: list[float],
+              rate: float | None = None) -> None:
     cells = []
     for option, predicted in zip(options, prices):
         rounds, ms = measured.get((option, requests), (0, 0.0))
         cells.append(f"{predicted:>14.1f} {ms / rounds if rounds else float('nan'):>6.1f}")
-    print(f"{requests:>5} {label:>5} {' '.join(cells)}")
+    print(f"{requests:>5} {label:>5} {' '.join(cells)}" + (f" {rate:>10.1f}" if rate is not None else ""))
 
 
 if __name__ == "__main__":

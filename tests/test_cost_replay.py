@@ -84,3 +84,30 @@ def test_the_replay_prices_a_shape_with_the_round_timed_for_it_at_start_up(tmp_p
         priced[name] = float(row[2]), float(row[4])
     assert priced["timed"][0] == priced["fits"][0]  # 5/4/8: the fits' own round, factor 1
     assert priced["timed"][1] == pytest.approx(1.4 * priced["fits"][1], abs=0.15)
+
+
+def test_the_replay_predicts_the_configured_tree_for_every_request_from_its_round_and_the_acceptance_given(tmp_path):
+    """--accepted: the audit's 'cfg pred' from the replayed model, every request committing its own token and the
+    accepted tokens of its tree, over the configured tree's round (the book's prior still weighs a little)."""
+    lines = [f"{stamped(0)} gateway INFO cost model: {PROFILE!r}"]
+    for i in range(10):
+        lines += round_lines(1 + i, 2 * i, 13.0)
+    rates = {}
+    for accepted in ("1.0", "3.0"):
+        (row,) = replay(tmp_path, lines, "--accepted", accepted)
+        assert len(row) == 7  # conc, label, two (pred, meas) pairs, the configured tree's tok/s
+        rates[accepted] = float(row[6])
+        per_request = 1 + float(accepted)
+        assert rates[accepted] == pytest.approx(2 * per_request / (float(row[2]) / 1000), rel=0.06)
+    assert rates["3.0"] > 1.9 * rates["1.0"]
+    (row,) = replay(tmp_path, lines)
+    assert len(row) == 6  # no column unless asked
+
+
+def test_the_replay_refuses_a_negative_acceptance(tmp_path):
+    log = tmp_path / "gateway.log"
+    log.write_text(f"{stamped(0)} gateway INFO cost model: {PROFILE!r}\n")
+    proc = subprocess.run([sys.executable, "bench/cost_replay.py", str(log), "--accepted", "-1"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "--accepted must be at least 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
