@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.call_clock import CallClock  # noqa: E402
 from kernels.l2_prefetch import WeightPrefetch  # noqa: E402
 from target_service.cuda_graphs import GraphConfig  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
@@ -198,8 +199,8 @@ class HostPhases:
         import target_service.engine as engine_module
         from target_service.step_batch import StepResults
 
-        self.seconds: dict[str, float] = {}
-        self._undo: list[tuple[object, str, object]] = []
+        self.clock = CallClock()
+        self.seconds = self.clock.seconds
         for owner, name, label in ((engine_module, "batch_of_items", "batch_of_items"), (engine, "run", "run"),
                                    (engine, "_validate", "validate"), (engine, "_execute", "execute"),
                                    (engine, "pack", "pack"), (cuda_graphs.BucketGraph, "load_inputs", "load_inputs"),
@@ -207,22 +208,7 @@ class HostPhases:
                                    (engine, "_read_results", "read_results"),
                                    (torch.cuda.Stream, "synchronize", "gpu_wait"),
                                    (StepResults, "sequence_results", "sequence_results")):
-            self._wrap(owner, name, label)
-
-    def _wrap(self, owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-        seconds = self.seconds
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t0
-
-        # An instance's own attribute goes away on close; a class's or module's is put back.
-        self._undo.append((owner, name, None if isinstance(owner, TargetEngine) else inner))
-        setattr(owner, name, timed)
+            self.clock.wrap(owner, name, label)
 
     def measure(self, engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str,
                 features: bool = False) -> dict[str, float]:
@@ -239,12 +225,7 @@ class HostPhases:
         return parts
 
     def close(self) -> None:
-        for owner, name, original in reversed(self._undo):
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._undo.clear()
+        self.clock.restore()
 
 
 def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int], nodes: list[int], args,

@@ -18,7 +18,6 @@ in the GPU benches' serves (SERVE_LOG_LEVEL=DEBUG).
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import logging
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.call_clock import CallClock  # noqa: E402
 from gateway import core as gateway_core  # noqa: E402
 from tests import test_gateway_loop as loop  # noqa: E402
 
@@ -38,38 +38,14 @@ PHASES = ("_schedule", "_budgets", "_draft", "_update", "_apply", "_record")
 POLICY = ("search_budgets",)
 
 
-class PhaseClock:
-    """Seconds spent in each timed function, summed, while installed."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._undo: list[tuple[object, str, object]] = []
-
-    def install(self) -> None:
-        for name in PHASES:
-            self._wrap(gateway_core.GatewayCore, name)
-        for name in POLICY:
-            self._wrap(gateway_core, name)
-
-    def uninstall(self) -> None:
-        for owner, name, original in reversed(self._undo):
-            setattr(owner, name, original)
-        self._undo.clear()
-
-    def _wrap(self, owner: object, name: str) -> None:
-        original = getattr(owner, name)
-        seconds = self.seconds
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
-
-        self._undo.append((owner, name, original))
-        setattr(owner, name, timed)
+def phase_clock() -> CallClock:
+    """A clock on PHASES and POLICY, started."""
+    clock = CallClock()
+    for name in PHASES:
+        clock.wrap(gateway_core.GatewayCore, name)
+    for name in POLICY:
+        clock.wrap(gateway_core, name)
+    return clock
 
 
 def slow_target(target_ms: float) -> None:
@@ -113,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = list(core.waiting)
             gc.freeze()  # as the services do once ready (tandem/gc_pauses.py)
             warm = args.steps // 6
-            clock = PhaseClock()
+            clock = CallClock()  # started at the first timed step where --phases asks
             times, calls_before, tokens_before = [], 0, 0
             for step in range(args.steps):
                 if not core.running and not core.waiting:  # every request reached the fake model's length
@@ -122,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                     calls_before = drafts[0].draft_calls
                     tokens_before = sum(len(req.output) for req in reqs)
                     if args.phases:
-                        clock.install()
+                        clock = phase_clock()
                 t0 = time.perf_counter()
                 core._step()
                 times.append(time.perf_counter() - t0)
                 core._take_inbox()
                 time.sleep(0.002)  # the replica workers report their ingests, as between real steps
-            clock.uninstall()
+            clock.restore()
             gc.unfreeze()
             timed = len(times) - warm
             if timed < 1:
