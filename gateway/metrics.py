@@ -63,6 +63,9 @@ class _PolicyAudit:
       (the predictions, summed: their mean is the second over the first), and
       `tandem_policy_arm_committed_tokens_total` and `tandem_policy_arm_step_seconds_total` (what
       the arm's steps committed and took: the measured goodput is the first over the second);
+      `tandem_policy_predicted_step_seconds_total` and `tandem_policy_predicted_step_tokens_total`
+      (the step each prediction priced, summed: over the predictions, the mean step's time and
+      tokens, to set beside a mode's decode steps and tell a mispriced step from mispredicted tokens);
     - `tandem_policy_prompt_seconds_per_token{arm}` (trees or plain): what joining prompts add to each
       committed token's time under that arm, over all loads (PromptCharges; 0 until both arms have a
       charge). A decode-step rate r delivers 1 / (1 / r + this);
@@ -87,6 +90,12 @@ class _PolicyAudit:
                                         "the load gate measured for this arm", labels=labels)
         seconds = CounterMetricFamily("tandem_policy_arm_step_seconds", "Wall time of the steps the load gate "
                                       "measured for this arm", labels=labels)
+        step_seconds = CounterMetricFamily("tandem_policy_predicted_step_seconds", "The step times auto's cost "
+                                           "model predicted for this arm, summed over its predictions",
+                                           labels=labels)
+        step_tokens = CounterMetricFamily("tandem_policy_predicted_step_tokens", "The tokens auto's cost model "
+                                          "predicted a step of this arm commits, summed over its predictions",
+                                          labels=labels)
         load_charge = GaugeMetricFamily("tandem_policy_load_prompt_seconds_per_token", "What joining prompts add "
                                         "to each committed token's time under this arm at this load, as the load "
                                         "gate charges it", labels=labels)
@@ -99,9 +108,11 @@ class _PolicyAudit:
             predicted.add_metric(key, row.predicted_sum)
             committed.add_metric(key, row.committed_total)
             seconds.add_metric(key, row.seconds_total)
+            step_seconds.add_metric(key, row.predicted_seconds_sum)
+            step_tokens.add_metric(key, row.predicted_tokens_sum)
             if row.prompt_charge is not None:
                 load_charge.add_metric(key, row.prompt_charge)
-        yield from (now, predictions, predicted, committed, seconds, load_charge)
+        yield from (now, predictions, predicted, committed, seconds, step_seconds, step_tokens, load_charge)
         if self.prompt_charge is not None:
             charge = GaugeMetricFamily("tandem_policy_prompt_seconds_per_token", "What joining prompts add to "
                                        "each committed token's time under this arm, over all loads (the load gate "
@@ -164,6 +175,8 @@ class GatewayMetrics:
         self.decode_step_committed = Counter("tandem_decode_step_committed_tokens", "Tokens committed by decode "
                                              "steps, every mode's, by batch bucket and arm (trees or plain)",
                                              ["arm", "sequences"], registry=r)
+        self.decode_steps = Counter("tandem_decode_steps", "Decode steps, every mode's, by batch bucket and arm "
+                                    "(trees or plain)", ["arm", "sequences"], registry=r)
         # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens of finished requests, by "
                                          "the request's speculation mode", ["speculation"], registry=r)
@@ -202,6 +215,7 @@ class GatewayMetrics:
         arm = "trees" if trees else "plain"
         self.decode_step_seconds.labels(arm=arm, sequences=sequences).inc(seconds)
         self.decode_step_committed.labels(arm=arm, sequences=sequences).inc(committed)
+        self.decode_steps.labels(arm=arm, sequences=sequences).inc()
 
     def record_finished(self, model_name: str, prompt_tokens: int, completion_tokens: int) -> None:
         labels = {"model_name": model_name, "engine": "0"}

@@ -506,11 +506,19 @@ class Rates(NamedTuple):
     tree for every one of them, as `always` drafts (None: no auto request could speculate).
     The last is the audit's like-for-like figure beside what `always` measures: the best trees
     may be another budget, or trees for some requests only (at 16 requests on the emulated-cost
-    CPU track they were predicted at 2.9-3.2x what `always` delivered with 5/4/8 for all 16)."""
+    CPU track they were predicted at 2.9-3.2x what `always` delivered with 5/4/8 for all 16).
+
+    Each arm's predicted step time in seconds comes with it (None where its rate is None), so that the
+    audit can say whether a prediction that missed priced the step or its tokens wrongly: at 0.6 on the
+    H200 scale track the configured tree read 1.17-1.20x `always` at 8-32 requests (2026-12-06), and a
+    replay of the cost model alone could not tell which."""
 
     plain: float
     trees: float | None
     configured: float | None = None
+    plain_seconds: float | None = None
+    trees_seconds: float | None = None
+    configured_seconds: float | None = None
 
 
 class BudgetSearch(NamedTuple):
@@ -573,7 +581,9 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     plain_rate = base_committed / plain_seconds if candidates else 0.0
     plain_now = best_rate = base_committed / (plain_seconds + plain_extra_seconds) if candidates else 0.0
     top_tree_rate: float | None = None
+    top_tree_seconds: float | None = None
     configured_rate: float | None = None
+    configured_seconds: float | None = None
     configured_best: tuple[float, list[Candidate]] | None = None  # the configured tree's best (rate, requests)
     ceiling: float | None = None
     live_fixed = [b for b in fixed if not b.empty]
@@ -608,7 +618,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
             seconds = step_base + per_token * tokens + per_expansion * expansions
             rate = committed / seconds
             if top_tree_rate is None or rate > top_tree_rate:
-                top_tree_rate = rate
+                top_tree_rate, top_tree_seconds = rate, seconds
             # The ceiling over every k, not one tree alone: at two requests on the H200 one tree
             # could never pay where trees for both did (`always` 412 tok/s against `never`'s 395), so
             # figures that a cold start had set too low were never refreshed by an exploration.
@@ -630,7 +640,7 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
         if every is None or rate > every[0]:
             every = (rate, o)
         if configured:
-            configured_rate = rate
+            configured_rate, configured_seconds = rate, seconds
     # Another option must beat the configured tree by cfg.option_margin (see there).
     margin = 1 + cfg.option_margin
     if best is not None and best[0] != cfg.fixed_budget and configured_best is not None \
@@ -639,8 +649,9 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     if every is not None and every[1] != cfg.fixed_budget and configured_rate is not None \
             and every[0] < configured_rate * margin:
         every = (configured_rate, cfg.fixed_budget)
-    return BudgetSearch(out, auto, best, single, every, Rates(plain_rate, top_tree_rate, configured_rate), ceiling,
-                        plain_now)
+    rates = Rates(plain_rate, top_tree_rate, configured_rate, plain_seconds if candidates else None, top_tree_seconds,
+                  configured_seconds)
+    return BudgetSearch(out, auto, best, single, every, rates, ceiling, plain_now)
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],
@@ -715,6 +726,11 @@ class Arm:
     # this arm the gate was given (its warm-up steps included: what the arm really delivered).
     predicted_sum: float = 0.0
     predictions: int = 0
+    # ... and the predicted steps' seconds and committed tokens, summed over the predictions that gave them
+    # (Rates' *_seconds; every prediction the gateway makes does): the mean predicted step next to the
+    # steps a mode ran.
+    predicted_seconds_sum: float = 0.0
+    predicted_tokens_sum: float = 0.0
     committed_total: int = 0
     seconds_total: float = 0.0
 
@@ -747,6 +763,8 @@ class AuditRow(NamedTuple):
     # What prompts add to each committed token's time under this arm at this load, as the gate charges it
     # (PromptCharges.seconds_per_token); None for the configured tree, which the gate does not judge.
     prompt_charge: float | None = None
+    predicted_seconds_sum: float = 0.0  # the predicted steps' seconds and committed tokens: see Arm
+    predicted_tokens_sum: float = 0.0
 
 
 @dataclass
@@ -1192,14 +1210,18 @@ class LoadGate:
         """Keeps what the cost model predicts for each arm at this load, next to what the arms
         measure (describe, audit): the policy's decisions can be checked against what followed."""
         b = batch_bucket(seqs)
-        for rate, arms, key in ((rates.plain, self.arms, (b, False)), (rates.trees, self.arms, (b, True)),
-                                (rates.configured, self._configured, b)):
+        for rate, seconds, arms, key in ((rates.plain, rates.plain_seconds, self.arms, (b, False)),
+                                         (rates.trees, rates.trees_seconds, self.arms, (b, True)),
+                                         (rates.configured, rates.configured_seconds, self._configured, b)):
             if rate is None or rate <= 0:
                 continue
             arm = arms.setdefault(key, Arm())
             arm.predicted = rate if arm.predicted is None else 0.7 * arm.predicted + 0.3 * rate
             arm.predicted_sum += rate
             arm.predictions += 1
+            if seconds is not None:
+                arm.predicted_seconds_sum += seconds
+                arm.predicted_tokens_sum += rate * seconds
 
     def audit(self) -> list[AuditRow]:
         """Per bucket and arm seen so far, what was predicted and measured: decayed means (None where
@@ -1207,11 +1229,13 @@ class LoadGate:
         arms = list(self.arms.items())  # one snapshot: the loop thread adds arms while a scrape reads
         rows = [AuditRow(bucket_range(b), AuditArm.TREES if spec else AuditArm.PLAIN, arm.predicted,
                          arm.goodput if arm.samples else None, arm.predicted_sum, arm.predictions,
-                         arm.committed_total, arm.seconds_total, self.prompts.seconds_per_token(spec, b))
+                         arm.committed_total, arm.seconds_total, self.prompts.seconds_per_token(spec, b),
+                         arm.predicted_seconds_sum, arm.predicted_tokens_sum)
                 for (b, spec), arm in sorted(arms)]
         configured = list(self._configured.items())
         return rows + [AuditRow(bucket_range(b), AuditArm.CONFIGURED_TREE, arm.predicted, None, arm.predicted_sum,
-                                arm.predictions, 0, 0.0) for b, arm in sorted(configured)]
+                                arm.predictions, 0, 0.0, None, arm.predicted_seconds_sum, arm.predicted_tokens_sum)
+                       for b, arm in sorted(configured)]
 
     def spend(self, seqs: int, committed: int, seconds: float) -> None:
         """Any decode step of auto requests, whether record is given it or not (a plain step that fed

@@ -79,6 +79,10 @@ class LevelResult:
     # committed over their seconds, any arm): the rate the audit's predictions are for, with the prompt
     # chunks of joining requests left out (decode_tok_s waits on them). None when /metrics was unread.
     decode_steps_tok_s: float | None = None
+    # The same decode steps' mean: milliseconds and committed tokens a step (level_decode_step_shape), to set
+    # beside the step the audit's predictions priced. None when /metrics was unread or older gateways' runs.
+    decode_step_ms: float | None = None
+    decode_step_tokens: float | None = None
     round: int = 1  # which of --rounds this level was, from 1
     # Wall-clock (UNIX) seconds when the level's first request went out and its last reply ended: the
     # window of the gateway's step log that is this level's (bench/step_log.py --levels).
@@ -209,12 +213,16 @@ PREDICTIONS = "tandem_policy_predictions_total"
 PREDICTED = "tandem_policy_predicted_goodput_total"
 COMMITTED = "tandem_policy_arm_committed_tokens_total"
 SECONDS = "tandem_policy_arm_step_seconds_total"
+PREDICTED_STEP_SECONDS = "tandem_policy_predicted_step_seconds_total"
+PREDICTED_STEP_TOKENS = "tandem_policy_predicted_step_tokens_total"
 DECODE_COMMITTED = "tandem_decode_step_committed_tokens_total"
 DECODE_SECONDS = "tandem_decode_step_seconds_total"
+DECODE_STEPS = "tandem_decode_steps_total"
 # Not a sum: what the load gate charges each arm's committed tokens for joining prompts at this load, read
 # as the level ends (PromptCharges.seconds_per_token).
 PROMPT_CHARGE = "tandem_policy_load_prompt_seconds_per_token"
-LEVEL_SUMS = (PREDICTIONS, PREDICTED, COMMITTED, SECONDS, DECODE_COMMITTED, DECODE_SECONDS, PROMPT_CHARGE)
+LEVEL_SUMS = (PREDICTIONS, PREDICTED, COMMITTED, SECONDS, PREDICTED_STEP_SECONDS, PREDICTED_STEP_TOKENS,
+              DECODE_COMMITTED, DECODE_SECONDS, DECODE_STEPS, PROMPT_CHARGE)
 
 
 def level_bucket(concurrency: int) -> str:
@@ -259,17 +267,23 @@ def level_audit(before: dict[tuple[str, str], float] | None, after: dict[tuple[s
     prediction as delivered: with what the load gate charges that arm's tokens for joining prompts at this load
     as the level ends (the configured tree is charged as trees). The predictions are for decode steps, while
     `always` and `never` also wait on the prompt chunks of joining requests; the gate judges its arms with
-    these charges, so the delivered figure is the one it acted on."""
+    these charges, so the delivered figure is the one it acted on. 'step_ms' and 'step_tokens': the mean step
+    the predictions priced, its milliseconds and the tokens it commits (None where there were no predictions, or
+    the gateway predates them)."""
     if before is None or after is None:
         return None
     out = {}
     for arm in ("trees", "plain", "configured_tree"):  # the last: predicted only (what `always` would do)
         predictions, seconds = _grown(before, after, PREDICTIONS, arm), _grown(before, after, SECONDS, arm)
         predicted = _grown(before, after, PREDICTED, arm) / predictions if predictions > 0 else None
+        step_seconds = _grown(before, after, PREDICTED_STEP_SECONDS, arm)
+        priced = predictions > 0 and step_seconds > 0
         charge = after.get((PROMPT_CHARGE, "trees" if arm == "configured_tree" else arm))
         out[arm] = {"predicted": predicted,
                     "measured": _grown(before, after, COMMITTED, arm) / seconds if seconds > 0 else None,
-                    "delivered": 1.0 / (1.0 / predicted + charge) if predicted and charge is not None else None}
+                    "delivered": 1.0 / (1.0 / predicted + charge) if predicted and charge is not None else None,
+                    "step_ms": 1e3 * step_seconds / predictions if priced else None,
+                    "step_tokens": _grown(before, after, PREDICTED_STEP_TOKENS, arm) / predictions if priced else None}
     return out
 
 
@@ -281,6 +295,17 @@ def level_decode_steps(before: dict[tuple[str, str], float] | None, after: dict[
     committed, seconds = (sum(_grown(before, after, name, arm) for arm in ("trees", "plain"))
                           for name in (DECODE_COMMITTED, DECODE_SECONDS))
     return committed / seconds if seconds > 0 else None
+
+
+def level_decode_step_shape(before: dict[tuple[str, str], float] | None,
+                            after: dict[tuple[str, str], float] | None) -> tuple[float, float] | None:
+    """The level's mean decode step, both arms together: (milliseconds, committed tokens). None where /metrics was
+    unread, no decode step was counted, or the gateway predates the count."""
+    if before is None or after is None:
+        return None
+    steps, committed, seconds = (sum(_grown(before, after, name, arm) for arm in ("trees", "plain"))
+                                 for name in (DECODE_STEPS, DECODE_COMMITTED, DECODE_SECONDS))
+    return (1e3 * seconds / steps, committed / steps) if steps > 0 else None
 
 
 def _grown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], name: str, arm: str) -> float:
@@ -367,6 +392,37 @@ def print_audit(rows: list[LevelResult]) -> None:
               f"{cell(decode.get(('never', *level)))} {cell(steps.get(('never', *level)))} {cell(r.decode_tok_s)} "
               f"{ratio(configured.get('delivered'), decode.get(('always', *level)))} "
               f"{ratio(plain.get('delivered'), decode.get(('never', *level)))}")
+    print_predicted_steps(audited, rows)
+
+
+def print_predicted_steps(audited: list[LevelResult], rows: list[LevelResult]) -> None:
+    """The mean step each arm's predictions priced beside the decode steps of the mode that runs that arm: where a
+    prediction missed, whether it priced the step's time or its tokens wrongly. Runs whose gateway did not export
+    the predicted steps print nothing."""
+    priced = [r for r in audited if any(arm.get("step_ms") for arm in r.audit.values())]
+    if not priced:
+        return
+    shape = {(r.mode, r.concurrency, r.round): (r.decode_step_ms, r.decode_step_tokens) for r in rows}
+
+    def cell(value: float | None, width: int = 8) -> str:
+        return f"{value:{width}.2f}" if value else f"{'-':>{width}}"
+
+    def ratio(predicted: float | None, measured: float | None) -> str:
+        return f"{predicted / measured:6.2f}" if predicted and measured else f"{'-':>6}"
+
+    print("\nthe step the predictions priced (mean ms and committed tokens a step, at the level's batch bucket) beside"
+          "\nthe mode's decode steps: 'cfg' against `always`, 'plain' against `never`; '/': predicted over measured")
+    print(f"{'conc':>5} {'round':>5} {'cfg ms':>8} {'alw ms':>8} {'/':>6} {'cfg tok':>8} {'alw tok':>8} {'/':>6} "
+          f"{'plain ms':>8} {'nev ms':>8} {'/':>6} {'pln tok':>8} {'nev tok':>8} {'/':>6}")
+    for r in priced:
+        configured, plain = r.audit.get("configured_tree", {}), r.audit["plain"]
+        always_ms, always_tokens = shape.get(("always", r.concurrency, r.round), (None, None))
+        never_ms, never_tokens = shape.get(("never", r.concurrency, r.round), (None, None))
+        print(f"{r.concurrency:>5} {r.round:>5} {cell(configured.get('step_ms'))} {cell(always_ms)} "
+              f"{ratio(configured.get('step_ms'), always_ms)} {cell(configured.get('step_tokens'))} "
+              f"{cell(always_tokens)} {ratio(configured.get('step_tokens'), always_tokens)} "
+              f"{cell(plain.get('step_ms'))} {cell(never_ms)} {ratio(plain.get('step_ms'), never_ms)} "
+              f"{cell(plain.get('step_tokens'))} {cell(never_tokens)} {ratio(plain.get('step_tokens'), never_tokens)}")
 
 
 def plot(rows: list[LevelResult], path: Path, title: str) -> None:
@@ -537,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                 after = read_level_sums(url, level_bucket(conc))
                 rows[-1].round = round_number
                 rows[-1].decode_steps_tok_s = level_decode_steps(before, after)
+                rows[-1].decode_step_ms, rows[-1].decode_step_tokens = level_decode_step_shape(before, after) or (
+                    None, None)
                 if mode == "auto":
                     rows[-1].audit = level_audit(before, after)
                 # Every finished level is on disk at once: a sweep cut short (a deadline, Ctrl-C) keeps them.

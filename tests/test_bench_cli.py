@@ -65,8 +65,10 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
     before, before_drain = scrape(9), scrape(2)
     # The level at 9 requests: predictions at 9 and 10, and at 2 as it drains (trees only at 9), a plain
     # step measured at 9 and a tree step at 2. The drain is another bucket: not the level's figure.
-    gate.predict(9, Rates(plain=1000.0, trees=1200.0, configured=800.0))
-    gate.predict(10, Rates(plain=1100.0, trees=None))
+    # With the steps they priced: 9 and 10 ms a plain step, 20 a tree step and 25 a configured one.
+    gate.predict(9, Rates(plain=1000.0, trees=1200.0, configured=800.0, plain_seconds=0.009, trees_seconds=0.02,
+                          configured_seconds=0.025))
+    gate.predict(10, Rates(plain=1100.0, trees=None, plain_seconds=0.01))
     gate.predict(2, Rates(plain=200.0, trees=None))
     gate.record(9, False, 9, 0.02)
     gate.record(2, True, 6, 0.03)
@@ -78,18 +80,23 @@ def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
     audit = level_audit(before, scrape(9))
     assert audit == {
         "trees": {"predicted": pytest.approx(1200.0), "measured": None,
-                  "delivered": pytest.approx(1 / (1 / 1200 + 200e-6))},
+                  "delivered": pytest.approx(1 / (1 / 1200 + 200e-6)), "step_ms": pytest.approx(20.0),
+                  "step_tokens": pytest.approx(24.0)},
         "plain": {"predicted": pytest.approx(1050.0), "measured": pytest.approx(450.0),
-                  "delivered": pytest.approx(1 / (1 / 1050 + 80e-6))},
+                  "delivered": pytest.approx(1 / (1 / 1050 + 80e-6)), "step_ms": pytest.approx(9.5),
+                  "step_tokens": pytest.approx((9.0 + 11.0) / 2)},
         "configured_tree": {"predicted": pytest.approx(800.0), "measured": None,  # charged as trees
-                            "delivered": pytest.approx(1 / (1 / 800 + 200e-6))}}
+                            "delivered": pytest.approx(1 / (1 / 800 + 200e-6)), "step_ms": pytest.approx(25.0),
+                            "step_tokens": pytest.approx(20.0)}}
     # The bucket of 2-3 requests, as a level of 2 reads it: it has no charges of its own, so the gate
     # charges it what prompts cost over all loads.
+    # Its prediction gave no step (a gateway from before they were exported reads so too).
+    none = {"step_ms": None, "step_tokens": None}
     assert level_audit(before_drain, scrape(2)) == {
-        "trees": {"predicted": None, "measured": pytest.approx(200.0), "delivered": None},
+        "trees": {"predicted": None, "measured": pytest.approx(200.0), "delivered": None, **none},
         "plain": {"predicted": pytest.approx(200.0), "measured": None,
-                  "delivered": pytest.approx(1 / (1 / 200 + 80e-6))},
-        "configured_tree": {"predicted": None, "measured": None, "delivered": None}}
+                  "delivered": pytest.approx(1 / (1 / 200 + 80e-6)), **none},
+        "configured_tree": {"predicted": None, "measured": None, "delivered": None, **none}}
     assert level_audit(None, scrape(9)) is None  # /metrics unread: no audit
     assert all(level_bucket(n) == bucket_range(batch_bucket(n)) for n in range(1, 300))
 
@@ -100,7 +107,7 @@ def test_a_levels_decode_steps_are_what_the_gateway_timed_at_its_bucket_between_
     from prometheus_client import generate_latest
 
     from gateway.metrics import GatewayMetrics
-    from tandem.bench import level_bucket, level_decode_steps, level_sums
+    from tandem.bench import level_bucket, level_decode_step_shape, level_decode_steps, level_sums
 
     metrics = GatewayMetrics()
 
@@ -115,6 +122,10 @@ def test_a_levels_decode_steps_are_what_the_gateway_timed_at_its_bucket_between_
     assert level_decode_steps(before, scrape(64)) == pytest.approx((64 + 160) / (0.006 + 0.024))
     assert level_decode_steps(scrape(64), scrape(64)) is None  # no decode step in between
     assert level_decode_steps(None, scrape(64)) is None  # /metrics unread
+    # The mean decode step: 2 steps, 30 ms and 224 tokens.
+    assert level_decode_step_shape(before, scrape(64)) == pytest.approx((15.0, 112.0))
+    assert level_decode_step_shape(scrape(64), scrape(64)) is None
+    assert level_decode_step_shape(None, scrape(64)) is None
 
 
 def test_the_audit_sets_the_predictions_beside_what_each_mode_delivered_and_its_decode_steps(capsys):
@@ -143,6 +154,36 @@ def test_the_audit_sets_the_predictions_beside_what_each_mode_delivered_and_its_
     print_audit([level("auto", 7600.0, 10250.0, audit)])
     row = capsys.readouterr().out.strip().splitlines()[-1].split()
     assert row[5] == "-" and row[9] == "-" and row[-2:] == ["-", "-"]
+
+
+def test_the_audit_sets_the_step_each_prediction_priced_beside_the_decode_steps_of_the_mode_that_runs_it(capsys):
+    """Where a prediction misses, the second table says whether it priced the step's time or its tokens wrongly:
+    here the configured tree's step is priced 8% short of `always`'s and expected to commit 20% more."""
+    from tandem.bench import LevelResult, print_audit
+
+    def level(mode: str, step: tuple[float, float] | None, audit=None) -> LevelResult:
+        ms, tokens = step or (None, None)
+        return LevelResult(mode=mode, concurrency=64, requests=256, total_tok_s=1000.0, tok_s_per_request=1.0,
+                           ttft_p50_s=0.1, itl_p50_s=0.006, itl_p99_s=0.03, acceptance_length=None,
+                           decode_tok_s=2000.0, decode_steps_tok_s=3000.0, audit=audit, decode_step_ms=ms,
+                           decode_step_tokens=tokens)
+
+    audit = {"trees": {"predicted": 6000.0, "measured": None, "delivered": 4000.0, "step_ms": None,
+                       "step_tokens": None},
+             "plain": {"predicted": 10600.0, "measured": 10100.0, "delivered": 6900.0, "step_ms": 6.2,
+                       "step_tokens": 64.0},
+             "configured_tree": {"predicted": 15000.0, "measured": None, "delivered": 3500.0, "step_ms": 12.0,
+                                 "step_tokens": 180.0}}
+    print_audit([level("never", (6.0, 64.0)), level("always", (13.0, 150.0)), level("auto", (6.1, 64.0), audit)])
+    out = capsys.readouterr().out
+    assert "the step the predictions priced" in out
+    assert out.strip().splitlines()[-1].split() == ["64", "1", "12.00", "13.00", "0.92", "180.00", "150.00", "1.20",
+                                                    "6.20", "6.00", "1.03", "64.00", "64.00", "1.00"]
+    # A run whose gateway did not export the predicted steps: the first table alone.
+    for arm in audit.values():
+        arm.pop("step_ms"), arm.pop("step_tokens")
+    print_audit([level("never", None), level("always", None), level("auto", None, audit)])
+    assert "the step the predictions priced" not in capsys.readouterr().out
 
 
 def test_each_mode_warms_up_at_every_concurrency_with_short_requests_before_the_first_level():

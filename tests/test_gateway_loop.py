@@ -1264,6 +1264,15 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
     measured = [(arm, seqs) for (name, arm, seqs), value in sums.items()
                 if name == "tandem_policy_arm_step_seconds_total" and value > 0]
     assert measured and all(sums[("tandem_policy_arm_committed_tokens_total", *key)] > 0 for key in measured)
+    # The step each prediction priced, summed: every prediction's step took time and committed tokens.
+    for arm in ("plain", "trees"):
+        predictions = sums[("tandem_policy_predictions_total", arm, "4-7")]
+        seconds = sums[("tandem_policy_predicted_step_seconds_total", arm, "4-7")]
+        tokens = sums[("tandem_policy_predicted_step_tokens_total", arm, "4-7")]
+        assert seconds > 0 and tokens >= 4 * predictions  # at least a token for each of 4+ sequences
+    decode_steps = {s.labels["arm"]: s.value for family in core.metrics.registry.collect()
+                    if family.name == "tandem_decode_steps" for s in family.samples if s.labels["sequences"] == "4-7"}
+    assert sum(decode_steps.values()) > 0
     # What prompts add to each arm's committed tokens: nothing until both arms have a charge (these prompts all fed).
     charges = {s.labels["arm"]: s.value for family in core.metrics.registry.collect()
                if family.name == "tandem_policy_prompt_seconds_per_token" for s in family.samples}

@@ -930,6 +930,11 @@ def test_the_audit_predicts_the_configured_tree_for_every_auto_request_beside_th
     expected = committed / costs.step_time(16 + sum(b.max_nodes for b in fixed), 16, fixed)
     assert busy.rates.configured == pytest.approx(expected)
     assert busy.rates.trees >= busy.rates.configured
+    # Each arm's step comes with it: its time, and through the rate the tokens it commits.
+    assert busy.rates.configured_seconds == pytest.approx(costs.step_time(16 + sum(b.max_nodes for b in fixed), 16,
+                                                                          fixed))
+    assert busy.rates.plain_seconds == pytest.approx(costs.step_time(16, 16, []))
+    assert busy.rates.trees_seconds is not None and busy.rates.trees_seconds > busy.rates.plain_seconds
     assert search_budgets(CFG, costs, AcceptanceBook(), candidates(3, "always"), 0, 0).rates.configured is None
     gate = LoadGate()
     gate.predict(16, busy.rates)
@@ -937,6 +942,8 @@ def test_the_audit_predicts_the_configured_tree_for_every_auto_request_beside_th
     row = next(row for row in gate.audit() if row.arm == AuditArm.CONFIGURED_TREE)
     assert (row.sequences, row.predictions, row.measured) == ("16-31", 1, None)
     assert row.predicted == pytest.approx(expected)
+    assert row.predicted_seconds_sum == pytest.approx(busy.rates.configured_seconds)
+    assert row.predicted_tokens_sum == pytest.approx(committed)
 
 
 def test_an_acceptance_book_refuses_a_prior_lighter_than_one_tree():
