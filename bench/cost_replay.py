@@ -1,7 +1,7 @@
 """What the `auto` cost model predicted for each tree option, replayed from a gateway's DEBUG log.
 
     python bench/cost_replay.py GATEWAY_LOG[.gz] [--levels BENCH_JSON] [--options "5,4,8;5,1,6"]
-                                [--outlier-step X] [--accepted A]
+                                [--outlier-step X] [--accepted A] [--plain]
 
 The gateway logs its start-up profile (`cost model: CostModel(...)`), each plan's trees (`step N: ...
 trees [...]`) and each step's wall time (`step N+1 done: ...`). This replays the steps through
@@ -15,6 +15,10 @@ option `auto` will not draft, and so will not measure again.
 An approximation: the log does not say which rounds captured a draft graph or waited on a joining prompt's
 ingest, which the gateway leaves out of the cost model; the replay counts them. --outlier-step replays with
 another gateway.policy.OUTLIER_STEP (100: as before it existed).
+
+Plain steps are learned as the gateway learns them: a grant's steps as one measurement, their mean. --plain
+prints, per batch size, what a plain step was priced at as each grant began, learned that way and learned a step at
+a time (as the gateway did before 6697e94), beside what the plain steps took on average.
 
 --accepted A: each row also gives the configured tree's goodput with every request drafting it, as
 gateway.policy.search_budgets predicts it (the audit's 'cfg pred') from the replayed model and a book in
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outlier-step", type=float, default=None, help="replay with this OUTLIER_STEP")
     ap.add_argument("--accepted", type=float, default=None, metavar="A",
                     help="also the configured tree's predicted tok/s, every tree accepting A drafted tokens")
+    ap.add_argument("--plain", action="store_true",
+                    help="also what a plain step was priced at as each grant began, learned per grant and step by step")
     args = ap.parse_args(argv)
     if not args.log.is_file():
         ap.error(f"no such log: {args.log}")
@@ -87,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     text = read_log(args.log)
 
     costs: CostModel | None = None
+    stepwise: CostModel | None = None  # --plain: plain steps learned one at a time (the gateway before 6697e94)
+    grant: dict[int, list[float]] = {}  # the grant under way: sequences -> its steps' seconds
+    plain: dict[int, list[float]] = {}  # --plain: batch bucket -> [grants, priced per grant, stepwise, steps, s]
     planned: dict[int, list[DraftBudget]] = {}  # step number of the `done` line -> its plan's trees
     measured: dict[tuple[DraftBudget, int], list[float]] = {}  # (option, requests) -> [rounds, ms]
     printed: list[tuple[int, str, list[float], float | None]] = []  # (requests, round or "end", prices, cfg rate)
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 printed.append((conc, str(round_), price(costs, options, conc), configured(costs, conc, args.accepted)))
         if costs is None:
             if m := PROFILE.search(line):
-                costs = load_profile(m.group(1))
+                costs, stepwise = load_profile(m.group(1)), load_profile(m.group(1))
             continue
         if m := PLAN.search(line):
             planned[int(m.group(1)) + 1] = [parse_budget(b) for b in m.group(2).split(",") if b.strip()]
@@ -107,10 +116,24 @@ def main(argv: list[str] | None = None) -> int:
         if not (m := STEP.search(line)):
             continue
         row = m.groups()
-        seqs, trees, fed, decode, ms = int(row[2]), int(row[3]), row[5], row[6], float(row[8])
+        seqs, trees, granted, fed, decode, ms = int(row[2]), int(row[3]), int(row[4]), row[5], row[6], float(row[8])
         budgets = planned.get(int(row[1]), []) if trees else []
+        if granted <= 1:  # a new plan's step: the grant before it ended
+            learn_grant(costs, grant)
         if decode == "True" and (trees or fed == "False"):  # GatewayCore._record's arm steps, as far as a log says
-            costs.observe(seqs, seqs, budgets, ms / 1000)
+            if not trees:
+                figures = plain.setdefault(policy.batch_bucket(seqs), [0, 0.0, 0.0, 0, 0.0])
+                if granted == 1:  # priced as the grant's plan was
+                    figures[0] += 1
+                    figures[1] += costs.step_time(seqs, seqs, [])
+                    figures[2] += stepwise.step_time(seqs, seqs, [])
+                figures[3] += 1
+                figures[4] += ms / 1000
+                stepwise.observe(seqs, seqs, [], ms / 1000)
+            if granted and not trees:
+                grant.setdefault(seqs, []).append(ms / 1000)
+            else:
+                costs.observe(seqs, seqs, budgets, ms / 1000)
         if trees and len(budgets) == seqs and len(set(budgets)) == 1:
             total = measured.setdefault((budgets[0], seqs), [0, 0.0])
             total[0] += 1
@@ -125,7 +148,26 @@ def main(argv: list[str] | None = None) -> int:
                    for seqs in sorted({s for _, s in measured})]
     for conc, label, prices, rate in printed:
         print_row(options, measured, conc, label, prices, rate)
+    if args.plain:
+        print_plain(plain)
     return 0
+
+
+def learn_grant(costs: CostModel, grant: dict[int, list[float]]) -> None:
+    """A grant's plain steps, learned as GatewayCore._learn_grant learns them: one measurement per shape, their mean."""
+    for seqs, seconds in grant.items():
+        costs.observe(seqs, seqs, [], sum(seconds) / len(seconds))
+    grant.clear()
+
+
+def print_plain(plain: dict[int, list[float]]) -> None:
+    print("\nplain steps by batch bucket: the mean price of a step as each grant began, learned per grant (as served "
+          "since 6697e94) and step by step (before), beside the plain steps' mean (ms)")
+    print(f"{'seqs':>7} {'grants':>7} {'per grant':>10} {'stepwise':>10} {'steps':>7} {'mean':>8}")
+    for bucket, (grants, per_grant, stepwise, steps, seconds) in sorted(plain.items()):
+        if grants:
+            print(f"{policy.bucket_range(bucket):>7} {grants:>7} {1e3 * per_grant / grants:>10.3f} "
+                  f"{1e3 * stepwise / grants:>10.3f} {steps:>7} {1e3 * seconds / steps:>8.3f}")
 
 
 def price(costs: CostModel, options: list[DraftBudget], requests: int) -> list[float]:

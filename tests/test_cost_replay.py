@@ -111,3 +111,29 @@ def test_the_replay_refuses_a_negative_acceptance(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 2 and "--accepted must be at least 0" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_replay_learns_a_grant_of_plain_steps_as_its_mean_and_shows_what_learning_each_step_priced(tmp_path):
+    """--plain: grants whose first step carries the plan's round trip (2 ms, then seven of 0.5). Learned per grant
+    (as the gateway learns them) a plain step is priced near the steps' mean; learned a step at a time, a grant's
+    plan read a ratio that had just taken in the cheap steps."""
+    profile = dataclasses.replace(PROFILE, target_base=6e-4, target_per_token=0.0, ratios={}, option_ratios={})
+    lines = [f"{stamped(0)} gateway INFO cost model: {profile!r}"]
+    step = 0
+    for grant in range(12):
+        lines.append(f"{stamped(1 + grant)} gateway DEBUG step {step}: 1 items, 1 tokens, trees [], 0 drafts behind, "
+                     "gate 1-1 sequences")
+        for index, ms in enumerate([2.0] + [0.5] * 7, start=1):
+            step += 1
+            lines.append(f"{stamped(1 + grant + index / 100)} gateway DEBUG step {step} done: 1 seqs, 0 trees, "
+                         f"granted {index}, fed draft False, decode True, 1 committed, {ms:.2f} ms, quiet 0")
+    log = tmp_path / "gateway.log"
+    log.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "bench/cost_replay.py", str(log), "--plain"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["1-1"]]
+    grants, per_grant, stepwise, steps, mean = int(row[1]), float(row[2]), float(row[3]), int(row[4]), float(row[5])
+    assert (grants, steps) == (12, 96) and mean == pytest.approx(0.6875, abs=5e-4)
+    assert per_grant == pytest.approx(mean, rel=0.1)
+    assert stepwise < 0.85 * mean
