@@ -16,9 +16,10 @@ An approximation: the log does not say which rounds captured a draft graph or wa
 ingest, which the gateway leaves out of the cost model; the replay counts them. --outlier-step replays with
 another gateway.policy.OUTLIER_STEP (100: as before it existed).
 
-Plain steps are learned as the gateway learns them: a grant's steps as one measurement, their mean. --plain
-prints, per batch size, what a plain step was priced at as each grant began, learned that way and learned a step at
-a time (as the gateway did before 6697e94), beside what the plain steps took on average.
+--plain prints, per batch bucket, what a plain step was priced at as each grant began, learned a step at a time (as
+the gateway learns it) and learned a grant at a time (its steps' mean, as 6697e94 did until b4bb570 reverted it),
+beside what the plain steps took on average. A grant's first step carries the plan's round trip: learned a step at a
+time, the ratio a plan reads has just taken in the cheap ones.
 
 --accepted A: each row also gives the configured tree's goodput with every request drafting it, as
 gateway.policy.search_budgets predicts it (the audit's 'cfg pred') from the replayed model and a book in
@@ -93,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     text = read_log(args.log)
 
     costs: CostModel | None = None
-    stepwise: CostModel | None = None  # --plain: plain steps learned one at a time (the gateway before 6697e94)
+    per_grant: CostModel | None = None  # --plain: plain steps learned a grant at a time (their mean)
     grant: dict[int, list[float]] = {}  # the grant under way: sequences -> its steps' seconds
-    plain: dict[int, list[float]] = {}  # --plain: batch bucket -> [grants, priced per grant, stepwise, steps, s]
+    plain: dict[int, list[float]] = {}  # --plain: batch bucket -> [grants, priced stepwise, per grant, steps, s]
     planned: dict[int, list[DraftBudget]] = {}  # step number of the `done` line -> its plan's trees
     measured: dict[tuple[DraftBudget, int], list[float]] = {}  # (option, requests) -> [rounds, ms]
     printed: list[tuple[int, str, list[float], float | None]] = []  # (requests, round or "end", prices, cfg rate)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 printed.append((conc, str(round_), price(costs, options, conc), configured(costs, conc, args.accepted)))
         if costs is None:
             if m := PROFILE.search(line):
-                costs, stepwise = load_profile(m.group(1)), load_profile(m.group(1))
+                costs, per_grant = load_profile(m.group(1)), load_profile(m.group(1))
             continue
         if m := PLAN.search(line):
             planned[int(m.group(1)) + 1] = [parse_budget(b) for b in m.group(2).split(",") if b.strip()]
@@ -119,21 +120,21 @@ def main(argv: list[str] | None = None) -> int:
         seqs, trees, granted, fed, decode, ms = int(row[2]), int(row[3]), int(row[4]), row[5], row[6], float(row[8])
         budgets = planned.get(int(row[1]), []) if trees else []
         if granted <= 1:  # a new plan's step: the grant before it ended
-            learn_grant(costs, grant)
+            learn_grant(per_grant, grant)
         if decode == "True" and (trees or fed == "False"):  # GatewayCore._record's arm steps, as far as a log says
             if not trees:
                 figures = plain.setdefault(policy.batch_bucket(seqs), [0, 0.0, 0.0, 0, 0.0])
-                if granted == 1:  # priced as the grant's plan was
+                if granted == 1:  # priced as the grant's plan was, before its steps are learned
                     figures[0] += 1
                     figures[1] += costs.step_time(seqs, seqs, [])
-                    figures[2] += stepwise.step_time(seqs, seqs, [])
+                    figures[2] += per_grant.step_time(seqs, seqs, [])
                 figures[3] += 1
                 figures[4] += ms / 1000
-                stepwise.observe(seqs, seqs, [], ms / 1000)
-            if granted and not trees:
-                grant.setdefault(seqs, []).append(ms / 1000)
-            else:
-                costs.observe(seqs, seqs, budgets, ms / 1000)
+                if granted:
+                    grant.setdefault(seqs, []).append(ms / 1000)
+                else:
+                    per_grant.observe(seqs, seqs, [], ms / 1000)
+            costs.observe(seqs, seqs, budgets, ms / 1000)
         if trees and len(budgets) == seqs and len(set(budgets)) == 1:
             total = measured.setdefault((budgets[0], seqs), [0, 0.0])
             total[0] += 1
@@ -154,20 +155,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def learn_grant(costs: CostModel, grant: dict[int, list[float]]) -> None:
-    """A grant's plain steps, learned as GatewayCore._learn_grant learns them: one measurement per shape, their mean."""
+    """A grant's plain steps learned as one measurement per batch size: their mean."""
     for seqs, seconds in grant.items():
         costs.observe(seqs, seqs, [], sum(seconds) / len(seconds))
     grant.clear()
 
 
 def print_plain(plain: dict[int, list[float]]) -> None:
-    print("\nplain steps by batch bucket: the mean price of a step as each grant began, learned per grant (as served "
-          "since 6697e94) and step by step (before), beside the plain steps' mean (ms)")
-    print(f"{'seqs':>7} {'grants':>7} {'per grant':>10} {'stepwise':>10} {'steps':>7} {'mean':>8}")
-    for bucket, (grants, per_grant, stepwise, steps, seconds) in sorted(plain.items()):
+    print("\nplain steps by batch bucket: the mean price of a step as each grant began, learned a step at a time (as "
+          "served) and a grant at a time, beside the plain steps' mean (ms)")
+    print(f"{'seqs':>7} {'grants':>7} {'stepwise':>10} {'per grant':>10} {'steps':>7} {'mean':>8}")
+    for bucket, (grants, stepwise, per_grant, steps, seconds) in sorted(plain.items()):
         if grants:
-            print(f"{policy.bucket_range(bucket):>7} {grants:>7} {1e3 * per_grant / grants:>10.3f} "
-                  f"{1e3 * stepwise / grants:>10.3f} {steps:>7} {1e3 * seconds / steps:>8.3f}")
+            print(f"{policy.bucket_range(bucket):>7} {grants:>7} {1e3 * stepwise / grants:>10.3f} "
+                  f"{1e3 * per_grant / grants:>10.3f} {steps:>7} {1e3 * seconds / steps:>8.3f}")
 
 
 def price(costs: CostModel, options: list[DraftBudget], requests: int) -> list[float]:

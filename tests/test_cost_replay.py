@@ -113,10 +113,10 @@ def test_the_replay_refuses_a_negative_acceptance(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_replay_learns_a_grant_of_plain_steps_as_its_mean_and_shows_what_learning_each_step_priced(tmp_path):
-    """--plain: grants whose first step carries the plan's round trip (2 ms, then seven of 0.5). Learned per grant
-    (as the gateway learns them) a plain step is priced near the steps' mean; learned a step at a time, a grant's
-    plan read a ratio that had just taken in the cheap steps."""
+def test_the_replay_shows_a_plain_step_priced_short_when_learned_a_step_at_a_time_and_right_per_grant(tmp_path):
+    """--plain: grants whose first step carries the plan's round trip (2 ms, then seven of 0.5). Learned a step at a
+    time (as the gateway learns them), a grant's plan read a ratio that had just taken in the cheap steps; learned per
+    grant, a plain step is priced near the steps' mean."""
     profile = dataclasses.replace(PROFILE, target_base=6e-4, target_per_token=0.0, ratios={}, option_ratios={})
     lines = [f"{stamped(0)} gateway INFO cost model: {profile!r}"]
     step = 0
@@ -133,7 +133,7 @@ def test_the_replay_learns_a_grant_of_plain_steps_as_its_mean_and_shows_what_lea
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     (row,) = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["1-1"]]
-    grants, per_grant, stepwise, steps, mean = int(row[1]), float(row[2]), float(row[3]), int(row[4]), float(row[5])
+    grants, stepwise, per_grant, steps, mean = int(row[1]), float(row[2]), float(row[3]), int(row[4]), float(row[5])
     assert (grants, steps) == (12, 96) and mean == pytest.approx(0.6875, abs=5e-4)
     assert per_grant == pytest.approx(mean, rel=0.1)
     assert stepwise < 0.85 * mean
