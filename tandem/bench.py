@@ -292,8 +292,7 @@ def level_decode_steps(before: dict[tuple[str, str], float] | None, after: dict[
     """The tok/s of the level's decode steps, both arms together (None: /metrics unread, or no such step)."""
     if before is None or after is None:
         return None
-    committed, seconds = (sum(_grown(before, after, name, arm) for arm in ("trees", "plain"))
-                          for name in (DECODE_COMMITTED, DECODE_SECONDS))
+    committed, seconds = _decode_sums(before, after, DECODE_COMMITTED, DECODE_SECONDS)
     return committed / seconds if seconds > 0 else None
 
 
@@ -303,9 +302,14 @@ def level_decode_step_shape(before: dict[tuple[str, str], float] | None,
     unread, no decode step was counted, or the gateway predates the count."""
     if before is None or after is None:
         return None
-    steps, committed, seconds = (sum(_grown(before, after, name, arm) for arm in ("trees", "plain"))
-                                 for name in (DECODE_STEPS, DECODE_COMMITTED, DECODE_SECONDS))
+    steps, committed, seconds = _decode_sums(before, after, DECODE_STEPS, DECODE_COMMITTED, DECODE_SECONDS)
     return (1e3 * seconds / steps, committed / steps) if steps > 0 else None
+
+
+def _decode_sums(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+                 *names: str) -> list[float]:
+    """How much each of the decode steps' running sums `names` grew between two scrapes, both arms together."""
+    return [sum(_grown(before, after, name, arm) for arm in ("trees", "plain")) for name in names]
 
 
 def _grown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], name: str, arm: str) -> float:
