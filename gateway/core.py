@@ -79,11 +79,15 @@ class WakeSchedule:
     # Plans made at this load since the gateway last came to it (_plain_extra_seconds): a lower bound of its
     # steps, since a grant's plan runs several.
     held_steps: int = 0
+    # Dormant before QUIET_STEPS quiet steps: plain decoding won by a wide margin (GatewayCore._sleeps_at_once).
+    # Until the next wake-up or tree.
+    asleep: bool = False
 
     def speculating(self, wake_every: int) -> None:
         """Trees were chosen: awake from now, and the next wake-up as soon as any."""
         self.quiet, self.spell_start, self.wake_every = 0, 0, wake_every
         self.wake_cost = [0.0, 0.0]
+        self.asleep = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -568,8 +572,14 @@ class GatewayCore:
         spread_extra = self._plain_extra_seconds(plan, cands)
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
                                 other_committed=ending - len(cands), plain_extra_seconds=spread_extra)
+        # Asleep at once only where the book's figures agree: a request whose own first trees missed would
+        # otherwise sleep through the steps that fade its figures into the book's.
+        sleep_now = self._sleeps_at_once(search) and self._sleeps_at_once(self._faded_search(plan, cands, ending, 0.0))
+        if sleep_now and spread_extra:  # no spell to pay for: plain decoding at the granted price
+            search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
+                                    other_committed=ending - len(cands))
         faded: BudgetSearch | None = None
-        if search.best is None and search.auto and (
+        if search.best is None and search.auto and not sleep_now and (
                 whole_extra := self._plain_extra_seconds(plan, cands, spell_breaks=True)) > spread_extra:
             # The figures decline trees; if they would choose them again once plain steps have faded the
             # requests' own acceptance into the book's, the plain spell ends there, still awake: each of
@@ -616,6 +626,8 @@ class GatewayCore:
         budgets = choose_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands), probe,
                                  search, self._explore_now(), other_committed=ending - len(cands))
         self._explored = self.book.explored
+        if sleep_now and search is not None and all(budgets.get(c.key, NO_SPEC).empty for c in search.auto):
+            self._dormancy.asleep = True
         self._plain_holds = frozenset()
         if self.cfg.fed_grants and search is not None and search.auto and not any(
                 not budgets.get(c.key, NO_SPEC).empty for c in search.auto):
@@ -691,7 +703,7 @@ class GatewayCore:
                 self._mode(it.request) == SpecMode.AUTO and not plan.budgets.get(it.request.request_id, NO_SPEC).empty
                 for it in plan.items):
             sched.speculating(self.WAKE_EVERY)
-        elif sched.quiet >= self.QUIET_STEPS or any(
+        elif sched.quiet >= self.QUIET_STEPS or sched.asleep or any(
                 it.is_decode and self._mode(it.request) == SpecMode.AUTO and self._draft_ready(it.request)
                 for it in plan.items):
             # A step counts once auto could have drafted and chose not to: drafts still taking in
@@ -702,6 +714,7 @@ class GatewayCore:
                 sched.spell_start = sched.quiet
                 sched.wake_every = min(2 * sched.wake_every, self.MAX_WAKE_EVERY)
                 sched.wake_cost = [0.0, 0.0]
+                sched.asleep = False
             elif sched.spell_start and sched.quiet == sched.spell_start + self.QUIET_STEPS:  # asleep again
                 spent, as_plain = sched.wake_cost
                 plain_step = self.costs.step_time(len(plan.items), len(plan.items), [])
@@ -743,6 +756,31 @@ class GatewayCore:
                                  other_committed=ending - len(everyone))
         self.gate.predict(plan.load, what_if.rates)
 
+    # How far the granted plain rate must beat the best tree rate the figures give for auto's requests to go
+    # dormant at once, without the awake spell of QUIET_STEPS fed steps (see _sleeps_at_once): above the 15%
+    # within which the audit counts a prediction right, so that a tree priced that far wrong still runs. On
+    # the demo track (H100, 2026-12-06, plain steps learned per grant) the arms read 1.30x apart at one and
+    # two requests.
+    SLEEP_AT_ONCE_MARGIN = 0.2
+
+    def _sleeps_at_once(self, search: BudgetSearch) -> bool:
+        """Whether auto's requests go dormant on this plan, skipping the awake spell, since plain decoding,
+        granted, beats every tree the figures give by SLEEP_AT_ONCE_MARGIN. Only in the first spell after
+        trees (or at a load new to the schedule): a wake-up's awake steps are there to explore a tree. And
+        only while the book holds enough trees: with thin evidence the spell explores.
+        The spell's fed steps were charged to plain decoding spread over at most WAKE_EVERY steps
+        (_plain_extra_seconds), though the requests that follow at a load start dormant: on an H100 (demo
+        track, bf16, one request, 2026-12-06) the spell put 0.25 ms on a 0.5 ms plain step, plain decoding read
+        1,310 tok/s against trees' 1,519 where, granted, it read 1,976, and auto drafted trees in 83-98% of
+        the steps and delivered 0.74x `never`."""
+        rates = search.rates
+        sched = self._dormancy
+        if not search.auto or rates.trees is None or sched.asleep or sched.spell_start:
+            return False
+        if sched.quiet >= self.QUIET_STEPS or self.book.evidence_is_thin():
+            return False
+        return rates.plain >= (1 + self.SLEEP_AT_ONCE_MARGIN) * rates.trees
+
     def _faded_search(self, plan: StepPlan, cands: list[Candidate], ending: int,
                       plain_extra_seconds: float) -> BudgetSearch:
         """The search with every candidate's own acceptance faded into the book's: what the policy
@@ -761,7 +799,8 @@ class GatewayCore:
         interludes (auto 0.83-0.87x `always`). The spell is as long as what the auto requests have
         left to generate, or, where longer, as long as this load has held so far (a load that has held
         is taken to hold as long again: the requests that follow at it start dormant, the schedule being
-        the load's), at most WAKE_EVERY steps (a wake-up then feeds them again). Bounded by the requests'
+        the load's), at most the steps to the load's next wake-up (which then feeds them again; WAKE_EVERY
+        in a first spell, longer after each wake-up that found trees declined). Bounded by the requests'
         own tokens alone, plain decoding looked dearer the nearer each request came to its end: on an
         H100 (demo track, bf16, 2026-12-05) a lone request drafted trees in 74-98% of its steps where
         `never` delivered 1.33x `always`. `spell_breaks`: the spell ends before dormancy (trees again),
@@ -778,7 +817,9 @@ class GatewayCore:
             return max(0.0, fed - granted) if awake_left else 0.0
         left = [it.request.params.max_tokens - len(it.request.output) for it in plan.items
                 if it.request.request_id in auto]
-        spell = max(1.0, min(max(sum(left) / len(left), self._dormancy.held_steps), float(self.WAKE_EVERY)))
+        sched = self._dormancy
+        spell = max(1.0, min(max(sum(left) / len(left), sched.held_steps),
+                             float(sched.spell_start + sched.wake_every - sched.quiet)))
         return max(0.0, fed - granted) * min(awake_left, spell) / spell
 
     def _explore_now(self) -> bool:
@@ -815,8 +856,12 @@ class GatewayCore:
         return backoff and self.book.evidence_is_thin()
 
     def _asleep_at(self, quiet: int) -> bool:
-        """Whether auto requests are dormant at `quiet` quiet steps by the count alone (the gate aside)."""
-        return quiet >= self.QUIET_STEPS and quiet - self._dormancy.spell_start >= self.QUIET_STEPS
+        """Whether auto requests are dormant at `quiet` quiet steps by the count alone (the gate aside), or
+        went dormant at once (_sleeps_at_once) and `quiet` comes before their next wake-up."""
+        sched = self._dormancy
+        if sched.asleep and quiet < sched.spell_start + sched.wake_every:
+            return True
+        return quiet >= self.QUIET_STEPS and quiet - sched.spell_start >= self.QUIET_STEPS
 
     def _dormant(self, req: Request) -> bool:
         return self._mode(req) == SpecMode.AUTO and not self._gate_probing_trees and (

@@ -23,7 +23,7 @@ import torch
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway.clients import DraftInfo, DraftReply, TargetInfo
 from gateway.core import CoreConfig, GatewayCore
-from gateway.policy import Candidate, CostModel, PolicyConfig, batch_bucket
+from gateway.policy import BudgetSearch, Candidate, CostModel, PolicyConfig, Rates, batch_bucket
 from gateway.request import Phase
 from gateway.scheduler import SchedulerConfig
 from gateway.types import Delta, GenerationParams, SpecMode
@@ -841,6 +841,53 @@ def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_ar
     assert not any(fed[core.QUIET_STEPS + 4: core.WAKE_EVERY - 4]), "features kept flowing while dormant"
 
 
+def test_auto_goes_dormant_at_once_where_plain_decoding_beats_every_tree_by_a_wide_margin(tokenizer):
+    """Issue 14: with enough trees in the book and plain decoding well ahead of any tree, a lone request
+    skips the awake spell of QUIET_STEPS fed, ungranted steps (on an H100 the spell's price made plain
+    decoding look dearer than trees it beat by 1.3x). Its next wake-up still keeps it awake a spell; with
+    thin evidence the first spell stays awake too, to explore."""
+    def fed_steps(thin: bool) -> list[bool]:
+        core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+        core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
+        while not thin and core.book.evidence_is_thin():  # recent trees enough (the book decays)
+            core.book.record(core.cfg.policy.fixed_budget, 1)
+        assert core.book.evidence_is_thin() == thin
+        out = submit(core, "solo", [4, 5, 6], max_tokens=200)
+        run_until_idle(core)
+        assert tokens_of(out) == expected([4, 5, 6], 200)
+        assert target.grants > 0
+        return [any(it.return_features for it in step) for step in target.steps]
+
+    at_once = fed_steps(thin=False)
+    assert not any(at_once[2:GatewayCore.WAKE_EVERY - 2]), "fed steps after plain decoding won by a wide margin"
+    assert any(at_once[GatewayCore.WAKE_EVERY - 2:]), "the wake-up did not wake the request"
+    assert any(fed_steps(thin=True)[2:GatewayCore.QUIET_STEPS]), "thin evidence skipped the spell's explorations"
+
+
+def test_only_a_first_spell_with_plain_decoding_well_ahead_sleeps_at_once(tokenizer):
+    """_sleeps_at_once: plain decoding, granted, at least SLEEP_AT_ONCE_MARGIN above the best tree, with
+    enough trees in the book, in the first spell's awake steps; never at a wake-up, nor once asleep."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    while core.book.evidence_is_thin():
+        core.book.record(core.cfg.policy.fixed_budget, 1)
+    margin = 1 + core.SLEEP_AT_ONCE_MARGIN
+
+    def search(plain: float, trees: float | None) -> BudgetSearch:
+        rates = Rates(plain, trees)
+        return BudgetSearch({}, [Candidate("solo", {}, SpecMode.AUTO)], None, None, None, rates, None, plain)
+
+    assert core._sleeps_at_once(search(1.001 * margin * 1000.0, 1000.0))
+    assert not core._sleeps_at_once(search(0.99 * margin * 1000.0, 1000.0))
+    assert not core._sleeps_at_once(search(2000.0, None))  # no tree priced: nothing to compare
+    assert not core._sleeps_at_once(BudgetSearch({}, [], None, None, None, Rates(2000.0, 1000.0), None, 2000.0))
+    core._dormancy.quiet = core.QUIET_STEPS  # dormant by the count already
+    assert not core._sleeps_at_once(search(2000.0, 1000.0))
+    core._dormancy.quiet, core._dormancy.spell_start = core.WAKE_EVERY + 2, core.WAKE_EVERY  # a wake-up
+    assert not core._sleeps_at_once(search(2000.0, 1000.0))
+    core._dormancy.quiet, core._dormancy.spell_start, core._dormancy.asleep = 3, 0, True
+    assert not core._sleeps_at_once(search(2000.0, 1000.0))
+
+
 def test_a_plain_grant_ends_at_the_step_on_which_the_load_gate_chooses_trees(tokenizer, monkeypatch):
     """A re-probe of plain decoding runs as a grant; once the gate has settled it for trees, the grant's other
     steps would decode plainly for nothing, so the grant is interrupted there. A verdict for plain decoding
@@ -1219,7 +1266,7 @@ def run_settled_steps(core, steps: int) -> None:
 def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_before_going_dormant(tokenizer):
     """Issue 14: what a plain step costs above a granted one (it feeds the draft, ungranted) is spread
     over the plain spell it would start: the request's remaining tokens, or as many plans as the load
-    has held where that is more, up to WAKE_EVERY; only the steps left before dormancy pay it, and
+    has held where that is more, up to the load's next wake-up; only the steps left before dormancy pay it, and
     nothing is added before a fed step has been measured."""
     core, _, _ = new_core(tokenizer, mode="auto")
     submit(core, "solo", [3, 4, 5], max_tokens=100)
@@ -1238,8 +1285,12 @@ def test_plain_decoding_is_priced_with_the_fed_steps_its_awake_requests_take_bef
     # start dormant, so the spell is as long as the load has held, up to WAKE_EVERY.
     core._dormancy.held_steps = 110
     assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / 110)
-    core._dormancy.held_steps = 10 * core.WAKE_EVERY
-    assert core._plain_extra_seconds(plan, cands) == pytest.approx((fed - granted) * 6 / core.WAKE_EVERY)
+    core._dormancy.held_steps = 10 * core.WAKE_EVERY  # up to the next wake-up, WAKE_EVERY from the spell's start
+    assert core._plain_extra_seconds(plan, cands) == pytest.approx(
+        (fed - granted) * 6 / (core.WAKE_EVERY - core._dormancy.quiet))
+    core._dormancy.wake_every = 4 * core.WAKE_EVERY  # later, after wake-ups that found trees declined
+    assert core._plain_extra_seconds(plan, cands) == pytest.approx(
+        (fed - granted) * 6 / (4 * core.WAKE_EVERY - core._dormancy.quiet))
     core._dormancy.held_steps = 1
     core._dormancy.quiet = core.QUIET_STEPS
     assert core._plain_extra_seconds(plan, cands) == 0.0
