@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -572,9 +572,15 @@ class GatewayCore:
         spread_extra = self._plain_extra_seconds(plan, cands)
         search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
                                 other_committed=ending - len(cands), plain_extra_seconds=spread_extra)
-        # Asleep at once only where the book's figures agree: a request whose own first trees missed would
-        # otherwise sleep through the steps that fade its figures into the book's.
-        sleep_now = self._sleeps_at_once(search) and self._sleeps_at_once(self._faded_search(plan, cands, ending, 0.0))
+        # Asleep at once only where the book's figures agree (a request whose own first trees missed would
+        # otherwise sleep through the steps that fade its figures into the book's), and only on a step that
+        # decodes alone with every draft ready: a joining prompt's tokens, priced into both arms, made a tree for
+        # the one request decoding beside three prompts look 20% dearer than it is. On an H100 (scale track,
+        # 0.6, 4 requests, 2026-12-06) such a step put a level's requests to sleep for 128 steps where trees won
+        # (auto 0.91x `always`).
+        sleep_now = (not plan.drafts_behind and all(it.is_decode for it in plan.items)
+                     and self._sleeps_at_once(search)
+                     and self._sleeps_at_once(self._faded_search(plan, cands, ending, 0.0)))
         if sleep_now and spread_extra:  # no spell to pay for: plain decoding at the granted price
             search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
                                     other_committed=ending - len(cands))
@@ -1227,7 +1233,8 @@ class GatewayCore:
             if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up
                 sched.wake_cost[0] += seconds
                 sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
-            verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load)
+            verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load,
+                                        lightest=self._lighter_step(plan, outcome, seconds))
                        if arm_step and not self._ramp(plan, outcome, seqs, gate_load) else None)
             if verdict is not None:
                 log.info("load gate, %s: %s; %s", self.gate.describe(gate_load),
@@ -1237,6 +1244,23 @@ class GatewayCore:
                 # 2026-12-05) a re-probe settled on its third granted step and the grant ran five more,
                 # 31 ms for 40 tokens that trees commit in about 22.
                 self._trees_won_in_grant = bool(outcome.granted) and verdict
+
+    def _lighter_step(self, plan: StepPlan, outcome: StepOutcome, seconds: float) -> Callable[[int], float]:
+        """For the load gate (LoadGate.record): what this step would have taken with only its first n
+        sequences, their trees as they were, the measured time scaled by the cost model's figures."""
+        def lighter(n: int) -> float:
+            items = outcome.items[:n]
+            kept = {it.request.request_id for it in items}
+            predicted = self.costs.step_time(*self._step_shape(plan, outcome.items, outcome.trees))
+            return seconds * self.costs.step_time(*self._step_shape(plan, items, [rid for rid in outcome.trees
+                                                                                  if rid in kept])) / predicted
+        return lighter
+
+    def _step_shape(self, plan: StepPlan, items: list[PlannedItem], trees: Iterable[str]
+                    ) -> tuple[int, int, list[DraftBudget]]:
+        """(tokens, sequences, trees' budgets) of a decode step, as CostModel.step_time takes them."""
+        budgets = [plan.budgets[rid] for rid in trees]
+        return sum(len(it.tokens) for it in items) + sum(b.max_nodes for b in budgets), len(items), budgets
 
     def _add_grant_cost(self, outcome: StepOutcome, seqs: int, seconds: float) -> None:
         key = (sum(len(it.tokens) for it in outcome.items), seqs, outcome.fed_draft)

@@ -1269,13 +1269,28 @@ class LoadGate:
             self._probe_lost[b] = (self._probe_lost.get(b, 0.0)
                                    + max(0.0, tail_seconds - tail_committed / trees.goodput))
 
-    def record(self, seqs: int, spec: bool, committed: int, seconds: float, load: int | None = None) -> bool | None:
+    def record(self, seqs: int, spec: bool, committed: int, seconds: float, load: int | None = None,
+               lightest: Callable[[int], float] | None = None) -> bool | None:
         """Records a decode step of `seqs` sequences at `load` (requests in the gateway, the bucket judged;
-        default seqs); returns the new verdict (speculate?) when this step ended a probe."""
+        default seqs); returns the new verdict (speculate?) when this step ended a probe.
+
+        `lightest(n)`: what the step would have taken with its first n sequences alone (the cost model's
+        figure for that shape, scaled by what the step measured). A step heavier than its bucket's lightest
+        count is recorded as that many sequences would have run, so that both arms are judged at one batch
+        size: a bucket spans a doubling of the batch, over which a plain step's time barely grows. On an H100
+        (scale track, 0.8, 2026-12-06) the tails of `tandem bench`'s 64-request levels (56-63 sequences,
+        granted plain steps) measured plain decoding at 32-63 at 6,401 tok/s, trees were measured at 32
+        requests, and `auto` decoded plainly there where `always` delivered 1.06x `never` (0.93 of it)."""
         if seconds <= 0:
             return None
         b = batch_bucket(seqs if load is None else load)
-        if 2 * seqs < 1 << (b - 1):
+        lo = 1 << (b - 1)
+        delivered = committed, seconds  # what the step really did: the audit's running sums
+        if lightest is not None and seqs > lo:
+            committed, seconds, seqs = committed * lo / seqs, lightest(lo), lo
+            if seconds <= 0:
+                return None
+        if 2 * seqs < lo:
             # A step that carries under half its load's lightest count measures a lighter batch: the held
             # load (HeldLoad) still judged 64-127 while a `tandem bench` level's 64 requests ended and the
             # next ones were joining. On an H100 (scale track, 0.8, 2026-12-05) eight granted steps of 2
@@ -1297,13 +1312,13 @@ class LoadGate:
         # and 2 sequences under the held load of 4-7; they took trees' figure from about 830 to 531 tok/s,
         # the re-probe of plain decoding that came at the next level's start measured 4 sequences at 648 and
         # won, and trees came back after a quarter of the level (auto 0.95 of `always`).
-        lighter = seqs < 1 << (b - 1)
+        lighter = seqs < lo
         recorded = not lighter if not probing else (
             probe.lengthened or probe.steps_left <= self.probe_steps - self.probe_steps // 4)
         this = self.arms.setdefault((b, spec), Arm())
         other = self.arms.setdefault((b, not spec), Arm())
-        this.committed_total += committed
-        this.seconds_total += seconds
+        this.committed_total += delivered[0]
+        this.seconds_total += delivered[1]
         rate = committed / seconds
         if recorded:
             weight = 1.0 / min(this.samples + 1, TOKENS_WINDOW)

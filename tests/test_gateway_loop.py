@@ -864,6 +864,39 @@ def test_auto_goes_dormant_at_once_where_plain_decoding_beats_every_tree_by_a_wi
     assert any(fed_steps(thin=True)[2:GatewayCore.QUIET_STEPS]), "thin evidence skipped the spell's explorations"
 
 
+def test_a_step_that_carries_a_prompt_or_a_draft_behind_puts_no_request_to_sleep_at_once(tokenizer):
+    """A joining prompt's tokens are priced into both arms of the step's search, each at its arm's learned ratio,
+    so a tree for the one request decoding beside it can look far dearer than it is (on an H100 such a step put
+    a level's requests to sleep where trees won): only a step that decodes alone, every draft ready, may skip
+    the awake spell, whatever its figures say."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
+    core._sleeps_at_once = lambda search: bool(search.auto)  # the figures always say: asleep at once
+    core.gate.min_batch = 64  # the figures alone decide at every load here
+    plans = []
+    budgets = core._budgets
+    core._budgets = lambda plan: plans.append(plan) or budgets(plan)
+    submit(core, "a", [4, 5, 6], max_tokens=50)
+    run_settled_steps(core, 1)  # a's prompt
+    submit(core, "b", [7, 8, 9, 10], max_tokens=50)
+    run_settled_steps(core, 1)
+    assert [(it.request.request_id, it.is_decode) for it in plans[-1].items] == [("a", True), ("b", False)]
+    assert plans[-1].drafts_behind == 0  # a was a candidate: its tree was priced beside b's prompt
+    assert not core._dormancy.asleep
+    for _ in range(3):  # b's draft takes in its prompt: steps with a draft behind
+        run_settled_steps(core, 1)
+        if core._dormancy.asleep:
+            break
+        assert plans[-1].drafts_behind or not all(it.is_decode for it in plans[-1].items)
+    # and alone, a decodes and sleeps at once
+    core2, _, _ = new_core(tokenizer, mode="auto")
+    core2.costs = core.costs
+    core2._sleeps_at_once = core._sleeps_at_once
+    submit(core2, "a", [4, 5, 6], max_tokens=50)
+    run_settled_steps(core2, 2)
+    assert core2._dormancy.asleep
+
+
 def test_only_a_first_spell_with_plain_decoding_well_ahead_sleeps_at_once(tokenizer):
     """_sleeps_at_once: plain decoding, granted, at least SLEEP_AT_ONCE_MARGIN above the best tree, with
     enough trees in the book, in the first spell's awake steps; never at a wake-up, nor once asleep."""
@@ -900,7 +933,7 @@ def test_a_plain_grant_ends_at_the_step_on_which_the_load_gate_chooses_trees(tok
     recorded: list[int] = []  # granted steps given to the gate, per grant
     verdict_at: dict[int, bool] = {}  # the grant's n-th recorded step -> the verdict it ends a probe with
 
-    def record(seqs, spec, committed, seconds, load=None):
+    def record(seqs, spec, committed, seconds, load=None, lightest=None):
         if target.grants:
             while len(recorded) < target.grants:
                 recorded.append(0)
@@ -1014,11 +1047,11 @@ def test_auto_measures_the_plain_arm_as_plain_decoding_runs_without_feeding_the_
     fed_when_sampled: list[bool] = []
     real_record = core.gate.record
 
-    def record(seqs, spec, committed, seconds, load=None):
+    def record(seqs, spec, committed, seconds, load=None, lightest=None):
         bucket = batch_bucket(seqs if load is None else load)
         plain = core.gate.arms.get((bucket, False))
         before = plain.samples if plain else 0
-        verdict = real_record(seqs, spec, committed, seconds, load=load)
+        verdict = real_record(seqs, spec, committed, seconds, load=load, lightest=lightest)
         if not spec and core.gate.arms[(bucket, False)].samples > before:
             fed_when_sampled.append(any(it.return_features for it in target.steps[-1]))
         return verdict
@@ -1323,6 +1356,35 @@ def test_a_lone_request_whose_first_trees_miss_drafts_on_where_the_book_says_tre
     unpriced, priced = shape(None), shape(1.3)
     assert "F" in unpriced.lstrip("F").rstrip("F.")  # the test's premise: the misses stop its trees a while
     assert priced.count("T") > 30 and "F" not in priced.lstrip("F").rstrip("F."), priced
+
+
+def test_the_gate_is_told_what_a_heavier_step_would_take_with_its_buckets_lightest_count(tokenizer):
+    """Issue 14: a step of 3 sequences at a load of 2-3 is judged as 2 would run: the measured time scaled by the
+    cost model's figure for the first two sequences (their trees as they were) over its figure for the step."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # plain probed first
+    plans: list = []
+    budgets = core._budgets
+    core._budgets = lambda plan: plans.append(plan) or budgets(plan)
+    checked = {True: 0, False: 0}
+    real_record = core.gate.record
+
+    def record(seqs, spec, committed, seconds, load=None, lightest=None):
+        if seqs == 3 and lightest is not None:
+            trees = [b for b in plans[-1].budgets.values() if not b.empty]
+            first_two = [plans[-1].budgets.get(it.request.request_id) for it in plans[-1].items[:2]]
+            first_two = [b for b in first_two if b is not None and not b.empty]
+            whole = core.costs.step_time(3 + sum(b.max_nodes for b in trees), 3, trees)
+            two = core.costs.step_time(2 + sum(b.max_nodes for b in first_two), 2, first_two)
+            assert lightest(2) == pytest.approx(seconds * two / whole)
+            checked[spec] += 1
+        return real_record(seqs, spec, committed, seconds, load=load, lightest=lightest)
+
+    core.gate.record = record
+    outs = [submit(core, f"r{i}", [4 + i, 5, 6], max_tokens=60) for i in range(3)]
+    run_until_idle(core)
+    assert all(tokens_of(out) == expected([4 + i, 5, 6], 60) for i, out in enumerate(outs))
+    assert checked[True] and checked[False], checked
 
 
 def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(tokenizer):

@@ -470,6 +470,31 @@ def test_the_gate_judges_tree_steps_of_steady_cost_by_their_mean_tokens_whatever
         assert spec and goodput == pytest.approx(12 / 0.014)
 
 
+def test_the_gate_judges_both_arms_at_its_buckets_lightest_count_of_sequences():
+    """Issue 14: a bucket spans a doubling of the batch, and a plain step's time barely grows over it (on an
+    H100, 7.1 ms at 32 sequences, 7.5 at 64). Plain steps of 60 sequences at a load of 32-63 (a level of 64
+    requests ending) read plain decoding at 8,100 tok/s where 32 sequences decode at 4,500; trees measured at
+    32 then lost. Given what a step would take with only the bucket's lightest count (`lightest`), the gate
+    records it so; what the arm delivered stays in its running sums."""
+    def judged(lightest_of: bool) -> tuple[bool, float, float, float]:
+        gate = LoadGate(close_probe_steps=0)
+        for _ in range(gate.probe_steps):  # plain, at 60 sequences: 7.4 ms, 7.1 for 32 of them
+            assert not gate.allow_spec(60, lambda: False)
+            lightest = (lambda n: 0.0074 * (7.1 / 7.4)) if lightest_of else None
+            gate.record(60, False, committed=60, seconds=0.0074, load=60, lightest=lightest)
+        for _ in range(gate.probe_steps):  # trees, at 32: 3.6 tokens a sequence in 19.5 ms (5,900 tok/s)
+            assert gate.allow_spec(32) and gate.probing_spec(32)
+            gate.record(32, True, committed=115, seconds=0.0195, load=32, lightest=lambda n: 0.0195)
+        plain = gate.arms[(batch_bucket(32), False)]
+        return gate.allow_spec(32), plain.goodput, plain.committed_total, plain.seconds_total
+
+    spec, goodput, committed, seconds = judged(lightest_of=False)
+    assert not spec and goodput == pytest.approx(60 / 0.0074)
+    spec, goodput, committed, seconds = judged(lightest_of=True)
+    assert spec and goodput == pytest.approx(32 / 0.0071)
+    assert committed == 60 * LoadGate.probe_steps and seconds == pytest.approx(0.0074 * LoadGate.probe_steps)
+
+
 def test_the_gate_holds_its_verdict_between_probes():
     gate = LoadGate(stale_after=6, probe_steps=2)
     for spec, rate in ((True, 400), (True, 400), (False, 300), (False, 300)):  # the first probes
