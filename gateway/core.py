@@ -237,6 +237,7 @@ class GatewayCore:
         # plain arm is measured as `never` would run and not taxed by feature traffic (issue 14).
         self._gate_plain = False
         self._gate_probing_trees = False  # the gate measures trees at this load: dormant requests wake for it
+        self._configured_figures = ""  # the last plan's figures for the configured tree (DEBUG only)
         # The auto candidates for whom plain decoding would still win were their own acceptance faded
         # into the book's, as plain steps fade it: the only ones a fed grant may take (_grant_steps).
         self._plain_holds: frozenset[str] = frozenset()
@@ -503,8 +504,9 @@ class GatewayCore:
         self._track_quiet(plan)
         if log.isEnabledFor(logging.DEBUG):
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
-            log.debug("step %d: %d items, %d tokens, trees %s, %d drafts behind, gate %s", self.step_count,
-                      len(plan.items), plan.num_tokens, spec, plan.drafts_behind, self.gate.describe(plan.load))
+            log.debug("step %d: %d items, %d tokens, trees %s, %d drafts behind, gate %s%s", self.step_count,
+                      len(plan.items), plan.num_tokens, spec, plan.drafts_behind, self.gate.describe(plan.load),
+                      self._configured_figures)
         return plan
 
     def _mode(self, req: Request) -> SpecMode:
@@ -604,6 +606,8 @@ class GatewayCore:
         decodes_only = all(it.is_decode for it in plan.items)
         if decodes_only and search.auto:
             self.gate.predict(plan.load, search.rates)
+        if log.isEnabledFor(logging.DEBUG):
+            self._configured_figures = self._describe_configured(search)
         elif decodes_only:
             self._predict_while_dormant(plan, cands, ending)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
@@ -768,6 +772,19 @@ class GatewayCore:
     # the demo track (H100, 2026-12-06, plain steps learned per grant) the arms read 1.30x apart at one and
     # two requests.
     SLEEP_AT_ONCE_MARGIN = 0.2
+
+    def _describe_configured(self, search: BudgetSearch) -> str:
+        """For the DEBUG plan line: the configured tree's predicted step (tokens, ms) for every auto candidate,
+        the book's figure for it, and each candidate's own (mean accepted, weight): what the audit's 'cfg tok'
+        averages, taken apart."""
+        rates = search.rates
+        if not search.auto or rates.configured is None or rates.configured_seconds is None:
+            return ""
+        fixed = self.cfg.policy.fixed_budget
+        owns = " ".join("-" if (own := c.own_stats.get(fixed)) is None else f"{own[0]:.2f}/{own[1]:.1f}"
+                        for c in search.auto)
+        return (f"; configured tree: {rates.configured * rates.configured_seconds:.2f} tokens in "
+                f"{1000 * rates.configured_seconds:.2f} ms, book {self.book.expected(fixed, None):.2f}, own {owns}")
 
     def _sleeps_at_once(self, search: BudgetSearch) -> bool:
         """Whether auto's requests go dormant on this plan, skipping the awake spell, since plain decoding,
