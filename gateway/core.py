@@ -1149,6 +1149,7 @@ class GatewayCore:
                     own.levels.record(path)
                 for chain, chain_accepted in chains:
                     own.record(chain, chain_accepted)
+                own.age([budget, *(chain for chain, _ in chains)])
         elif it.is_decode:
             stats = stats.after_plain()
             self.metrics.plain_decode_steps.inc()
