@@ -57,7 +57,8 @@ class _PolicyAudit:
     auto request, as `always` drafts it, predicted only):
 
     - `tandem_policy_goodput_tokens_per_second{figure}`: the cost model's prediction and the
-      gate's measurement (committed tokens per second of step time), decayed means: now;
+      gate's measurement (committed tokens per second of step time, each step as the bucket's lightest
+      count of sequences would have run it: LoadGate.record), decayed means: now;
     - counters whose differences between two scrapes audit that interval (a `tandem bench`
       level, say): `tandem_policy_predictions_total` and `tandem_policy_predicted_goodput_total`
       (the predictions, summed: their mean is the second over the first), and
