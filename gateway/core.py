@@ -606,10 +606,10 @@ class GatewayCore:
         decodes_only = all(it.is_decode for it in plan.items)
         if decodes_only and search.auto:
             self.gate.predict(plan.load, search.rates)
-        if log.isEnabledFor(logging.DEBUG):
-            self._configured_figures = self._describe_configured(search)
         elif decodes_only:
             self._predict_while_dormant(plan, cands, ending)
+        if log.isEnabledFor(logging.DEBUG):
+            self._configured_figures = self._describe_configured(search)
         # The gate is asked whenever auto requests could draft, ready or not: its plain verdict makes
         # them dormant, and a dormant request's draft is not ready until the gate asks for trees again.
         could_draft = any(it.is_decode and self._mode(it.request) == SpecMode.AUTO

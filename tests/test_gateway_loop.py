@@ -9,6 +9,7 @@ loop must do.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -1430,10 +1431,14 @@ def test_auto_exports_what_it_predicted_for_each_arm_next_to_what_it_measured(to
     assert at_load[("plain", "4-7")] == pytest.approx(charges["plain"])
 
 
-def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(tokenizer):
+@pytest.mark.parametrize("debug_log", [False, True])
+def test_while_auto_requests_are_dormant_the_audit_still_predicts_both_arms(tokenizer, caplog, debug_log):
     """Issue 14: where the gate chose plain decoding the requests go dormant and no draft is ready,
     so the policy has no candidate; the audit still gets what trees and plain decoding would deliver
-    there, from the steps planned while they sleep (one in DORMANT_AUDIT_EVERY)."""
+    there, from the steps planned while they sleep (one in DORMANT_AUDIT_EVERY). With the DEBUG log on
+    as well (the H100 sweeps run so: a DEBUG-only branch once took the dormant audit's place)."""
+    if debug_log:
+        caplog.set_level(logging.DEBUG, logger="tandem.gateway")
     core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     n = core.gate.min_batch + 2
