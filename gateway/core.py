@@ -580,8 +580,8 @@ class GatewayCore:
         # the one request decoding beside three prompts look 20% dearer than it is. On an H100 (scale track,
         # 0.6, 4 requests, 2026-12-06) such a step put a level's requests to sleep for 128 steps where trees won
         # (auto 0.91x `always`).
-        sleep_now = (not plan.drafts_behind and all(it.is_decode for it in plan.items)
-                     and self._sleeps_at_once(search)
+        decodes_only = all(it.is_decode for it in plan.items)
+        sleep_now = (not plan.drafts_behind and decodes_only and self._sleeps_at_once(search)
                      and self._sleeps_at_once(self._faded_search(plan, cands, ending, 0.0)))
         if sleep_now and spread_extra:  # no spell to pay for: plain decoding at the granted price
             search = search_budgets(self.cfg.policy, self.costs, self.book, cands, *_other_work(plan, cands),
@@ -603,7 +603,6 @@ class GatewayCore:
         # its arms (a step carrying a prompt's chunk priced the chunk into both arms: at 64 requests on the
         # H200 the mean predictions read 0.3x what `never` and `always` delivered, 2026-12-03), and kept under
         # the load the gate judges (plan.load), beside its measurements.
-        decodes_only = all(it.is_decode for it in plan.items)
         if decodes_only and search.auto:
             self.gate.predict(plan.load, search.rates)
         elif decodes_only:
@@ -835,12 +834,12 @@ class GatewayCore:
         if fed is None:  # not measured yet at this load: priced as granted, as before any was
             return 0.0
         granted = self.costs.step_time(plan.num_tokens, len(plan.items), [])
-        awake_left = max(0, self.QUIET_STEPS - (self._dormancy.quiet - self._dormancy.spell_start))
+        sched = self._dormancy
+        awake_left = max(0, self.QUIET_STEPS - (sched.quiet - sched.spell_start))
         if spell_breaks:
             return max(0.0, fed - granted) if awake_left else 0.0
         left = [it.request.params.max_tokens - len(it.request.output) for it in plan.items
                 if it.request.request_id in auto]
-        sched = self._dormancy
         spell = max(1.0, min(max(sum(left) / len(left), sched.held_steps),
                              float(sched.spell_start + sched.wake_every - sched.quiet)))
         return max(0.0, fed - granted) * min(awake_left, spell) / spell
