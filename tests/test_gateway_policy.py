@@ -1000,6 +1000,26 @@ def test_an_acceptance_book_refuses_a_prior_lighter_than_one_tree():
     assert AcceptanceBook(prior_weight=1.0).optimistic(CFG.fixed_budget, None) >= 0
 
 
+def test_the_acceptance_book_holds_the_workloads_figure_not_its_last_prompts():
+    """Issue 14, H100 scale track at 0.6: the book read the tail of the level before (1.59-1.69 accepted
+    a 5/4/8 tree where they accepted 1.35), so the configured tree's tokens read 1.10-1.16x `always`'s.
+    After 400 trees that accepted 1 each, a run of 40 lucky ones (3 each, a few prompts' worth at 8
+    requests) moves the book's figure by less than half a token; its levels likewise."""
+    book = AcceptanceBook()
+    tree = CFG.fixed_budget
+    for _ in range(400):
+        book.record(tree, 1)
+        book.levels.record(MainPath(depth=5, accepted=1))
+    settled = book.expected(tree, None)
+    settled_chain = book.chain_expected(5, None)
+    for _ in range(40):
+        book.record(tree, 3)
+        book.levels.record(MainPath(depth=5, accepted=3))
+    assert settled == pytest.approx(1.0, abs=0.05)
+    assert 1.0 < book.expected(tree, None) < 1.5
+    assert settled_chain < book.chain_expected(5, None) < settled_chain + 0.5
+
+
 def test_one_outlying_tree_step_does_not_settle_a_first_probe_of_trees():
     """Issue 14, H200 scale track (0.8): one recorded tree step at 4-7 sequences (480.7 tok/s against
     plain's 858.3) settled the load for plain decoding where trees then measured 1307.8 over 7 steps
