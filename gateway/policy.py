@@ -1259,12 +1259,20 @@ class LoadGate:
         probe = self._probing.pop(b)
         seconds, committed = self._probe_spent.pop(b, (0.0, 0.0))
         winner = self.arms[(b, self._verdict[b])]
-        if winner.goodput > 0:
-            # Both sides as delivered (see _stale_after): the probe's own tokens carry its arm's prompt charge.
+        if winner.goodput > 0 and not probe.spec and self._verdict[b]:
+            # A probe of plain decoding where trees won, on its decode steps against trees' own: it saves none
+            # of trees' prompt charge, since a prompt that joins meanwhile is fed to its draft when trees resume
+            # (the catch-up after the probe). Charged as delivered, both arms' charges came off what it lost: on
+            # an H100 (scale track, 0.8, 32 requests, 2026-12-06) the gate put a probe at 4-9 ms lost (trees
+            # charged 34-60 us a token for prompts, plain 13), where its 8 granted steps and the 3 fed ones
+            # after took 88 ms for 352 tokens that trees commit in about 60; re-probed every 48 steps, auto
+            # read 0.94-0.97 of `always`, drafting as `always` drafts. The fed steps join in _end_catch_up.
+            self._probe_lost[b] = max(0.0, seconds - committed / winner.goodput)
+            self._catch_up[b] = [0.0, 0.0]
+        elif winner.goodput > 0:
+            # Both sides as delivered (see _stale_after): a probe of trees feeds the prompts that join it.
             charged = seconds + committed * self.prompts.seconds_per_token(probe.spec, b)
             self._probe_lost[b] = max(0.0, charged - committed / self._delivered(b, self._verdict[b]))
-            if not probe.spec and self._verdict[b]:
-                self._catch_up[b] = [0.0, 0.0]
 
     def _end_catch_up(self, b: int, committed: int, seconds: float) -> None:
         """The first recorded tree step after a probe of plain decoding that trees won (its own seconds and

@@ -1249,6 +1249,30 @@ def test_a_verdict_says_when_the_losing_arm_is_measured_again_and_what_the_last_
     assert close.outlook(8).startswith(f"plain decoding measured again in {close.stale_after} steps, a second opinion")
 
 
+def test_a_probe_of_plain_decoding_where_trees_won_loses_what_its_steps_took_beyond_trees_own():
+    """On an H100 (scale track, 0.8, 32 requests) trees decoded 1.27x faster than plain steps but were charged
+    34-60 us a token more for joining prompts. Charged so on both sides, a probe of plain decoding read 4-9 ms
+    lost where its steps took 27 ms more than trees would, and plain decoding was measured again every 48
+    steps. It is now what its steps took beyond trees' decode rate, and re-probes are spaced by that."""
+    b = batch_bucket(32)
+    gate = LoadGate()
+    gate.prompts.observe_step(prompt_tokens=1024, committed=1024)  # a prompt token a committed token
+    gate.prompts.observe_prompts(fed=True, prompt_tokens=1024, extra_seconds=1024 * 60e-6, bucket=b)
+    gate.prompts.observe_prompts(fed=False, prompt_tokens=1024, extra_seconds=1024 * 13e-6, bucket=b)
+    tree_step, plain_step = 32 / 6200.0, 32 / 4600.0
+    seen = []
+    for _ in range(120):  # as the gateway calls the gate: spend, then record
+        spec = gate.allow_spec(32)
+        seen.append(spec)
+        gate.spend(32, 32, tree_step if spec else plain_step)
+        gate.record(32, spec, 32, tree_step if spec else plain_step)
+    assert seen[-1] and not all(seen[16:])  # trees won, then plain decoding was measured again (a second opinion)
+    probe_steps = gate._probe_lost[b] / (plain_step - tree_step)  # each of its steps, at trees' own rate
+    assert probe_steps >= 2 and probe_steps == pytest.approx(round(probe_steps))
+    # Spaced by what it lost, past the stale_after floor that a probe charged as delivered never left.
+    assert gate._stale_after(b, True) > 2 * gate.stale_after
+
+
 def test_steps_far_lighter_than_the_held_load_do_not_move_its_figures_or_verdict():
     """Between one wave of requests and the next the held load still reads 64-127 while a step carries
     2 sequences: such a step measures a 2-sequence batch, not that load. Recorded, eight of them took
