@@ -1250,7 +1250,7 @@ def test_a_verdict_says_when_the_losing_arm_is_measured_again_and_what_the_last_
 
 
 def test_a_probe_of_plain_decoding_where_trees_won_loses_what_its_steps_took_beyond_trees_own():
-    """On an H100 (scale track, 0.8, 32 requests) trees decoded 1.27x faster than plain steps but were charged
+    """On an H100 (scale track, 0.8, 32 requests) trees decoded about 1.3x faster than plain steps but were charged
     34-60 us a token more for joining prompts. Charged so on both sides, a probe of plain decoding read 4-9 ms
     lost where its steps took 27 ms more than trees would, and plain decoding was measured again every 48
     steps. It is now what its steps took beyond trees' decode rate, and re-probes are spaced by that."""
