@@ -1259,7 +1259,9 @@ class LoadGate:
         probe = self._probing.pop(b)
         seconds, committed = self._probe_spent.pop(b, (0.0, 0.0))
         winner = self.arms[(b, self._verdict[b])]
-        if winner.goodput > 0 and not probe.spec and self._verdict[b]:
+        if winner.goodput <= 0:
+            return
+        if not probe.spec and self._verdict[b]:
             # A probe of plain decoding where trees won, on its decode steps against trees' own: it saves none
             # of trees' prompt charge, since a prompt that joins meanwhile is fed to its draft when trees resume
             # (the catch-up after the probe). Charged as delivered, both arms' charges came off what it lost: on
@@ -1269,8 +1271,9 @@ class LoadGate:
             # read 0.94-0.97 of `always`, drafting as `always` drafts. The fed steps join in _end_catch_up.
             self._probe_lost[b] = max(0.0, seconds - committed / winner.goodput)
             self._catch_up[b] = [0.0, 0.0]
-        elif winner.goodput > 0:
-            # Both sides as delivered (see _stale_after): a probe of trees feeds the prompts that join it.
+        else:
+            # Any other probe, both sides as delivered (see _stale_after): a probe of trees feeds the prompts
+            # that join it.
             charged = seconds + committed * self.prompts.seconds_per_token(probe.spec, b)
             self._probe_lost[b] = max(0.0, charged - committed / self._delivered(b, self._verdict[b]))
 

@@ -32,7 +32,7 @@ class AcceptanceStats:
 
     totals: dict[DraftBudget, list[float]] = field(default_factory=dict)  # budget -> [sum, n]
     # Per level of this request's verified main paths (what prices the depth options for it).
-    levels: LevelRates = field(default_factory=lambda: LevelRates(decay=0.8))
+    levels: LevelRates = field(default_factory=lambda: LevelRates(decay=AcceptanceStats.DECAY))
 
     DECAY = 0.8  # per record: exponential decay keeps the estimate tracking the text the request is producing now
 
