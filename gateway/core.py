@@ -619,14 +619,14 @@ class GatewayCore:
         # prompts two a step, and judged by those steps' sizes (2, then 4-15 sequences as prompts finished)
         # it fed the prompts and drafted trees at loads where trees won, then stopped at 16-31. On the H200
         # scale track (0.8, 2026-12-04) auto's prompt steps at 32 requests took 1.2-1.9x the time of `never`'s so.
-        gate_open = (self.gate.allow_spec(plan.load, lambda: search.best is not None) if could_draft
-                     else self.gate.would_allow_spec(plan.load))
+        gate_open = (self.gate.allow_spec(plan.load, lambda: search.best is not None, prompts_join=not decodes_only)
+                     if could_draft else self.gate.would_allow_spec(plan.load))
         self._gate_plain = not gate_open
         while self.gate.remeasured:
             bucket, then, now = self.gate.remeasured.pop()
             log.info("load gate, %s sequences: the workload moved from %.1f to %.1f prompt tokens a committed token "
                      "since its verdict: measured afresh", bucket_range(bucket), then, now)
-        probing_trees = gate_open and self.gate.probing_spec(plan.load)
+        probing_trees = gate_open and self.gate.probing_spec(plan.load, prompts_join=not decodes_only)
         self._gate_probing_trees = could_draft and probing_trees
         if self._gate_plain:
             cands = [c for c in cands if c.mode != SpecMode.AUTO]  # measured: plain decode pays at this load

@@ -1028,9 +1028,12 @@ class LoadGate:
     prompts: PromptCharges = field(default_factory=PromptCharges)
     _met: dict[int, float] = field(default_factory=dict)  # bucket -> when it was last met (clock seconds)
 
-    def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None) -> bool:
+    def allow_spec(self, seqs: int, model_prefers_spec: Callable[[], bool] | None = None,
+                   prompts_join: bool = False) -> bool:
         """Whether auto may speculate at this load. model_prefers_spec: whether the cost model gives
-        any request a tree at this step, asked only when a bucket is met for the first time."""
+        any request a tree at this step, asked only when a bucket is met for the first time.
+        prompts_join: the step carries a joining prompt's chunk (a re-probe of trees waits for one that
+        only decodes: see _answer)."""
         if seqs < self.min_batch:
             return True
         b = batch_bucket(seqs)
@@ -1060,7 +1063,7 @@ class LoadGate:
                 spec.forget()
             return False
         if probe is not None:
-            return probe.spec
+            return self._answer(probe, prompts_join)
         # A new bucket measures plain decoding first where the cost model predicts it wins: the
         # probe of trees, measured second, then ends after `clear_steps` recorded steps if they clearly
         # lose (probing trees first cost 8 tree steps at every new bucket of a loaded server).
@@ -1090,8 +1093,21 @@ class LoadGate:
             self._probing[b] = Probe(spec=not spec_wins, steps_left=self.probe_steps, reprobe=not second,
                                      second=second)
             self._catch_up.pop(b, None)
-            return not spec_wins
+            return self._answer(self._probing[b], prompts_join)
         return spec_wins
+
+    @staticmethod
+    def _answer(probe: Probe, prompts_join: bool) -> bool:
+        """The arm a step takes while this probe runs. A re-probe of trees waits for a step that only decodes
+        (the step decodes plainly, as the standing verdict says): a step that carries a joining prompt's chunk
+        is not recorded (see record), so trees drafted on it are paid for and measure nothing, and the probe
+        runs on until enough steps that only decode come. On an H100 (scale track, 0.8, 2026-12-06) re-probes
+        at 32-63 sequences fell due as a wave of `tandem bench`'s requests ended and the next joined: one ran
+        16 tree steps at 27-46 ms carrying the joining prompts (plain steps took 10-14 ms) before its one
+        recorded step, and auto read 0.91 of `never` in that round of 32 requests; another drafted trees on
+        the joins at 36 and 50 sequences at 64 requests (0.84 of `never`). A first probe still runs on such
+        steps: a load is first met while its requests join."""
+        return probe.spec and not (probe.reprobe and prompts_join)
 
     def would_allow_spec(self, seqs: int) -> bool:
         """allow_spec's standing answer at this load, without starting or dropping a probe: for a
@@ -1106,7 +1122,7 @@ class LoadGate:
         if self._trees_need_no_probe(b):
             return False
         probe = self._probing.get(b)
-        return probe.spec if probe is not None else self._verdict.get(b, True)
+        return self._answer(probe, prompts_join=True) if probe is not None else self._verdict.get(b, True)
 
     def _set_verdict(self, b: int, spec: bool) -> None:
         self._verdict[b] = spec
@@ -1202,12 +1218,12 @@ class LoadGate:
         spec, plain = self._delivered(b, True), self._delivered(b, False)
         return max(spec, plain) < self.margin * min(spec, plain)
 
-    def probing_spec(self, seqs: int) -> bool:
-        """Whether this step measures trees at this load (ask after allow_spec): then the policy drafts
-        them even where its acceptance figures say they do not pay, since those may be stale (a budget
-        judged on two trees at the start of a request, then never tried again)."""
+    def probing_spec(self, seqs: int, prompts_join: bool = False) -> bool:
+        """Whether this step measures trees at this load (ask after allow_spec, with its prompts_join): then
+        the policy drafts them even where its acceptance figures say they do not pay, since those may be stale
+        (a budget judged on two trees at the start of a request, then never tried again)."""
         probe = self._probing.get(batch_bucket(seqs))
-        return seqs >= self.min_batch and probe is not None and probe.spec
+        return seqs >= self.min_batch and probe is not None and self._answer(probe, prompts_join)
 
     def first_probe_of_trees(self, seqs: int) -> bool:
         """Whether this load's trees are being measured for the first time (a first probe, not a re-probe)."""

@@ -943,7 +943,7 @@ def test_a_plain_grant_ends_at_the_step_on_which_the_load_gate_chooses_trees(tok
         return None
 
     monkeypatch.setattr(core.gate, "record", record)
-    monkeypatch.setattr(core.gate, "allow_spec", lambda seqs, model_prefers_spec=None: False)
+    monkeypatch.setattr(core.gate, "allow_spec", lambda seqs, model_prefers_spec=None, prompts_join=False: False)
     steps = 0
     while target.grants < 1:
         core._step()
@@ -1700,7 +1700,7 @@ def test_a_woken_request_drafts_only_once_its_replica_has_caught_up_on_the_token
         time.sleep(0.005)
     assert drafts[0].draft_calls > 0
     req = core.running[0]
-    core.gate.allow_spec = lambda *args: False  # the load gate chooses plain decoding: the request sleeps
+    core.gate.allow_spec = lambda *args, **kwargs: False  # the load gate chooses plain decoding: the request sleeps
     for _ in range(12):
         core._step()
         core._take_inbox()
@@ -1710,7 +1710,7 @@ def test_a_woken_request_drafts_only_once_its_replica_has_caught_up_on_the_token
     hold = threading.Event()
     real_ingest = drafts[0].ingest
     drafts[0].ingest = lambda items, catch_up=False: (hold.wait(10), real_ingest(items, catch_up))[1]
-    core.gate.allow_spec = lambda *args: True  # the gate asks for trees again: the request wakes
+    core.gate.allow_spec = lambda *args, **kwargs: True  # the gate asks for trees again: the request wakes
     calls_before = drafts[0].draft_calls
     for _ in range(4):  # the replica has not applied the wake-up's ingest yet
         core._step()

@@ -709,6 +709,27 @@ def test_a_re_probe_ends_after_one_recorded_step_unless_that_step_could_flip_the
     assert sum(seen[-150:]) >= 140  # trees paid at the next re-probe; now plain gets the short re-probes
 
 
+def test_a_re_probe_of_trees_waits_for_a_step_that_only_decodes():
+    """Steps that carry a joining prompt's chunk are not recorded, so a re-probe of trees that drafted on them
+    paid for trees and measured nothing: while prompts join, the step decodes plainly and the re-probe waits,
+    then runs on the next step that only decodes. A load's first probe of trees still runs on the joins."""
+    gate = LoadGate(stale_after=10, max_stale_factor=1)
+    assert gate.allow_spec(8, prompts_join=True) and gate.probing_spec(8, prompts_join=True)  # first probe
+    run_gate(gate, 8, 40, spec_rate=100, plain_rate=140)  # plain decoding won; trees are re-probed now and then
+    waited = 0
+    for _ in range(40):  # every plain step that only decodes is followed by five that carry joining prompts
+        assert not run_gate(gate, 8, 1, spec_rate=100, plain_rate=140)[0]
+        for _ in range(5):
+            assert not gate.allow_spec(8, prompts_join=True) and not gate.probing_spec(8, prompts_join=True)
+            waited += gate.probing_spec(8)  # a re-probe of trees is due ...
+            assert not gate.would_allow_spec(8)  # ... and a step of prompts alone does not feed the drafts for it
+        if waited:
+            break
+    assert waited == 5
+    seen = run_gate(gate, 8, 12, spec_rate=100, plain_rate=140)
+    assert seen[:3] == [True] * 3 and not any(seen[3:])  # the re-probe: 2 warm-up steps, 1 recorded
+
+
 def test_a_re_probe_of_plain_decoding_is_charged_the_drafts_catch_up_that_follows_it():
     """H200 scale track (0.8, 8 requests, 2026-12-04): trees won at 8-15 sequences (29 tokens in 16 ms
     against 8 in 5.3), and every 48 tree steps a re-probe of plain decoding ran granted steps that fed no
