@@ -116,9 +116,10 @@ class CoreConfig:
     # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch, see there for why
     # 2); below it the cost model's figures alone decide.
     gate_min_batch: int = 2
-    # Plans for which the load gate keeps judging the highest load it met (HeldLoad, see there for why; 1: each
-    # plan at its own load).
-    gate_load_hold_plans: int = 16
+    # Plans, and seconds, for which the load gate keeps judging the highest load it met (HeldLoad, see there for
+    # why; 1 plan: each plan at its own load).
+    gate_load_hold_plans: int = HeldLoad.plans
+    gate_load_hold_seconds: float = HeldLoad.seconds
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 
@@ -137,6 +138,8 @@ class CoreConfig:
             raise ValueError(f"gate min batch must be >= 1, got {self.gate_min_batch}")
         if self.gate_load_hold_plans < 1:
             raise ValueError(f"gate load hold must be >= 1 plan, got {self.gate_load_hold_plans}")
+        if not self.gate_load_hold_seconds >= 0:
+            raise ValueError(f"gate load hold must be >= 0 seconds, got {self.gate_load_hold_seconds}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -200,7 +203,7 @@ class GatewayCore:
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)
-        self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans)
+        self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans, seconds=cfg.gate_load_hold_seconds)
         self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()

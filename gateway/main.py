@@ -17,7 +17,7 @@ from gateway.core import CoreConfig, GatewayCore
 from gateway.discovery import parse_draft_source, wait_for_replicas
 from gateway.draft_pool import feature_layers_match
 from gateway.http_guards import DEFAULT_MAX_BODY_BYTES
-from gateway.policy import PolicyConfig
+from gateway.policy import HeldLoad, PolicyConfig
 from gateway.scheduler import SchedulerConfig
 from tandem import telemetry
 from tandem.tls import add_client_tls_arguments, add_server_tls_arguments, client_tls_from_args, server_tls_from_args
@@ -101,11 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences from which the load gate measures speculation against plain decoding and "
                         "decides between them; below N the cost model's predictions alone decide. Default 2 "
                         "(from 4: measured on the H200, BENCHMARKS.md, \"The gate from two sequences\")")
-    p.add_argument("--gate-load-hold-plans", type=int, default=16, metavar="N",
+    p.add_argument("--gate-load-hold-plans", type=int, default=HeldLoad.plans, metavar="N",
                    help="judge each plan at the most requests the gateway held in the last N plans (made in the "
-                        "last 0.25 s), so that a load that dips for a plan or two (a request ended, its client's "
-                        "next one not yet in) keeps the verdict of the load it held. 1 = each plan at its own "
-                        "load; default 16")
+                        "last --gate-load-hold-seconds), so that a load that dips while requests end and their "
+                        "successors come in keeps the verdict of the load it held. 1 = each plan at its own "
+                        f"load; default {HeldLoad.plans}")
+    p.add_argument("--gate-load-hold-seconds", type=float, default=HeldLoad.seconds, metavar="SECONDS",
+                   help="how long a load that fell keeps the verdict of the load it held, at most (see "
+                        "--gate-load-hold-plans): a wave of 64 requests ending together took 0.4-0.65 s to be "
+                        f"replaced on an H100. Default {HeldLoad.seconds:g}")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -185,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --gate-min-batch must be at least 1")
     if args.gate_load_hold_plans < 1:
         raise SystemExit("error: --gate-load-hold-plans must be at least 1")
+    if not args.gate_load_hold_seconds >= 0:
+        raise SystemExit("error: --gate-load-hold-seconds must be at least 0")
     if args.profile_context < 1:
         raise SystemExit("error: --profile-context must be at least 1 token")
     try:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         profile_context=args.profile_context,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
         gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch,
-        gate_load_hold_plans=args.gate_load_hold_plans)
+        gate_load_hold_plans=args.gate_load_hold_plans, gate_load_hold_seconds=args.gate_load_hold_seconds)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

@@ -874,13 +874,19 @@ class HeldLoad:
     joining prompts' steps. On the H200 scale track at 16 requests (0.8, 2026-12-05) the load dipped below 16
     in 7-10 spells a level, of 1 to 6 plans (8-200 ms) each; the dips' 24-27 steps took 17% of the levels'
     step time, and auto delivered 0.84 of `never` (bench/step_log.py --levels counts such steps). The time
-    bound keeps a load that really fell from waiting out 16 plans of granted steps (8 steps each by default:
-    about 0.6 s at 4.7 ms a step). A load that rises counts at once: the plan that meets it is judged at it.
-    `plans` 1: every plan at its own load.
+    bound keeps a load that really fell from waiting out the plans of granted steps (8 steps each by default).
+    A load that rises counts at once: the plan that meets it is judged at it. `plans` 1: every plan at its own
+    load.
+    Until 2026-12-06 the hold was 16 plans and 0.25 s. On an H100 (scale track, 0.8, 64 requests) a
+    wave of `tandem bench`'s requests ended together and the gateway took their successors in over 0.4-0.65 s
+    (one or two joined a plan, each plan about 10 ms): 16 plans later the load read 8-31, whose verdict was trees,
+    and trees were drafted on the joining prompts' steps from 0.26 s to 0.65 s after the last full step (3-12
+    such steps a level at 35-70 ms, 3-10% of its step time, where `never` at 64 requests beat `always` by 1.4x).
+    A load that really falls keeps the heavier load's verdict that much longer: under a second of it.
     """
 
-    plans: int = 16
-    seconds: float = 0.25
+    plans: int = 64
+    seconds: float = 0.75
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (when, load) of the last plans
 
     def __post_init__(self) -> None:

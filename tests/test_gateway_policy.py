@@ -1230,7 +1230,11 @@ def test_a_held_load_counts_a_rise_at_once_and_a_fall_only_once_it_has_lasted_th
     assert held.hold(32, now=0.2) == 32  # a rise counts at the plan that meets it
     alone = HeldLoad(plans=1)
     assert [alone.hold(load, now=0.0) for load in (16, 15, 16)] == [16, 15, 16]
-    # Nor longer than `seconds`: plans of long grants do not keep a load that fell for 16 of them.
+    # Nor longer than `seconds`: plans of long grants do not keep a load that fell for 16 of them. By default a
+    # wave of requests replaced one or two a plan of 10 ms, over 0.6 s, keeps the load it held.
+    wave = HeldLoad()
+    assert [wave.hold(load, now=0.01 * i) for i, load in enumerate([64] + list(range(4, 64)))] == [64] * 61
+    assert [wave.hold(8, now=t) for t in (1.4, 1.41)] == [63, 8]  # the plan before, then 0.75 s after it
     slow = HeldLoad(plans=16, seconds=0.25)
     assert [slow.hold(load, now=t) for load, t in ((64, 0.0), (1, 0.1), (1, 0.2), (1, 0.3))] == [64, 64, 64, 1]
     # ... but the plan before always counts: it may have been a grant longer than that.
@@ -1241,18 +1245,24 @@ def test_a_held_load_counts_a_rise_at_once_and_a_fall_only_once_it_has_lasted_th
         HeldLoad(seconds=-1.0)
 
 
-def test_the_gate_load_hold_flag_reaches_the_core_and_a_bad_value_is_refused():
-    """--gate-load-hold-plans sets HeldLoad's plans (default 16, as CoreConfig's and HeldLoad's)."""
+def test_the_gate_load_hold_flags_reach_the_core_and_a_bad_value_is_refused():
+    """--gate-load-hold-plans and --gate-load-hold-seconds set HeldLoad's plans and seconds (defaults 64 and
+    0.75, as CoreConfig's and HeldLoad's)."""
     from gateway.core import CoreConfig
     from gateway.main import build_parser
 
     parser = build_parser()
-    assert parser.parse_args(["--target", "t:1"]).gate_load_hold_plans == 16 == CoreConfig().gate_load_hold_plans
-    assert HeldLoad().plans == 16
-    assert parser.parse_args(["--target", "t:1", "--gate-load-hold-plans", "1"]).gate_load_hold_plans == 1
-    assert "--gate-load-hold-plans N" in " ".join(parser.format_help().split())
+    defaults = parser.parse_args(["--target", "t:1"])
+    assert defaults.gate_load_hold_plans == 64 == CoreConfig().gate_load_hold_plans == HeldLoad().plans
+    assert defaults.gate_load_hold_seconds == 0.75 == CoreConfig().gate_load_hold_seconds == HeldLoad().seconds
+    given = parser.parse_args(["--target", "t:1", "--gate-load-hold-plans", "1", "--gate-load-hold-seconds", "0.1"])
+    assert (given.gate_load_hold_plans, given.gate_load_hold_seconds) == (1, 0.1)
+    help_text = " ".join(parser.format_help().split())
+    assert "--gate-load-hold-plans N" in help_text and "--gate-load-hold-seconds SECONDS" in help_text
     with pytest.raises(ValueError, match="gate load hold"):
         CoreConfig(gate_load_hold_plans=0)
+    with pytest.raises(ValueError, match="gate load hold"):
+        CoreConfig(gate_load_hold_seconds=-0.5)
 
 
 def test_a_verdict_says_when_the_losing_arm_is_measured_again_and_what_the_last_probe_lost():
