@@ -17,9 +17,10 @@ time went: decode steps with trees, plain decode steps that fed no draft, plain 
 steps that carried prompt chunks; and its tok/s over all steps against over its decode steps alone (the gap is what
 the load gate must charge an arm beyond its decode steps); then, where the lines carry them, the mean phases
 of each level's tree steps, its tree rounds right after a step with a prompt chunk (where the draft takes the
-joining prompt in) beside its other tree rounds, and the steps whose plans the load gate judged at a lighter load
+joining prompt in) beside its other tree rounds, the steps whose plans the load gate judged at a lighter load
 than the level's (between a request's end and its client's next request; where that load's verdict differs, they
-wake or put to sleep the level's requests).
+wake or put to sleep the level's requests), and its tree steps that carried a joining prompt's chunk, under a
+probe of trees and under a verdict (steps the gate does not record: what trees cost on the joins).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def phase_means(logged: list[list[float]]) -> str:
     """The mean of each phase over these steps, as columns under PHASE_HEAD ("" for no step)."""
     return " ".join(f"{sum(column) / len(logged):>8.2f}" for column in zip(*logged)) if logged else ""
 PLAN = re.compile(r"gateway DEBUG step (\d+): \d+ items, \d+ tokens, trees \[([^\]]*)\]")
-GATE = re.compile(r"gateway DEBUG step \d+: .*, gate (\d+)-(\d+) sequences")  # the load the plan was judged at
+GATE = re.compile(r"gateway DEBUG step \d+: .*, gate (\d+)-(\d+) sequences(.*)")  # the load the plan was judged at
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")  # the logging module's asctime
 STEP_KINDS = ("trees", "plain", "fed", "prompt")
 
@@ -151,18 +152,19 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
         except (OSError, ValueError, KeyError) as e:
             print(f"cannot read the levels of {path}: {e}", file=sys.stderr)
             return 1
-    # (epoch seconds, kind, committed, ms, the step's phases in ms or None, the top of the gate's bucket at its plan)
+    # (epoch seconds, kind, committed, ms, the step's phases in ms or None, the top of the gate's bucket at its plan,
+    # whether it drafted trees, whether its plan's gate line said a probe of trees was under way)
     steps = []
-    judged_at = 0  # the top of the bucket the last plan's gate line named (0: none yet)
+    judged_at, probing = 0, False  # as the last plan's gate line said (0: none yet)
     for line in text.splitlines():
         stamp, step, gate = STAMP.match(line), STEP.search(line), GATE.search(line)
         if gate:
-            judged_at = int(gate.group(2))
+            judged_at, probing = int(gate.group(2)), "probing trees" in gate.group(3)
         if stamp and step:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             row = step.groups()
             steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), parse_phases(row[10]),
-                          judged_at))
+                          judged_at, row[3] != "0", probing))
     levels = sorted((r for r in results if r.get("started_at") is not None and r.get("ended_at") is not None),
                     key=lambda r: r["started_at"])
     if not levels:
@@ -184,7 +186,35 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
     print_level_phases(levels, steps)
     print_rounds_after_prompts(levels, steps)
     print_load_dips(levels, steps)
+    print_trees_on_joins(levels, steps)
     return 0
+
+
+def print_trees_on_joins(levels: list[dict], steps: list[tuple]) -> None:
+    """Per `auto` level, its tree steps that carried a joining prompt's chunk: under a probe of trees (a first
+    probe runs on them; a re-probe waits for a step that only decodes) and under a verdict for trees (a load
+    that dipped as a wave of requests was replaced): how many, their ms and share of the level's step ms. The
+    gate records none of them, so what they cost beyond plain steps is only seen here. (Other modes' plans log
+    the gate's state too, but it does not choose their trees.)"""
+    rows = []
+    for level in (level for level in levels if level["mode"] == "auto"):
+        inside = [s for s in steps if level["started_at"] <= s[0] <= level["ended_at"]]
+        total_ms = sum(s[3] for s in inside)
+        joins = [s for s in inside if s[1] == "prompt" and s[6]]
+        if not joins or not total_ms:
+            continue
+        cells = []
+        for under_probe in (True, False):
+            group = [s for s in joins if s[7] == under_probe]
+            ms = sum(s[3] for s in group)
+            cells.append(f"{len(group):>6} {ms:>8.1f} {100 * ms / total_ms:>6.1f}")
+        rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {'  '.join(cells)}")
+    if rows:
+        group_head = f"{'ms':>8} {'ms %':>6}"
+        print("\nauto's tree steps that carried a joining prompt's chunk, under a probe of trees and under a verdict: "
+              f"steps, ms, % of the level's step ms\n{'mode':<7} {'conc':>5} {'round':>5} {'probe':>6} {group_head}  "
+              f"{'verdict':>6} {group_head}")
+        print("\n".join(rows))
 
 
 def print_load_dips(levels: list[dict], steps: list[tuple]) -> None:

@@ -1108,11 +1108,11 @@ class LoadGate:
         (the step decodes plainly, as the standing verdict says): a step that carries a joining prompt's chunk
         is not recorded (see record), so trees drafted on it are paid for and measure nothing, and the probe
         runs on until enough steps that only decode come. On an H100 (scale track, 0.8, 2026-12-06) re-probes
-        at 32-63 sequences fell due as a wave of `tandem bench`'s requests ended and the next joined: one ran
-        16 tree steps at 27-46 ms carrying the joining prompts (plain steps took 10-14 ms) before its one
-        recorded step, and auto read 0.91 of `never` in that round of 32 requests; another drafted trees on
-        the joins at 36 and 50 sequences at 64 requests (0.84 of `never`). A first probe still runs on such
-        steps: a load is first met while its requests join."""
+        at 32-63 sequences fell due as a wave of `tandem bench`'s requests ended and the next joined: one drafted
+        trees on 9 steps that carried the joining prompts (379 ms, 9% of the level's step time; plain steps
+        with joins took 10-14 ms) before its one recorded step, and auto read 0.91 of `never` in that round of
+        32 requests; another, at 64 requests, on 6 such steps (496 ms, 9%; 0.84 of `never`). A first probe
+        still runs on such steps: a load is first met while its requests join."""
         return probe.spec and not (probe.reprobe and prompts_join)
 
     def would_allow_spec(self, seqs: int) -> bool:

@@ -169,3 +169,30 @@ def test_levels_table_counts_the_steps_judged_at_a_lighter_load_than_the_levels_
     ], [{"mode": "auto", "concurrency": 4, "round": 1, "started_at": START, "ended_at": START + 1}])
     assert table[1].split() == ["mode", "conc", "round", "spells", "steps", "ms", "%", "trees", "or", "fed"]
     assert table[2].split() == ["auto", "4", "1", "2", "3", "57.1", "2"]
+
+
+def test_levels_table_ends_with_autos_tree_steps_on_joining_prompts_under_a_probe_and_under_a_verdict(tmp_path):
+    """The gate records no step that carries a joining prompt's chunk: --levels counts, per `auto` level, the tree
+    steps that did, split by whether their plan's gate line said a probe of trees was under way, with their ms
+    and share of the level's step ms. Other modes log the gate's state but are not chosen by it: no row."""
+
+    def planned(at: float, probing: bool) -> str:
+        return (f"{stamped(at)} gateway DEBUG step 1: 4 items, 9 tokens, trees [], gate 4-7 sequences: trees 10.0 "
+                f"tok/s (3 steps), plain 9.0 tok/s (3 steps){', probing trees (8 left)' if probing else ''}")
+
+    def line(at: float, trees: int, decode: bool, ms: float) -> str:
+        return (f"{stamped(at)} gateway DEBUG step 1 done: 4 seqs, {trees} trees, granted 0, fed draft True, "
+                f"decode {decode}, 4 committed, {ms:.2f} ms, quiet 0")
+
+    steps = [
+        planned(0.05, True), line(0.1, 4, False, 30.0),  # a probe's tree step on a join
+        planned(0.15, True), line(0.2, 4, True, 20.0),  # the probe on a step that only decodes: not counted
+        planned(0.25, False), line(0.3, 3, False, 25.0),  # the verdict's trees on a join
+        planned(0.35, False), line(0.4, 0, False, 25.0),  # plain on a join: not counted
+    ]
+    table = levels_table(tmp_path, steps + [line(1.5, 4, False, 30.0)], [
+        {"mode": "auto", "concurrency": 4, "round": 1, "started_at": START, "ended_at": START + 1},
+        {"mode": "always", "concurrency": 4, "round": 1, "started_at": START + 1, "ended_at": START + 2}])
+    assert table[1].split() == ["mode", "conc", "round", "probe", "ms", "ms", "%", "verdict", "ms", "ms", "%"]
+    assert table[2].split() == ["auto", "4", "1", "1", "30.0", "30.0", "1", "25.0", "25.0"]
+    assert len(table) == 3
