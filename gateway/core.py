@@ -1231,6 +1231,9 @@ class GatewayCore:
         if decode:
             self.metrics.record_decode_step(bucket_range(batch_bucket(seqs)), bool(outcome.trees), committed, seconds)
         self._charge_prompts(plan, outcome, seconds, committed)
+        if not decode and any(self._mode(it.request) == SpecMode.AUTO for it in outcome.items
+                              if it.request.request_id in outcome.trees):
+            self.gate.drafted_on_joins(plan.load)  # a probe's tree step the gate cannot record (LoadGate._answer)
         if decode and outcome.fed_draft and not outcome.trees and not plan.draft_captured:
             if outcome.granted:
                 self._add_grant_cost(outcome, seqs, seconds)

@@ -916,6 +916,7 @@ class Probe(NamedTuple):
     committed: float = 0.0
     seconds: float = 0.0
     lengthened: bool = False
+    joins: int = 0  # tree steps it drafted that carried a joining prompt's chunk (never recorded: LoadGate._answer)
 
 
 @dataclass
@@ -1102,8 +1103,7 @@ class LoadGate:
             return self._answer(self._probing[b], prompts_join)
         return spec_wins
 
-    @staticmethod
-    def _answer(probe: Probe, prompts_join: bool) -> bool:
+    def _answer(self, probe: Probe, prompts_join: bool) -> bool:
         """The arm a step takes while this probe runs. A re-probe of trees waits for a step that only decodes
         (the step decodes plainly, as the standing verdict says): a step that carries a joining prompt's chunk
         is not recorded (see record), so trees drafted on it are paid for and measure nothing, and the probe
@@ -1111,9 +1111,23 @@ class LoadGate:
         at 32-63 sequences fell due as a wave of `tandem bench`'s requests ended and the next joined: one drafted
         trees on 9 steps that carried the joining prompts (379 ms, 9% of the level's step time; plain steps
         with joins took 10-14 ms) before its one recorded step, and auto read 0.91 of `never` in that round of
-        32 requests; another, at 64 requests, on 6 such steps (496 ms, 9%; 0.84 of `never`). A first probe
-        still runs on such steps: a load is first met while its requests join."""
-        return probe.spec and not (probe.reprobe and prompts_join)
+        32 requests; another, at 64 requests, on 6 such steps (496 ms, 9%; 0.84 of `never`).
+        A first probe still drafts on such steps, `probe_steps` of them at most (drafted_on_joins counts them), and
+        then waits too: a load is first met while its requests join, and the drafts take the prompts in on those
+        steps, but where every step carries a join (short outputs behind long prompts) a first probe would record
+        nothing and draft trees on every step at that load, however much they lose. On an H100 `tandem bench`'s
+        warm-up (16-token requests behind 1024-token prompts) had a first probe of trees at 32-63 sequences draft
+        on 42 such steps (1.6 s) before its recorded ones (scale track, 0.8, 2026-12-06)."""
+        if not (probe.spec and prompts_join):
+            return probe.spec
+        return not probe.reprobe and probe.joins < self.probe_steps
+
+    def drafted_on_joins(self, seqs: int) -> None:
+        """A step at this load drafted trees and carried a joining prompt's chunk (see _answer): call after it ran."""
+        b = batch_bucket(seqs)
+        probe = self._probing.get(b)
+        if seqs >= self.min_batch and probe is not None and probe.spec:
+            self._probing[b] = probe._replace(joins=probe.joins + 1)
 
     def would_allow_spec(self, seqs: int) -> bool:
         """allow_spec's standing answer at this load, without starting or dropping a probe: for a

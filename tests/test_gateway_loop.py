@@ -1786,3 +1786,41 @@ def test_a_load_counts_the_plans_made_at_it_and_a_new_load_counts_from_one(token
     core._take_inbox()
     core._schedule()
     assert core._dormancy is not lone and core._dormancy.held_steps == 1
+
+
+def test_the_core_tells_the_gate_which_steps_carry_a_joining_prompt_and_a_re_probe_of_trees_waits_for_one_that_does_not(
+        tokenizer):
+    """Issue 14: the gate records no step that carries a joining prompt's chunk, so it must know which steps do: a
+    re-probe of trees waits for a step that only decodes, and a first probe drafts on at most `probe_steps` such
+    steps (LoadGate._answer). The core says so at each plan it asks the gate about (prompts_join)."""
+    from gateway.policy import Probe
+
+    core, target, _ = new_core(tokenizer, mode="auto")
+    asked = []
+    allow_spec = core.gate.allow_spec
+
+    def spy_allow(seqs, model_prefers_spec=None, prompts_join=False):
+        answer = allow_spec(seqs, model_prefers_spec, prompts_join=prompts_join)
+        asked.append((prompts_join, answer))
+        return answer
+
+    core.gate.allow_spec = spy_allow
+    for i in range(4):
+        submit(core, f"r{i}", [40 + i, 2, 3], max_tokens=40)
+    core._take_inbox()
+    for _ in range(6):  # the four take their prompts in and draft their first probe's trees
+        core._step()
+        core._take_inbox()
+        time.sleep(0.002)
+    assert len(core.running) == 4 and all(req.output for req in core.running)
+    assert asked and not any(join for join, _ in asked)  # prompts alone ask would_allow_spec; then decodes only
+    b = batch_bucket(4)  # 4-7 sequences: the four, and the fifth that joins
+    core.gate._probing[b] = Probe(spec=True, steps_left=8, reprobe=True)  # a re-probe of trees falls due ...
+    submit(core, "r4", [60, 2, 3], max_tokens=8)  # ... as a request joins
+    core._take_inbox()
+    before, asked[:] = len(target.steps), []
+    core._step()
+    assert any(it.request_id == "r4" for it in target.steps[before])
+    assert asked == [(True, False)]  # the join's step: plain, the re-probe waiting
+    core._step()
+    assert asked[-1] == (False, True)  # the next step only decodes: the re-probe's trees

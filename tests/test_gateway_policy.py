@@ -730,6 +730,23 @@ def test_a_re_probe_of_trees_waits_for_a_step_that_only_decodes():
     assert seen[:3] == [True] * 3 and not any(seen[3:])  # the re-probe: 2 warm-up steps, 1 recorded
 
 
+def test_a_first_probe_of_trees_drafts_on_joining_prompts_for_its_steps_at_most_then_waits():
+    """A load is first met while its requests join, so a first probe of trees drafts on such steps; but none of
+    them is recorded, and where every step carries a join a probe would draft trees at that load for ever. After
+    `probe_steps` such tree steps it waits, as a re-probe does, for a step that only decodes."""
+    gate = LoadGate()
+    seen = []
+    for _ in range(20):  # every step carries a joining prompt's chunk
+        spec = gate.allow_spec(32, lambda: True, prompts_join=True)
+        seen.append(spec)
+        if spec:
+            gate.drafted_on_joins(32)
+    assert seen == [True] * 8 + [False] * 12
+    assert not gate.would_allow_spec(32)  # nor fed on a step of prompts alone
+    assert gate.allow_spec(32) and gate.probing_spec(32)  # a step that only decodes: the probe runs
+    assert LoadGate().allow_spec(32, lambda: True, prompts_join=True)  # the count is per probe: a new gate drafts
+
+
 def test_a_re_probe_of_plain_decoding_is_charged_the_drafts_catch_up_that_follows_it():
     """H200 scale track (0.8, 8 requests, 2026-12-04): trees won at 8-15 sequences (29 tokens in 16 ms
     against 8 in 5.3), and every 48 tree steps a re-probe of plain decoding ran granted steps that fed no
