@@ -880,8 +880,8 @@ class HeldLoad:
     Until 2026-12-06 the hold was 16 plans and 0.25 s. On an H100 (scale track, 0.8, 64 requests) a
     wave of `tandem bench`'s requests ended together and the gateway took their successors in over 0.4-0.65 s
     (one or two joined a plan, each plan about 10 ms): 16 plans later the load read 8-31, whose verdict was trees,
-    and trees were drafted on the joining prompts' steps from 0.26 s to 0.65 s after the last full step (3-12
-    such steps a level at 35-70 ms, 3-10% of its step time, where `never` at 64 requests beat `always` by 1.4x).
+    and trees were drafted on the joining prompts' steps from 0.26 s to 0.65 s after the last full step (2-12
+    such steps a level at 35-70 ms, 2.5-7% of its step time, where `never` at 64 requests beat `always` by 1.4x).
     A load that really falls keeps the heavier load's verdict that much longer: under a second of it.
     """
 
