@@ -23,6 +23,11 @@ and for plain decoding, the same as delivered (with what the load gate charges
 each arm for joining prompts at that load), and what the load gate measured
 each arm's steps deliver, read from the gateway's /metrics before and after the
 level.
+
+The streams are read by tandem.sse_client, a connection per request, so that
+the client is not what limits a level (see there: httpx's streaming took three
+times its CPU a chunk, and at 64 streams held the level to two thirds of what
+the server delivered).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.sse_client import HTTPStatusError, post_events
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "demo" / "heldout_prompts.jsonl"
@@ -97,27 +104,31 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, mode: str, max_tokens: int) -> RequestResult:
+async def one_request(url: str, prompt: str, mode: str, max_tokens: int) -> RequestResult:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "speculation": mode, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, last, gaps, usage, spec = None, None, [], {}, {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            if chunk.get("choices"):
-                if first is None:
-                    first = now
-                elif last is not None:
-                    gaps.append(now - last)
-                last = now
-            if chunk.get("usage"):
-                usage, spec = chunk["usage"], chunk.get("spec_stats") or {}
+
+    def on_data(data: bytes) -> None:
+        nonlocal first, last, usage, spec
+        if data == b"[DONE]":
+            return
+        chunk = json.loads(data)
+        now = time.perf_counter()
+        if chunk.get("choices"):
+            if first is None:
+                first = now
+            elif last is not None:
+                gaps.append(now - last)
+            last = now
+        if chunk.get("usage"):
+            usage, spec = chunk["usage"], chunk.get("spec_stats") or {}
+
+    try:
+        await post_events(url, "/v1/completions", body, on_data)
+    except HTTPStatusError as e:
+        raise RuntimeError(str(e)) from None
     end = time.perf_counter()
     return RequestResult(end - t0, (first or end) - t0, gaps, usage.get("completion_tokens", 0),
                          spec.get("accepted_tokens", 0), spec.get("verify_steps", 0))
@@ -185,14 +196,13 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
     queue = list(range(requests))
     results: list[RequestResult] = []
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker() -> None:
         while queue:
             i = queue.pop()
-            results.append(await one_request(client, url, prompts[i % len(prompts)], mode, max_tokens))
+            results.append(await one_request(url, prompts[i % len(prompts)], mode, max_tokens))
 
     started_at, t0 = time.time(), time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall, ended_at = time.perf_counter() - t0, time.time()
     tokens = sum(r.tokens for r in results)
     verify = sum(r.verify_steps for r in results)
