@@ -26,8 +26,8 @@ level.
 
 The streams are read by tandem.sse_client, a connection per request, so that
 the client is not what limits a level (see there: httpx's streaming took three
-times its CPU a chunk, and at 64 streams held the level to two thirds of what
-the server delivered).
+times its CPU a chunk, and at 64 streams held the level to 56-66% of the
+chunks the server would stream).
 """
 
 from __future__ import annotations
