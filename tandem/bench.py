@@ -25,8 +25,8 @@ each arm's steps deliver, read from the gateway's /metrics before and after the
 level.
 
 The streams are read by tandem.sse_client, a connection per request, so that
-the client is not what limits a level (see there: httpx's streaming took three
-times its CPU a chunk, and at 64 streams held the level to 56-66% of the
+the client is not what limits a level (see there: httpx's streaming took 2.5-3
+times its CPU a chunk, and at 64 streams held the level to 62-63% of the
 chunks the server would stream).
 """
 

@@ -1,12 +1,13 @@
 """A lean client for one streamed HTTP/1.1 POST: its server-sent events' data, as `tandem bench` reads them.
 
 `tandem bench` measures the server, so its client must not be what limits a level. With httpx's streaming (its
-HTTP parser, its async machinery, a line iterator) the client took 140-167 us of CPU per streamed chunk on the dev
+HTTP parser, its async machinery, a line iterator) the client took 134-139 us of CPU per streamed chunk on the dev
 machine: against the test suite's fake REST server, 64 streams of a token every 7 ms (`never` at 64 requests on an
-H100) came to 5,098-6,020 chunks a second of 9,143, at 85% of a core, with a first token at 78-155 ms (p50); this
-client took 53 us a chunk and 7,698-7,704 a second, first tokens at 46-52 ms (BENCHMARKS.md, "The bench's own
-client"). Here each request is one connection (`Connection: close`): the status line and headers, then the body as
-the server frames it (chunked, a length, or to the close), cut into `data:` lines.
+H100) came to 5,683-5,783 chunks a second of 9,143, at 77-79% of a core, first tokens at 70-95 ms (p50); this
+client took 45-58 us a chunk and delivered 7,610-7,808 a second, first tokens at 36-62 ms (`bench/bench_client.py`;
+BENCHMARKS.md, "The bench's own client"). Here each request is one connection (`Connection: close`): the status
+line and headers, then the body as the server frames it (chunked, a length, or to the close), cut into `data:`
+lines.
 """
 
 from __future__ import annotations
