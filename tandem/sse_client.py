@@ -7,7 +7,8 @@ H100) came to 5,683-5,783 chunks a second of 9,143, at 77-79% of a core, first t
 client took 45-58 us a chunk and delivered 7,610-7,808 a second, first tokens at 36-62 ms (`bench/bench_client.py`;
 BENCHMARKS.md, "The bench's own client"). Here each request is one connection (`Connection: close`): the status
 line and headers, then the body as the server frames it (chunked, a length, or to the close), cut into `data:`
-lines.
+lines. A request's time to first token therefore includes its connection's setup: on one host a fraction of a
+millisecond; across a network a round trip, and with https the TLS handshake's too.
 """
 
 from __future__ import annotations
