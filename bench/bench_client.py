@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import subprocess
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))  # after PYTHONPATH: another checkout's client wins
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,19 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from tandem.bench import run_level
 
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(REPO / "bench" / "rest_stream.py"), "--serve", str(port),
-                               "--token-delay", str(args.token_delay)])
+    # This checkout's server, whichever checkout's client PYTHONPATH names.
+    spec = importlib.util.spec_from_file_location("rest_stream", REPO / "bench" / "rest_stream.py")
+    rest_stream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rest_stream)
+    start_server = rest_stream.start_server
+
+    server, port = start_server(args.token_delay)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start") from None
-                time.sleep(0.2)
         url = f"http://127.0.0.1:{port}"
         asyncio.run(run_level(url, ["hi"], "never", 4, 8, 16))  # warm-up
         for streams in (int(x) for x in args.streams.split(",")):

@@ -77,6 +77,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(token_delay: float, timeout: float = 120.0) -> tuple[subprocess.Popen, int]:
+    """This file's server in a process of its own, once it accepts connections: (the process, its port).
+    The caller terminates it."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--token-delay", str(token_delay)])
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, port
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise SystemExit("the server did not start") from None
+            time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,16,64", help="concurrent streams per level")
@@ -87,19 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(args.serve, args.token_delay)
         return 0
-    port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--token-delay",
-                               str(args.token_delay)])
+    server, port = start_server(args.token_delay)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start") from None
-                time.sleep(0.2)
         asyncio.run(run_level(port, 2, 20))  # warm-up
         for streams in (int(x) for x in args.streams.split(",")):
             cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()

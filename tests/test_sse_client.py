@@ -4,10 +4,9 @@ bodies each way HTTP/1.1 allows, and against the OpenAI-compatible app over the 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -112,20 +111,11 @@ def test_a_refused_connection_and_a_non_http_url_raise_clear_errors():
 def test_a_completion_streamed_by_the_openai_app_reads_as_its_chunks_and_done():
     """The OpenAI-compatible app over the test suite's fake engine, under uvicorn (bench/rest_stream.py's server):
     the text chunks, the usage chunk and [DONE], as `tandem bench` reads them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(REPO / "bench" / "rest_stream.py"), "--serve", str(port),
-                               "--token-delay", "0.001"], cwd=REPO)
+    spec = importlib.util.spec_from_file_location("rest_stream", REPO / "bench" / "rest_stream.py")
+    rest_stream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rest_stream)
+    server, port = rest_stream.start_server(token_delay=0.001, timeout=60)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
         got: list[bytes] = []
         body = {"model": "tiny-fake", "prompt": "hi", "max_tokens": 12, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
