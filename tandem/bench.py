@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -151,6 +152,24 @@ def level_requests(concurrency: int, per_slot: int, per_level: int = 0, minimum:
     return per_level or max(minimum, per_slot * concurrency)
 
 
+def request_lengths(requests: int, max_tokens: int, spread: float, seed: int) -> list[int]:
+    """Each request's output tokens in a level: `max_tokens` for all where `spread` is 0, else drawn uniformly from
+    (1 - spread) to (1 + spread) times `max_tokens` (at least 1), from `seed`: the same lengths for every mode and
+    round of a level, so that the modes still do the same work.
+
+    Why a spread: with every request the same length, a level's requests under `never` start and end together
+    and the next ones' prompts go in a few steps of many prompts, while trees advance each request by what it
+    accepts, so their requests end apart and the prompts join one or two a step beside trees. On an H100 (scale
+    track, acceptance 0.8, 32 requests, 2026-12-06) prompt steps took 8% of `never`'s step time and 39% of
+    `always`'s; in a probe of trees `auto`'s requests fell out of step too, and its plain steps then took the
+    prompts one at a time (14.8% of its step time). Served traffic is not in step: a spread measures the modes
+    the way they would meet it."""
+    if spread <= 0:
+        return [max_tokens] * requests
+    draw = random.Random(seed)
+    return [max(1, round(max_tokens * (1 + spread * (2 * draw.random() - 1)))) for _ in range(requests)]
+
+
 def level_schedule(levels: list[int], modes: list[str], rounds: int) -> list[tuple[int, int, str]]:
     """(concurrency, round, mode) of the counted levels, in the order they run: at each concurrency the
     modes take turns, round after round, so that drift in the server lands on every mode alike."""
@@ -189,14 +208,17 @@ def auto_over_best(tok_s: dict[tuple[str, int], float], concurrencies: list[int]
 
 
 async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, requests: int,
-                    max_tokens: int) -> LevelResult:
+                    max_tokens: int, spread: float = 0.0) -> LevelResult:
+    """One level: `requests` streams, `concurrency` at a time; spread: see request_lengths (seeded by the level's
+    concurrency and size)."""
+    lengths = request_lengths(requests, max_tokens, spread, seed=concurrency * 100_003 + requests)
     queue = list(range(requests))
     results: list[RequestResult] = []
 
     async def worker() -> None:
         while queue:
             i = queue.pop()
-            results.append(await one_request(url, prompts[i % len(prompts)], mode, max_tokens))
+            results.append(await one_request(url, prompts[i % len(prompts)], mode, lengths[i]))
 
     started_at, t0 = time.time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -544,6 +566,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels (default 1,2,4,8,16)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated (default never,always,auto)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    p.add_argument("--length-spread", type=float, default=0.0, metavar="F",
+                   help="draw each request's output tokens uniformly from (1 - F) to (1 + F) times --max-tokens, "
+                   "the same lengths for every mode and round (default 0: every request --max-tokens). With one "
+                   "length, `never`'s requests end together and the next prompts go in a few batched steps, while "
+                   "trees end theirs apart; served traffic is not in step (on an H100 at 32 requests, prompt steps "
+                   "took 8%% of `never`'s step time and 39%% of `always`'s)")
     p.add_argument("--requests-per-level", type=int, default=0,
                    help="requests per level (default: --requests-per-slot x concurrency, at least "
                    "--min-requests-per-level)")
@@ -584,10 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --concurrency takes comma-separated integers") from None
     if (not levels or min(levels) < 1 or any(m not in MODES for m in modes) or args.max_tokens < 1
             or args.warmup < 0 or args.requests_per_slot < 1 or args.requests_per_level < 0 or args.rounds < 1
-            or args.min_requests_per_level < 1):
+            or args.min_requests_per_level < 1 or not 0.0 <= args.length_spread < 1.0):
         raise SystemExit("error: --concurrency needs positive integers, --modes a subset of never,always,auto, "
                          "--max-tokens a positive integer, --warmup 0 or more, --requests-per-slot at least 1, "
-                         "--min-requests-per-level at least 1, --rounds at least 1")
+                         "--min-requests-per-level at least 1, --rounds at least 1, --length-spread from 0 to "
+                         "below 1")
     if args.url and (args.target_args or args.draft_args or args.model or args.draft):
         raise SystemExit("error: --model, --draft, --target-args and --draft-args configure the stack bench "
                          "starts; with --url, configure the running stack instead")
@@ -603,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"url": args.url or "started tandem serve", "served_model": served_model(url),
                 "model": args.model or ("demo/target" if started else None),
                 "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
-                "warmup": args.warmup, "rounds": args.rounds, "requests_per_slot": args.requests_per_slot,
+                "length_spread": args.length_spread, "warmup": args.warmup, "rounds": args.rounds,
+                "requests_per_slot": args.requests_per_slot,
                 "requests_per_level": args.requests_per_level or None,
                 "min_requests_per_level": args.min_requests_per_level, "date": time.strftime("%Y-%m-%d"),
                 "track": ("demo" if not args.model else "custom") if started else None,
@@ -614,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
                 n = level_requests(conc, args.requests_per_slot, args.requests_per_level, args.min_requests_per_level)
                 bar.set_postfix(mode=mode, concurrency=conc, round=round_number)
                 before = read_level_sums(url, level_bucket(conc))
-                rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens)))
+                rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens,
+                                                  args.length_spread)))
                 after = read_level_sums(url, level_bucket(conc))
                 rows[-1].round = round_number
                 rows[-1].decode_steps_tok_s = level_decode_steps(before, after)

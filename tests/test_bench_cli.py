@@ -267,7 +267,7 @@ def test_a_sweep_cut_short_keeps_every_level_it_finished_on_disk(tmp_path, monke
 
     finished: list[tuple[str, int]] = []
 
-    async def run_level(url, prompts, mode, concurrency, requests, max_tokens):
+    async def run_level(url, prompts, mode, concurrency, requests, max_tokens, spread=0.0):
         if len(finished) == 3:
             raise KeyboardInterrupt  # the deadline, mid-level
         finished.append((mode, concurrency))
@@ -286,3 +286,45 @@ def test_a_sweep_cut_short_keeps_every_level_it_finished_on_disk(tmp_path, monke
     assert data["meta"]["complete"] is False and data["meta"]["served_model"] == "demo"
     assert [(r["mode"], r["concurrency"]) for r in data["results"]] == finished == [
         ("never", 1), ("auto", 1), ("never", 2)]
+
+
+def test_a_length_spread_draws_the_same_lengths_for_every_mode_around_max_tokens():
+    from tandem.bench import request_lengths
+
+    assert request_lengths(5, 128, 0.0, seed=1) == [128] * 5
+    lengths = request_lengths(400, 128, 0.5, seed=7)
+    assert lengths == request_lengths(400, 128, 0.5, seed=7)  # every mode and round of a level alike
+    assert lengths != request_lengths(400, 128, 0.5, seed=8)
+    assert min(lengths) >= 64 and max(lengths) <= 192 and len(set(lengths)) > 50
+    assert abs(sum(lengths) / len(lengths) - 128) < 8
+    assert min(request_lengths(50, 2, 0.9, seed=3)) >= 1
+
+
+def test_each_mode_of_a_level_asks_for_the_same_spread_lengths(monkeypatch):
+    """The requests of one level end apart, as served traffic does, yet every mode does the same work."""
+    import asyncio
+
+    from tandem import bench
+
+    asked: dict[str, list[int]] = {}
+
+    async def one_request(url, prompt, mode, max_tokens):
+        asked.setdefault(mode, []).append(max_tokens)
+        return bench.RequestResult(seconds=0.01, ttft=0.001, gaps=[0.001], tokens=max_tokens, accepted=0,
+                                   verify_steps=0)
+
+    monkeypatch.setattr(bench, "one_request", one_request)
+    for mode in ("never", "always"):
+        asyncio.run(bench.run_level("http://x", ["a", "b"], mode, 4, 16, 100, spread=0.5))
+    level_seed = 4 * 100_003 + 16  # run_level's: the level's concurrency and size
+    assert sorted(asked["never"]) == sorted(asked["always"]) == sorted(bench.request_lengths(16, 100, 0.5, level_seed))
+    assert len(set(asked["never"])) > 1
+
+
+@pytest.mark.parametrize("spread", ["1", "-0.1", "nan"])
+def test_bench_refuses_a_length_spread_outside_zero_to_one_before_starting_anything(spread):
+    from tandem.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--length-spread", spread])
+    assert str(exc.value).startswith("error: ") and "--length-spread from 0 to below 1" in str(exc.value)
