@@ -96,6 +96,9 @@ class LevelResult:
     # window of the gateway's step log that is this level's (bench/step_log.py --levels).
     started_at: float | None = None
     ended_at: float | None = None
+    # --steady: tokens a second over the level's first span, while every client still had a request in flight (from
+    # the level's start to the first client that found no request left to send); None without --steady.
+    steady_tok_s: float | None = None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -105,9 +108,13 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def one_request(url: str, prompt: str, mode: str, max_tokens: int) -> RequestResult:
+async def one_request(url: str, prompt: str, mode: str, max_tokens: int,
+                      progress: list[tuple[float, int]] | None = None) -> RequestResult:
+    """One streamed completion. progress: where given, the server is asked for its usage on every chunk and each
+    chunk's (perf_counter time, completion tokens so far) is appended to it as it arrives."""
+    options = {"include_usage": True, "continuous_usage_stats": progress is not None}
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "speculation": mode, "stream_options": {"include_usage": True}}
+            "speculation": mode, "stream_options": options}
     t0 = time.perf_counter()
     first, last, gaps, usage, spec = None, None, [], {}, {}
 
@@ -125,6 +132,8 @@ async def one_request(url: str, prompt: str, mode: str, max_tokens: int) -> Requ
             last = now
         if chunk.get("usage"):
             usage, spec = chunk["usage"], chunk.get("spec_stats") or {}
+            if progress is not None:
+                progress.append((now, usage.get("completion_tokens", 0)))
 
     await post_events(url, "/v1/completions", body, on_data)  # a status other than 200: HTTPStatusError
     end = time.perf_counter()
@@ -177,17 +186,23 @@ def level_schedule(levels: list[int], modes: list[str], rounds: int) -> list[tup
             for mode in modes]
 
 
-def _rounds_tok_s(rows: list[LevelResult]) -> dict[tuple[str, int], list[float]]:
-    """(mode, concurrency) -> the total tok/s of each of its rounds."""
+def _rounds_tok_s(rows: list[LevelResult], field: str = "total_tok_s") -> dict[tuple[str, int], list[float]]:
+    """(mode, concurrency) -> the tok/s (`field`: total_tok_s or steady_tok_s) of each of its rounds that has it."""
     runs: dict[tuple[str, int], list[float]] = {}
     for row in rows:
-        runs.setdefault((row.mode, row.concurrency), []).append(row.total_tok_s)
+        if (value := getattr(row, field)) is not None:
+            runs.setdefault((row.mode, row.concurrency), []).append(value)
     return runs
 
 
-def medians(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
-    """(mode, concurrency) -> the median total tok/s over its rounds."""
-    return {key: statistics.median(values) for key, values in _rounds_tok_s(rows).items()}
+def medians(rows: list[LevelResult], field: str = "total_tok_s") -> dict[tuple[str, int], float]:
+    """(mode, concurrency) -> the median tok/s (`field`, as for _rounds_tok_s) over its rounds."""
+    return {key: statistics.median(values) for key, values in _rounds_tok_s(rows, field).items()}
+
+
+def steady_tokens(progress: list[list[tuple[float, int]]], until: float) -> int:
+    """The completion tokens streamed up to `until` (perf_counter seconds), over every request's progress."""
+    return sum(max((tokens for at, tokens in chunks if at <= until), default=0) for chunks in progress)
 
 
 def round_spread(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
@@ -208,21 +223,33 @@ def auto_over_best(tok_s: dict[tuple[str, int], float], concurrencies: list[int]
 
 
 async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, requests: int,
-                    max_tokens: int, spread: float = 0.0) -> LevelResult:
+                    max_tokens: int, spread: float = 0.0, steady: bool = False) -> LevelResult:
     """One level: `requests` streams, `concurrency` at a time; spread: see request_lengths (seeded by the level's
-    concurrency and size)."""
+    concurrency and size). steady: also measure the tok/s while every client is busy (LevelResult.steady_tok_s),
+    from the usage the server reports on every chunk."""
     lengths = request_lengths(requests, max_tokens, spread, seed=concurrency * 100_003 + requests)
     queue = list(range(requests))
     results: list[RequestResult] = []
+    progress: list[list[tuple[float, int]]] = []
+    drained_at: float | None = None  # when a client first found no request left: the busy span's end
 
     async def worker() -> None:
+        nonlocal drained_at
         while queue:
             i = queue.pop()
-            results.append(await one_request(url, prompts[i % len(prompts)], mode, lengths[i]))
+            chunks: list[tuple[float, int]] | None = [] if steady else None
+            if chunks is not None:
+                progress.append(chunks)
+            results.append(await one_request(url, prompts[i % len(prompts)], mode, lengths[i], chunks))
+        if drained_at is None:
+            drained_at = time.perf_counter()
 
     started_at, t0 = time.time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall, ended_at = time.perf_counter() - t0, time.time()
+    steady_tok_s = None
+    if steady and requests >= concurrency and drained_at is not None and drained_at > t0:
+        steady_tok_s = steady_tokens(progress, drained_at) / (drained_at - t0)
     tokens = sum(r.tokens for r in results)
     verify = sum(r.verify_steps for r in results)
     decoding = [(r.tokens - 1) / (r.seconds - r.ttft) for r in results if r.tokens > 1 and r.seconds > r.ttft]
@@ -233,7 +260,8 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
         percentile([g for r in results for g in r.gaps], 0.5),
         percentile([g for r in results for g in r.gaps], 0.99),
         (sum(r.accepted for r in results) + verify) / verify if verify else None,
-        concurrency * statistics.mean(decoding) if decoding else 0.0, started_at=started_at, ended_at=ended_at)
+        concurrency * statistics.mean(decoding) if decoding else 0.0, started_at=started_at, ended_at=ended_at,
+        steady_tok_s=steady_tok_s)
 
 
 # The gateway's running sums of auto's audit (gateway/metrics.py, _PolicyAudit), and of every mode's
@@ -380,7 +408,27 @@ def print_table(rows: list[LevelResult]) -> None:
     line = auto_over_best(medians(rows), concs)
     if line:
         print(f"\nauto / max(never, always){' on the medians' if rounds > 1 else ''}: {line}")
+    print_steady(rows, concs, rounds)
     print_audit(rows)
+
+
+def print_steady(rows: list[LevelResult], concs: list[int], rounds: int) -> None:
+    """--steady: each level's tok/s while every client was busy, and auto / max(never, always) on it."""
+    steady = medians(rows, "steady_tok_s")
+    if not steady:
+        return
+    print("\nwhile every client was busy (--steady), median tok/s: " + "; ".join(
+        f"{mode} " + ", ".join(f"c={conc}: {steady[(mode, conc)]:.1f}" for conc in concs if (mode, conc) in steady)
+        for mode in dict.fromkeys(r.mode for r in rows)))
+    for round_number in range(1, rounds + 1) if rounds > 1 else ():
+        line = auto_over_best({(r.mode, r.concurrency): r.steady_tok_s for r in rows
+                               if r.round == round_number and r.steady_tok_s is not None}, concs)
+        if line:
+            print(f"while every client was busy, round {round_number}, auto / max(never, always): {line}")
+    line = auto_over_best(steady, concs)
+    if line:
+        print(f"while every client was busy, auto / max(never, always){' on the medians' if rounds > 1 else ''}: "
+              f"{line}")
 
 
 def print_audit(rows: list[LevelResult]) -> None:
@@ -572,6 +620,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "length, `never`'s requests end together and the next prompts go in a few batched steps, while "
                    "trees end theirs apart; served traffic is not in step (on an H100 at 32 requests, prompt steps "
                    "took 8%% of `never`'s step time and 39%% of `always`'s)")
+    p.add_argument("--steady", action="store_true",
+                   help="also report each level's tok/s while every client had a request in flight (from the "
+                   "level's start until a client first finds no request left), and auto / max(never, always) on "
+                   "it: a level's end runs at a falling batch, more so with --length-spread, and weighs what each "
+                   "mode does at lighter loads. The server is asked for its usage on every streamed chunk")
     p.add_argument("--requests-per-level", type=int, default=0,
                    help="requests per level (default: --requests-per-slot x concurrency, at least "
                    "--min-requests-per-level)")
@@ -632,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"url": args.url or "started tandem serve", "served_model": served_model(url),
                 "model": args.model or ("demo/target" if started else None),
                 "draft": args.draft or ("demo/draft" if started else None), "max_tokens": args.max_tokens,
-                "length_spread": args.length_spread, "warmup": args.warmup, "rounds": args.rounds,
+                "length_spread": args.length_spread, "steady": args.steady,
+                "warmup": args.warmup, "rounds": args.rounds,
                 "requests_per_slot": args.requests_per_slot,
                 "requests_per_level": args.requests_per_level or None,
                 "min_requests_per_level": args.min_requests_per_level, "date": time.strftime("%Y-%m-%d"),
@@ -645,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix(mode=mode, concurrency=conc, round=round_number)
                 before = read_level_sums(url, level_bucket(conc))
                 rows.append(asyncio.run(run_level(url, prompts, mode, conc, n, args.max_tokens,
-                                                  args.length_spread)))
+                                                  args.length_spread, args.steady)))
                 after = read_level_sums(url, level_bucket(conc))
                 rows[-1].round = round_number
                 rows[-1].decode_steps_tok_s = level_decode_steps(before, after)

@@ -267,7 +267,7 @@ def test_a_sweep_cut_short_keeps_every_level_it_finished_on_disk(tmp_path, monke
 
     finished: list[tuple[str, int]] = []
 
-    async def run_level(url, prompts, mode, concurrency, requests, max_tokens, spread=0.0):
+    async def run_level(url, prompts, mode, concurrency, requests, max_tokens, spread=0.0, steady=False):
         if len(finished) == 3:
             raise KeyboardInterrupt  # the deadline, mid-level
         finished.append((mode, concurrency))
@@ -308,7 +308,7 @@ def test_each_mode_of_a_level_asks_for_the_same_spread_lengths(monkeypatch):
 
     asked: dict[str, list[int]] = {}
 
-    async def one_request(url, prompt, mode, max_tokens):
+    async def one_request(url, prompt, mode, max_tokens, progress=None):
         asked.setdefault(mode, []).append(max_tokens)
         return bench.RequestResult(seconds=0.01, ttft=0.001, gaps=[0.001], tokens=max_tokens, accepted=0,
                                    verify_steps=0)
@@ -328,3 +328,53 @@ def test_bench_refuses_a_length_spread_outside_zero_to_one_before_starting_anyth
     with pytest.raises(SystemExit) as exc:
         main(["--length-spread", spread])
     assert str(exc.value).startswith("error: ") and "--length-spread from 0 to below 1" in str(exc.value)
+
+
+def test_the_steady_span_counts_only_the_tokens_streamed_while_every_client_was_busy():
+    from tandem.bench import steady_tokens
+
+    progress = [[(1.0, 2), (2.0, 4), (3.0, 6)], [(1.5, 3), (2.5, 9)], []]
+    assert steady_tokens(progress, until=2.0) == 4 + 3
+    assert steady_tokens(progress, until=0.5) == 0
+    assert steady_tokens(progress, until=9.0) == 6 + 9
+
+
+def test_a_level_of_several_lengths_reads_faster_while_every_client_is_busy_than_over_its_ragged_end():
+    """Against bench/rest_stream.py's server (the OpenAI app over a fake engine that streams every request a token
+    each 5 ms, however many there are): with lengths from 4 to 76 tokens the last requests run alone, so the level
+    as a whole reads slower than its span with every client busy, which --steady reports."""
+    import asyncio
+    import importlib.util
+
+    from tandem.bench import run_level
+    from tests.services import REPO
+
+    spec = importlib.util.spec_from_file_location("rest_stream", REPO / "bench" / "rest_stream.py")
+    rest_stream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rest_stream)
+    server, port = rest_stream.start_server(token_delay=0.005, timeout=60)
+    try:
+        level = asyncio.run(run_level(f"http://127.0.0.1:{port}", ["hi"], "never", 4, 8, 40, spread=0.9, steady=True))
+        plain = asyncio.run(run_level(f"http://127.0.0.1:{port}", ["hi"], "never", 4, 8, 40, spread=0.9))
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert plain.steady_tok_s is None and level.requests == 8
+    assert level.steady_tok_s is not None and level.steady_tok_s > 1.1 * level.total_tok_s
+
+
+def test_the_steady_figures_are_reported_per_round_and_on_the_medians(capsys):
+    from tandem.bench import LevelResult, print_table
+
+    def row(mode: str, round_number: int, total: float, steady: float) -> LevelResult:
+        return LevelResult(mode=mode, concurrency=4, requests=8, total_tok_s=total, tok_s_per_request=total / 4,
+                           ttft_p50_s=0.01, itl_p50_s=0.005, itl_p99_s=0.01, acceptance_length=None,
+                           round=round_number, steady_tok_s=steady)
+
+    print_table([row("never", 1, 100.0, 120.0), row("always", 1, 90.0, 100.0), row("auto", 1, 95.0, 114.0),
+                 row("never", 2, 100.0, 120.0), row("always", 2, 90.0, 100.0), row("auto", 2, 100.0, 126.0)])
+    out = capsys.readouterr().out
+    assert "while every client was busy (--steady), median tok/s: never c=4: 120.0; always c=4: 100.0; " \
+           "auto c=4: 120.0" in out
+    assert "while every client was busy, round 1, auto / max(never, always): c=4: 0.95" in out
+    assert "while every client was busy, auto / max(never, always) on the medians: c=4: 1.00" in out
