@@ -12,6 +12,10 @@ meets that concurrency first. With --rounds N each concurrency runs its modes N
 times, interleaved (never, always, auto, never, ...), so that a server that
 drifts during the sweep weighs on every mode alike; the tables then report each
 round and the medians, and auto / max(never, always) per round and on the medians.
+--length-spread draws each request's output length around --max-tokens (the same
+lengths for every mode), so that a level's requests do not end in step, and
+--steady also reports each level's tok/s over the span in which every client was
+busy, which leaves out a level's ragged end (request_lengths, run_level).
 
 Each level also reports the rate at which its requests decode (concurrency x a
 request's tokens after the first over its time after the first token: what a
