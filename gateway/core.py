@@ -120,6 +120,7 @@ class CoreConfig:
     # why; 1 plan: each plan at its own load).
     gate_load_hold_plans: int = HeldLoad.plans
     gate_load_hold_seconds: float = HeldLoad.seconds
+    gate_load_quiet_hold_seconds: float = HeldLoad.quiet_seconds  # where no request joined lately
     # How long running requests wait for a lost target to return (then they end UNAVAILABLE).
     target_wait_s: float = 60.0
 
@@ -140,6 +141,8 @@ class CoreConfig:
             raise ValueError(f"gate load hold must be >= 1 plan, got {self.gate_load_hold_plans}")
         if not self.gate_load_hold_seconds >= 0:
             raise ValueError(f"gate load hold must be >= 0 seconds, got {self.gate_load_hold_seconds}")
+        if not self.gate_load_quiet_hold_seconds >= 0:
+            raise ValueError(f"gate load quiet hold must be >= 0 seconds, got {self.gate_load_quiet_hold_seconds}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -203,7 +206,8 @@ class GatewayCore:
         self.costs = CostModel()
         self.book = AcceptanceBook()
         self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)
-        self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans, seconds=cfg.gate_load_hold_seconds)
+        self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans, seconds=cfg.gate_load_hold_seconds,
+                                   quiet_seconds=cfg.gate_load_quiet_hold_seconds)
         self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)
         self.max_model_len = 0
         self.feature_layers: tuple[int, ...] = ()
@@ -497,7 +501,8 @@ class GatewayCore:
                 return None
             raise RuntimeError(f"nothing schedulable: {len(self.running)} running, {len(self.waiting)} waiting, "
                                f"{self._plannable_blocks} KV blocks free")
-        plan.load = self._held_load.hold(max(len(self.running) + len(self.waiting), len(plan.items)))
+        plan.load = self._held_load.hold(max(len(self.running) + len(self.waiting), len(plan.items)),
+                                         joined=bool(plan.admitted))
         sched = self._wake_schedule_for(plan.load)
         if sched is not self._dormancy:
             sched.held_steps = 0

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a load that fell keeps the verdict of the load it held, at most (see "
                         "--gate-load-hold-plans): a wave of 64 requests ending together took 0.4-0.65 s to be "
                         f"replaced on an H100. Default {HeldLoad.seconds:g}")
+    p.add_argument("--gate-load-quiet-hold-seconds", type=float, default=HeldLoad.quiet_seconds, metavar="SECONDS",
+                   help="the same where no request joined in the last "
+                        f"{HeldLoad.join_window:g} s: a load that falls as requests end with none to replace them "
+                        "(a burst draining) is believed sooner. At most --gate-load-hold-seconds; default "
+                        f"{HeldLoad.quiet_seconds:g}")
     p.add_argument("--target-wait", type=float, default=DEFAULT_TARGET_WAIT_S, metavar="SECONDS",
                    help="when the target becomes unreachable, the gateway reports NOT_SERVING (new requests get "
                         "503 / UNAVAILABLE), keeps the running requests and waits this long for the target to "
@@ -191,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --gate-load-hold-plans must be at least 1")
     if not args.gate_load_hold_seconds >= 0:
         raise SystemExit("error: --gate-load-hold-seconds must be at least 0")
+    if not args.gate_load_quiet_hold_seconds >= 0:
+        raise SystemExit("error: --gate-load-quiet-hold-seconds must be at least 0")
     if args.profile_context < 1:
         raise SystemExit("error: --profile-context must be at least 1 token")
     try:
@@ -227,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         profile_context=args.profile_context,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
         gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch,
-        gate_load_hold_plans=args.gate_load_hold_plans, gate_load_hold_seconds=args.gate_load_hold_seconds)
+        gate_load_hold_plans=args.gate_load_hold_plans, gate_load_hold_seconds=args.gate_load_hold_seconds,
+        gate_load_quiet_hold_seconds=args.gate_load_quiet_hold_seconds)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)
     core.pool.admission = feature_layers_match(lambda: core.feature_layers)
     core.pool.make_client = make_draft_client  # replicas found later connect the same way

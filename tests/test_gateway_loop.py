@@ -521,7 +521,8 @@ def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_ke
 
     def dip_steps(hold_plans: int) -> list[list[SequenceStep]]:
         core, target, _ = new_core(tokenizer, mode="auto", load_hold_plans=hold_plans)
-        core._held_load.seconds = 3600.0  # the plans are what is held here; the time bound has its own test
+        # the plans are what is held here; the time bounds have their own tests
+        core._held_load.seconds = core._held_load.quiet_seconds = 3600.0
         for seqs, trees, plain in ((8, 2000.0, 1600.0), (16, 2500.0, 3200.0)):
             b = batch_bucket(seqs)
             core.gate.arms[(b, True)] = Arm(goodput=trees, seconds=0.016, samples=20)
@@ -1824,3 +1825,28 @@ def test_the_core_tells_the_gate_which_steps_carry_a_joining_prompt_and_a_re_pro
     assert asked == [(True, False)]  # the join's step: plain, the re-probe waiting
     core._step()
     assert asked[-1] == (False, True)  # the next step only decodes: the re-probe's trees
+
+
+def test_the_core_tells_the_held_load_which_plans_took_a_request_in(tokenizer):
+    """Issue 14: the held load keeps a fall for the long hold only while requests join (HeldLoad.quiet_seconds),
+    so the core says at each plan whether it admitted one: the plans that take in the prompts of r0 and r1, and
+    of r2 when it comes, and none of the plans between."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    seen: list[tuple[int, bool]] = []
+    hold = core._held_load.hold
+
+    def recording(load: int, now: float | None = None, joined: bool = True) -> int:
+        seen.append((load, joined))
+        return hold(load, now, joined)
+
+    core._held_load.hold = recording
+    submit(core, "r0", [40, 2, 3], max_tokens=60)
+    submit(core, "r1", [41, 2, 3], max_tokens=60)
+    core._take_inbox()
+    for _ in range(3):
+        core._step()
+        core._take_inbox()
+    submit(core, "r2", [42, 2, 3], max_tokens=4)
+    core._take_inbox()
+    core._step()
+    assert seen[0] == (2, True) and all(not joined for _, joined in seen[1:-1]) and seen[-1] == (3, True)

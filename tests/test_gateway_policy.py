@@ -1280,6 +1280,40 @@ def test_the_gate_load_hold_flags_reach_the_core_and_a_bad_value_is_refused():
         CoreConfig(gate_load_hold_plans=0)
     with pytest.raises(ValueError, match="gate load hold"):
         CoreConfig(gate_load_hold_seconds=-0.5)
+    # Where no request joined lately (see HeldLoad.quiet_seconds): 0.25 s by default.
+    assert defaults.gate_load_quiet_hold_seconds == 0.25 == CoreConfig().gate_load_quiet_hold_seconds \
+        == HeldLoad().quiet_seconds
+    quiet = parser.parse_args(["--target", "t:1", "--gate-load-quiet-hold-seconds", "0.05"])
+    assert quiet.gate_load_quiet_hold_seconds == 0.05 and "--gate-load-quiet-hold-seconds SECONDS" in help_text
+    with pytest.raises(ValueError, match="gate load quiet hold"):
+        CoreConfig(gate_load_quiet_hold_seconds=-0.1)
+
+
+def test_a_load_that_falls_with_nothing_joining_is_believed_after_the_short_hold():
+    """HeldLoad: a level's last requests end one by one with none to replace them (outputs of several lengths):
+    the load falls from 32 to 5 over 0.7 s. With requests still joining that fall would be a wave being replaced
+    and is held 0.75 s; with none joining in the last 0.1 s it is believed after 0.25 s, so the lighter loads'
+    verdicts (trees, where plain decoding won at 32) apply while the batch drains."""
+    def fall(joining: bool) -> list[int]:
+        held = HeldLoad()
+        out = [held.hold(32, now=0.0, joined=True)]
+        out += [held.hold(32 - i, now=0.025 * i, joined=joining) for i in range(1, 28)]
+        return out
+
+    drained, replaced = fall(joining=False), fall(joining=True)
+    assert replaced == [32] * 28
+    assert drained[:5] == [32] * 5  # within 0.1 s of the last join: the long hold
+    assert drained[-1] == 32 - 17  # at 0.675 s: the load of 0.25 s before (0.425 s), not 32
+    assert all(a >= b for a, b in zip(drained, drained[1:]))
+    # A request's end and its client's next request, 50-150 ms apart, still keep the load's verdict.
+    dip = HeldLoad()
+    assert [dip.hold(load, now=t, joined=j) for load, t, j in
+            ((16, 0.0, True), (15, 0.05, False), (15, 0.1, False), (15, 0.15, False), (16, 0.2, True))] == [16] * 5
+    # Never longer than --gate-load-hold-seconds, and no negative hold.
+    short = HeldLoad(seconds=0.1)
+    assert [short.hold(load, now=t, joined=False) for load, t in ((32, 0.0), (8, 0.05), (8, 0.12))] == [32, 32, 8]
+    with pytest.raises(ValueError, match="at least 0 seconds"):
+        HeldLoad(quiet_seconds=-1.0)
 
 
 def test_a_verdict_says_when_the_losing_arm_is_measured_again_and_what_the_last_probe_lost():
