@@ -183,6 +183,11 @@ def request_lengths(requests: int, max_tokens: int, spread: float, seed: int) ->
     return [max(1, round(max_tokens * (1 + spread * (2 * draw.random() - 1)))) for _ in range(requests)]
 
 
+def level_seed(concurrency: int, requests: int) -> int:
+    """The seed of a level's lengths (request_lengths): its concurrency and size, the same in every round."""
+    return concurrency * 100_003 + requests
+
+
 def level_schedule(levels: list[int], modes: list[str], rounds: int) -> list[tuple[int, int, str]]:
     """(concurrency, round, mode) of the counted levels, in the order they run: at each concurrency the
     modes take turns, round after round, so that drift in the server lands on every mode alike."""
@@ -217,6 +222,13 @@ def round_spread(rows: list[LevelResult]) -> dict[tuple[str, int], float]:
             if len(values) > 1 and max(values) > 0}
 
 
+def round_over_best(rows: list[LevelResult], round_number: int, concurrencies: list[int],
+                    field: str = "total_tok_s") -> str | None:
+    """auto_over_best for one round's levels, on `field` (total_tok_s or steady_tok_s; levels without it left out)."""
+    return auto_over_best({(r.mode, r.concurrency): value for r in rows
+                           if r.round == round_number and (value := getattr(r, field)) is not None}, concurrencies)
+
+
 def auto_over_best(tok_s: dict[tuple[str, int], float], concurrencies: list[int]) -> str | None:
     """"c=C: R, ..." with R = auto / max(never, always) from (mode, concurrency) -> tok/s; None where a
     mode is missing."""
@@ -231,7 +243,7 @@ async def run_level(url: str, prompts: list[str], mode: str, concurrency: int, r
     """One level: `requests` streams, `concurrency` at a time; spread: see request_lengths (seeded by the level's
     concurrency and size). steady: also measure the tok/s while every client is busy (LevelResult.steady_tok_s),
     from the usage the server reports on every chunk."""
-    lengths = request_lengths(requests, max_tokens, spread, seed=concurrency * 100_003 + requests)
+    lengths = request_lengths(requests, max_tokens, spread, seed=level_seed(concurrency, requests))
     queue = list(range(requests))
     results: list[RequestResult] = []
     progress: list[list[tuple[float, int]]] = []
@@ -392,8 +404,7 @@ def print_table(rows: list[LevelResult]) -> None:
     concs = sorted({r.concurrency for r in rows})
     if rounds > 1:
         for round_number in range(1, rounds + 1):
-            line = auto_over_best({(r.mode, r.concurrency): r.total_tok_s for r in rows if r.round == round_number},
-                                  concs)
+            line = round_over_best(rows, round_number, concs)
             if line:
                 print(f"\nround {round_number}, auto / max(never, always): {line}")
         spread = round_spread(rows)
@@ -425,9 +436,7 @@ def print_steady(rows: list[LevelResult], concs: list[int], rounds: int) -> None
         f"{mode} " + ", ".join(f"c={conc}: {steady[(mode, conc)]:.1f}" for conc in concs if (mode, conc) in steady)
         for mode in dict.fromkeys(r.mode for r in rows)))
     for round_number in range(1, rounds + 1) if rounds > 1 else ():
-        line = auto_over_best({(r.mode, r.concurrency): r.steady_tok_s for r in rows
-                               if r.round == round_number and r.steady_tok_s is not None}, concs)
-        if line:
+        if line := round_over_best(rows, round_number, concs, "steady_tok_s"):
             print(f"while every client was busy, round {round_number}, auto / max(never, always): {line}")
     line = auto_over_best(steady, concs)
     if line:

@@ -316,8 +316,8 @@ def test_each_mode_of_a_level_asks_for_the_same_spread_lengths(monkeypatch):
     monkeypatch.setattr(bench, "one_request", one_request)
     for mode in ("never", "always"):
         asyncio.run(bench.run_level("http://x", ["a", "b"], mode, 4, 16, 100, spread=0.5))
-    level_seed = 4 * 100_003 + 16  # run_level's: the level's concurrency and size
-    assert sorted(asked["never"]) == sorted(asked["always"]) == sorted(bench.request_lengths(16, 100, 0.5, level_seed))
+    expected = bench.request_lengths(16, 100, 0.5, bench.level_seed(4, 16))
+    assert sorted(asked["never"]) == sorted(asked["always"]) == sorted(expected)
     assert len(set(asked["never"])) > 1
 
 
