@@ -1,7 +1,7 @@
 """Where a serve's steps went, from the gateway's DEBUG log (a line per target step).
 
     python bench/step_log.py GATEWAY_LOG[.gz] [--since HH:MM:SS,mmm] [--until HH:MM:SS,mmm] [--runs] [--budgets]
-                             [--levels BENCH_JSON]
+                             [--levels BENCH_JSON [--options]]
 
 Groups the `step N done: ...` lines (SERVE_LOG_LEVEL=DEBUG in bench/serve_and_run.sh) by kind: trees or
 plain, granted or one call, fed to the draft or not, and prints per kind the steps, their summed
@@ -20,7 +20,10 @@ of each level's tree steps, its tree rounds right after a step with a prompt chu
 joining prompt in) beside its other tree rounds, the steps whose plans the load gate judged at a lighter load
 than the level's (between a request's end and its client's next request; where that load's verdict differs, they
 wake or put to sleep the level's requests), and its tree steps that carried a joining prompt's chunk, under a
-probe of trees and under a verdict (steps the gate does not record: what trees cost on the joins).
+probe of trees and under a verdict (steps the gate does not record: what trees cost on the joins). --options
+(with --levels) then prints, per level, its tree steps that gave every sequence a tree of one budget, by budget:
+what `auto`'s other budgets delivered beside its configured tree's, and a step of the same trees in `auto` beside
+one in `always`.
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", type=Path, action="append", default=[], metavar="BENCH_JSON",
                     help="print where each level of this tandem bench run spent its step time (repeatable: one "
                          "serve's benches, one bench.json each)")
+    ap.add_argument("--options", action="store_true",
+                    help="with --levels: per level, its tree steps that gave every sequence one budget, by budget")
     args = ap.parse_args(argv)
     if not args.log.is_file():
         ap.error(f"no such log: {args.log}")
+    if args.options and not args.levels:
+        ap.error("--options reads each level's window from --levels BENCH_JSON")
     text = read_log(args.log)
     rows = [m.groups() for m in map(STEP.search, text.splitlines()) if m]
     rows = [row for row in rows if args.since <= row[0] <= args.until]
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.budgets:
         print_budgets(text, rows)
     if args.levels:
-        return print_levels(text, args.levels)
+        return print_levels(text, args.levels, options=args.options)
     return 0
 
 
@@ -143,8 +150,15 @@ def step_kind(trees: str, fed: str, decode: str) -> str:
     return "fed" if fed == "True" else "plain"
 
 
-def print_levels(text: str, bench_jsons: list[Path]) -> int:
-    """Per level of these bench.json files, the step lines inside its window by kind (see the module's doc)."""
+def plan_budgets(text: str) -> dict[int, list[str]]:
+    """Each plan's budgets ("5/4/8" per tree), by the number of the `step N done` line of the step it made."""
+    return {int(m.group(1)) + 1: [b.strip().strip("'") for b in m.group(2).split(",") if b.strip()]
+            for m in map(PLAN.search, text.splitlines()) if m}
+
+
+def print_levels(text: str, bench_jsons: list[Path], options: bool = False) -> int:
+    """Per level of these bench.json files, the step lines inside its window by kind (see the module's doc);
+    `options`: then its tree steps by budget (print_level_options)."""
     results = []
     for path in bench_jsons:
         try:
@@ -153,7 +167,9 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
             print(f"cannot read the levels of {path}: {e}", file=sys.stderr)
             return 1
     # (epoch seconds, kind, committed, ms, the step's phases in ms or None, the top of the gate's bucket at its plan,
-    # whether it drafted trees, whether its plan's gate line said a probe of trees was under way)
+    # whether it drafted trees, whether its plan's gate line said a probe of trees was under way, its sequences,
+    # its plan's budgets)
+    chosen = plan_budgets(text) if options else {}
     steps = []
     judged_at, probing = 0, False  # as the last plan's gate line said (0: none yet)
     for line in text.splitlines():
@@ -164,7 +180,7 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
             when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             row = step.groups()
             steps.append((when, step_kind(row[3], row[5], row[6]), int(row[7]), float(row[8]), parse_phases(row[10]),
-                          judged_at, row[3] != "0", probing))
+                          judged_at, row[3] != "0", probing, int(row[2]), chosen.get(int(row[1]), [])))
     levels = sorted((r for r in results if r.get("started_at") is not None and r.get("ended_at") is not None),
                     key=lambda r: r["started_at"])
     if not levels:
@@ -187,7 +203,34 @@ def print_levels(text: str, bench_jsons: list[Path]) -> int:
     print_rounds_after_prompts(levels, steps)
     print_load_dips(levels, steps)
     print_trees_on_joins(levels, steps)
+    if options:
+        print_level_options(levels, steps)
     return 0
+
+
+def print_level_options(levels: list[dict], steps: list[tuple]) -> None:
+    """Per level, its decode steps whose plan gave every sequence a tree of one budget, by budget: how many, their
+    mean ms, committed tokens a sequence, tok/s and mean phases. Set beside `always`'s steps of the configured tree
+    at the same load, what `auto`'s choice of another budget delivered, and what a step of the same trees cost it
+    (the same trees in both modes: any difference is the gateway's own or the draft's)."""
+    rows = []
+    for level in levels:
+        by_budget: dict[str, list[tuple]] = {}
+        for s in steps:
+            if (level["started_at"] <= s[0] <= level["ended_at"] and s[1] == "trees" and len(s[9]) == s[8]
+                    and len(set(s[9])) == 1):
+                by_budget.setdefault(s[9][0], []).append(s)
+        for budget, group in sorted(by_budget.items(), key=lambda item: -len(item[1])):
+            ms, committed = sum(s[3] for s in group), sum(s[2] for s in group)
+            per_seq = committed / sum(s[8] for s in group)
+            rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {budget:>8} "
+                        f"{len(group):>6} {ms / len(group):>8.2f} {per_seq:>8.2f} {1000 * committed / ms:>8.1f} "
+                        f"{phase_means([s[4] for s in group if s[4]])}".rstrip())
+    if rows:
+        print("\ntree steps that gave every sequence one budget, by budget: steps, mean ms, committed a sequence, "
+              f"tok/s, mean phases\n{'mode':<7} {'conc':>5} {'round':>5} {'budget':>8} {'steps':>6} {'ms':>8} "
+              f"{'per seq':>8} {'tok/s':>8} {PHASE_HEAD}")
+        print("\n".join(rows))
 
 
 def print_trees_on_joins(levels: list[dict], steps: list[tuple]) -> None:

@@ -17,14 +17,15 @@ def stamped(at: float) -> str:
     return datetime.fromtimestamp(START + at).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
 
 
-def levels_table(tmp_path: Path, lines: list[str], levels: list[dict], which: int = -1) -> list[str]:
-    """A table `bench/step_log.py LOG --levels BENCH_JSON` prints for these log lines and levels (the last
-    by default)."""
+def levels_table(tmp_path: Path, lines: list[str], levels: list[dict], which: int = -1,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """A table `bench/step_log.py LOG --levels BENCH_JSON [extra]` prints for these log lines and levels (the
+    last by default)."""
     log = tmp_path / "gateway.log"
     log.write_text("\n".join(lines))
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"meta": {}, "results": levels}))
-    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench)],
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--levels", str(bench), *extra],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.split("\n\n")[which].splitlines()
@@ -196,3 +197,39 @@ def test_levels_table_ends_with_autos_tree_steps_on_joining_prompts_under_a_prob
     assert table[1].split() == ["mode", "conc", "round", "probe", "ms", "ms", "%", "verdict", "ms", "ms", "%"]
     assert table[2].split() == ["auto", "4", "1", "1", "30.0", "30.0", "1", "25.0", "25.0"]
     assert len(table) == 3
+
+
+def test_options_table_sets_each_levels_one_budget_tree_steps_by_budget(tmp_path):
+    """--options: per level, the tree steps whose plan gave every sequence a tree of one budget, by budget (the
+    plan line of step N is the step that logs `step N+1 done`): steps, mean ms, committed a sequence, tok/s and
+    mean phases. A step with a plain sequence or with two budgets is in no row."""
+
+    def planned(at: float, step: int, budgets: list[str]) -> str:
+        return f"{stamped(at)} gateway DEBUG step {step}: {len(budgets)} items, 2 tokens, trees {budgets}, gate 2-3"
+
+    def line(at: float, step: int, trees: int, committed: int, ms: float, phases: str) -> str:
+        return (f"{stamped(at)} gateway DEBUG step {step} done: 2 seqs, {trees} trees, granted 0, fed draft True, "
+                f"decode True, {committed} committed, {ms:.2f} ms, quiet 0, ingests queued 0, phases {phases} ms")
+
+    table = levels_table(tmp_path, [
+        planned(0.1, 1, ["5/4/8", "5/4/8"]), line(0.11, 2, 2, 8, 10.0, "0.20/3.00/6.00/0.80"),
+        planned(0.2, 2, ["6/8/16", "6/8/16"]), line(0.21, 3, 2, 9, 15.0, "0.40/4.00/9.00/1.60"),
+        planned(0.3, 3, ["5/4/8", "5/4/8"]), line(0.31, 4, 2, 6, 10.0, "0.40/3.00/6.00/0.60"),
+        planned(0.4, 4, ["5/4/8", "6/8/16"]), line(0.41, 5, 2, 7, 12.0, "0.30/3.50/7.00/1.20"),  # two budgets
+        planned(0.5, 5, ["5/4/8"]), line(0.51, 6, 1, 5, 9.0, "0.30/3.00/5.00/0.70"),  # a sequence without a tree
+    ], [{"mode": "auto", "concurrency": 2, "round": 1, "started_at": START, "ended_at": START + 1}],
+        extra=("--options",))
+    assert table[1].split() == ["mode", "conc", "round", "budget", "steps", "ms", "per", "seq", "tok/s", "schedule",
+                                "draft", "execute", "update"]
+    assert [row.split() for row in table[2:]] == [
+        ["auto", "2", "1", "5/4/8", "2", "10.00", "3.50", "700.0", "0.30", "3.00", "6.00", "0.70"],
+        ["auto", "2", "1", "6/8/16", "1", "15.00", "4.50", "600.0", "0.40", "4.00", "9.00", "1.60"]]
+
+
+def test_options_table_needs_the_levels_windows(tmp_path):
+    log = tmp_path / "gateway.log"
+    log.write_text(LOG)
+    proc = subprocess.run([sys.executable, "bench/step_log.py", str(log), "--options"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2
+    assert "--options reads each level's window from --levels" in proc.stderr
