@@ -109,8 +109,8 @@
 #            BENCH_INTERLEAVED=1 BENCH_ARGS="--rounds 3" runs the modes in turn at each level, three rounds, in
 #            one bench (serve_and_bench.sh), and the report gives each round's auto / max and the medians
 #            SERVE_LOG_LEVEL=DEBUG has the gateway log a line per target step and per plan (serve_and_run.sh),
-#            and bench/step_log.py --budgets --levels then tabulates the trees chosen and each level's step time
-#            by kind (auto_scale_RATE_budgets.log), and bench/cost_replay.py what the cost model priced each
+#            and bench/step_log.py --budgets --levels --options then tabulates the trees chosen, each level's step time
+#            by kind and its one-budget tree steps by budget (auto_scale_RATE_budgets.log), and bench/cost_replay.py what the cost model priced each
 #            option at when each auto level began, beside what it measured (auto_scale_RATE_prices.log)
 #   fedgrants after only: `auto` with fed grants (`--gateway-args=--fed-grants`: awake auto requests decode plainly
 #            in grants that push each step's features to the drafts) against without (the default), each on a fresh
@@ -554,7 +554,7 @@ for stage in "$@"; do
             levels=()
             for bench_json in "$OUT/auto_scale_$acceptance$suffix"/*/bench.json; do levels+=(--levels "$bench_json"); done
             run "auto_scale_${acceptance}${suffix}_budgets" after 60 \
-              python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets "${levels[@]}"
+              python3 bench/step_log.py "$OUT/auto_scale_$acceptance$suffix/logs/gateway.log" --budgets "${levels[@]}" --options
             # What the drafts' wake-ups and joining prompts cost, level by level (their DEBUG catch-up lines).
             run "auto_scale_${acceptance}${suffix}_catch_ups" after 60 \
               python3 bench/catch_up_log.py "$OUT/auto_scale_$acceptance$suffix/logs/draft0.log" "${levels[@]}"
