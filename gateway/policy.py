@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import itertools
 import math
 import time
 from collections import deque
@@ -621,14 +620,13 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
         step_base, per_token, per_expansion = costs.tree_step_line(base_seqs, max(fixed_levels, o.steps), o)
         nodes, tree_expansions = o.max_nodes, o.steps * o.topk
         configured = o == cfg.fixed_budget  # once per option: a budget's == is Python's, not the tuple's
-        # The step's committed tokens and seconds with trees for the k best, for every k, worked out as lists:
-        # the loop below then only compares (at 64 auto requests this search ran about 345 us a step on the
-        # 2-core dev machine).
-        committed_k = list(itertools.accumulate((expectations[i] for i in order), initial=base_committed))[1:]
-        seconds_k = [step_base + per_token * (base_tokens + k * nodes) + per_expansion * (fixed_expansions
-                     + k * tree_expansions) for k in range(1, len(auto) + 1)]
+        committed, tokens, expansions = base_committed, base_tokens, fixed_expansions
         rate = 0.0
-        for k, (committed, seconds) in enumerate(zip(committed_k, seconds_k, strict=True), start=1):
+        for k, i in enumerate(order, start=1):
+            committed += expectations[i]
+            tokens += nodes
+            expansions += tree_expansions
+            seconds = step_base + per_token * tokens + per_expansion * expansions
             rate = committed / seconds
             if top_tree_rate is None or rate > top_tree_rate:
                 top_tree_rate, top_tree_seconds = rate, seconds
