@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
 def print_budgets(text: str, rows: list[tuple[str, ...]]) -> None:
     """Tree steps by the budgets their plan chose ("3/1/4 x2, 5/4/8": three requests' trees)."""
     chosen = {}  # step number of the `done` line -> the plan's budgets
-    for m in map(PLAN.search, text.splitlines()):
-        if m and m.group(2):
-            budgets = sorted(b.strip().strip("'") for b in m.group(2).split(","))
-            chosen[int(m.group(1)) + 1] = ", ".join(f"{b} x{budgets.count(b)}" if budgets.count(b) > 1 else b
-                                                   for b in dict.fromkeys(budgets))
+    for step, budgets in plan_budgets(text).items():
+        if budgets:
+            budgets.sort()
+            chosen[step] = ", ".join(f"{b} x{budgets.count(b)}" if budgets.count(b) > 1 else b
+                                     for b in dict.fromkeys(budgets))
     by_budgets: dict[str, list[float]] = {}
     phase_ms: dict[str, list[list[float]]] = {}  # budgets -> each step's (schedule, draft, execute, update) ms
     for row in rows:
@@ -224,7 +224,8 @@ def print_level_options(levels: list[dict], steps: list[tuple]) -> None:
             ms, committed = sum(s[3] for s in group), sum(s[2] for s in group)
             per_seq = committed / sum(s[8] for s in group)
             rows.append(f"{level['mode']:<7} {level['concurrency']:>5} {level.get('round', 1):>5} {budget:>8} "
-                        f"{len(group):>6} {ms / len(group):>8.2f} {per_seq:>8.2f} {1000 * committed / ms:>8.1f} "
+                        f"{len(group):>6} {ms / len(group):>8.2f} {per_seq:>8.2f} "
+                        f"{1000 * committed / ms if ms else 0.0:>8.1f} "
                         f"{phase_means([s[4] for s in group if s[4]])}".rstrip())
     if rows:
         print("\ntree steps that gave every sequence one budget, by budget: steps, mean ms, committed a sequence, "
