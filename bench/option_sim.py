@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cost_replay import name as label  # noqa: E402  (a budget as "5/4/8")
 from draft_service.types import DraftBudget  # noqa: E402
 from gateway.policy import (  # noqa: E402
     NO_SPEC,
@@ -52,10 +53,6 @@ STEP_MS: dict[int, dict[str, float]] = {
     8: {"plain": 6.6, "3/1/4": 13.6, "5/4/8": 15.1, "6/8/16": 17.2, "5/1/6": 14.5, "10/1/11": 18.7},
     16: {"plain": 6.8, "3/1/4": 18.7, "5/4/8": 18.2, "6/8/16": 24.0, "5/1/6": 17.9, "10/1/11": 22.6},
 }
-
-
-def label(budget: DraftBudget) -> str:
-    return f"{budget.steps}/{budget.topk}/{budget.num_draft_tokens}"
 
 
 class TableCosts(CostModel):
