@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from draft_service.staging import StagedInput
-from kernels.tree_attention import StepLayout
+from kernels.tree_attention import StepLayout, causal_mask
 from kernels.tree_metadata import SEQ_INFO_FIELDS, TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem.graph_capture import capture_graphs
 
@@ -128,7 +128,7 @@ class BatchCatchUp:
                 mask_words=self.words, batch=B, num_tiles=B * self.tiles_per_seq, block_size=self.kv.block_size,
                 group=self.model.num_heads // self.model.num_kv_heads, block_m=self.block_m,
                 num_splits=self.splits)
-        causal = torch.ones(W, W, dtype=torch.bool).tril()
+        causal = causal_mask(W)
         prefix = [torch.from_numpy(s) for s in self.host_slots]
         prefix += [torch.zeros(0, dtype=torch.long)] * (B - len(prefix))
         return StepLayout(tuple(range(0, B * W, W)), (W,) * B, tuple(prefix), (causal,) * B)

@@ -37,7 +37,7 @@ from draft_service.types import (
     OutOfDraftCapacity,
     RequestStatus,
 )
-from kernels.tree_attention import StepLayout
+from kernels.tree_attention import StepLayout, causal_mask
 from tandem import timeline
 from tandem.tree import ancestor_mask
 
@@ -342,7 +342,7 @@ class DraftEngine:
             counts.append(b - a)
             prefix.append(torch.from_numpy(self.kv.host_slots(rid, 0, a)))
             tables.append(list(self.kv.seqs[rid].blocks))
-            masks.append(torch.ones(b - a, b - a, dtype=torch.bool).tril())
+            masks.append(causal_mask(b - a))
             for p in range(a, b):
                 if p in st.features:
                     feat_rows.append(st.features[p])

@@ -26,7 +26,7 @@ from kernels.backend import (
 from kernels.kv_write import kv_commit_reference, kv_commit_triton, kv_write_reference, kv_write_triton
 from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 from kernels.rope import rope_qkv_reference, rope_qkv_triton, rope_reference, rope_triton
-from kernels.tree_attention import StepLayout, tree_attention_reference, tree_attention_triton
+from kernels.tree_attention import StepLayout, causal_mask, tree_attention_reference, tree_attention_triton
 from kernels.tree_metadata import build_tree_metadata, metadata_from_layout
 from tandem.layers import Rotary, rms_norm
 from tandem.model_config import RopeConfig
@@ -232,6 +232,15 @@ def test_metadata_rejects_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match="over the padded size"):
         build_tree_metadata([[0, 1]], [5], [0], [ancestor_mask([-1])], block_size=4, num_q_heads=2,
                             num_kv_heads=2, device="cpu", max_blocks=1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 190])
+def test_a_run_of_positions_sees_itself_and_every_position_before_it(n):
+    mask = causal_mask(n)
+    assert mask.dtype == torch.bool and mask.device.type == "cpu" and mask.shape == (n, n)
+    assert torch.equal(mask, torch.ones(n, n, dtype=torch.bool).tril())
+    # The kernel's packing accepts it as a chain: each node after its ancestors.
+    build_tree_metadata([[]], [0], [0], [mask], block_size=4, num_q_heads=2, num_kv_heads=2, device="cpu")
 
 
 # --- kv write, rmsnorm, rope ------------------------------------------------
