@@ -36,10 +36,12 @@ class StepLayout:
 def causal_mask(n: int) -> torch.Tensor:
     """The [n, n] ancestor-or-self mask of a run of n consecutive positions, on the host.
 
-    Built by numpy, not torch.ones(...).tril(): on an H100 host those two CPU ops took 1.7-1.8 ms each
-    (the forty-fourth session's profile of a wake-up of 16 requests: 56 of its 63 ms of host time in 16
-    fills and 16 trils; the guess is their OpenMP parallel regions), where numpy uses no thread pool. On
-    the dev machine numpy's is no slower either (190 positions: 9 us against 15-23)."""
+    Built by numpy, not torch.ones(...).tril(). On an H100 host (the forty-fourth session's profiles of
+    the draft's eager catch-ups) each tril took 4.0 ms for 16 requests' 72-position prompts and 1.8 ms for
+    their 190-position wake-ups, and each fill 7 us at 72 positions but 1.7 ms at 190: 56 of the wake-up's
+    63 ms of host time. The guess: an OpenMP parallel region per call (tril's at any size, fill's above
+    torch's 32,768-element grain), slow to enter on that host; numpy uses no thread pool. On the dev
+    machine numpy's is no slower either (190 positions: 9 us against 15-23)."""
     return torch.from_numpy(np.tri(n, dtype=bool))
 
 
