@@ -33,7 +33,7 @@ from kernels.compile_watch import CompileWatch
 from kernels.topk import warm_up as warm_up_top_k
 from kernels.tree_attention import warm_up
 from kernels.tree_level import warm_up as warm_up_tree_level
-from tandem import telemetry, timeline
+from tandem import host_threads, telemetry, timeline
 from tandem.errors import Unavailable
 from tandem.gc_pauses import GcWatch
 from tandem.grpc_host import ServiceHost, map_errors, status_for
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --block-size and --kv-cache-gb must be positive, --num-blocks >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA device is visible")
+    host_threads.limit_for_gpu(args.device)
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("draft", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from gateway.restarts import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartPolicy
 from tandem import telemetry
+from tandem.host_threads import default_threads
 from tandem.tls import ClientTLS, ServerTLS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -426,10 +427,11 @@ class Child:
     """One service process, its log file, its stop sequence and its restarts."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, metrics_port: int = 0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, threads: int | None = None):
         self.name = name
         self.argv = list(argv)
         self.env = dict(env or {})  # set for this child on top of tandem serve's own environment
+        self.threads = threads or default_threads("cpu")  # its OpenMP threads, unless OMP_NUM_THREADS is set
         self.log_path = log_dir / f"{name}.log"
         self.port_file = log_dir / f"{name}.port"
         self.address = ""
@@ -442,14 +444,20 @@ class Child:
         self.port_file.unlink(missing_ok=True)
         self.proc = self._launch("wb")
 
-    def _launch(self, log_mode: str) -> subprocess.Popen:
+    def environment(self) -> dict[str, str]:
+        """The environment the child starts with: tandem serve's own, and what it sets for this child."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         # Three or more processes share this machine's cores: left alone, each would
         # start an OpenMP thread per core, and threads spinning against each other
-        # make small CPU ops orders of magnitude slower. An explicit setting wins.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 3)))
+        # make small CPU ops orders of magnitude slower (tandem/host_threads.py: one
+        # thread on a GPU, a share of the cores on the CPU). An explicit setting wins.
+        env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env.update(self.env)
+        return env
+
+    def _launch(self, log_mode: str) -> subprocess.Popen:
+        env = self.environment()
         with open(self.log_path, log_mode) as log:
             return subprocess.Popen([*TANDEM, *self.argv], stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -550,8 +558,9 @@ class Supervisor:
         else:
             _say("forcing stop")
 
-    def start(self, name: str, argv: list[str], metrics_port: int = 0, env: dict[str, str] | None = None) -> Child:
-        child = Child(name, argv, self.log_dir, metrics_port, env)
+    def start(self, name: str, argv: list[str], metrics_port: int = 0, env: dict[str, str] | None = None,
+              threads: int | None = None) -> Child:
+        child = Child(name, argv, self.log_dir, metrics_port, env, threads)
         self.children.append(child)
         return child
 
@@ -647,8 +656,9 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         replicas = args.draft_replicas if plan.draft is not None else 0
         ports = iter(free_ports(2 * (1 + replicas)))
         port, metrics_port = next(ports), next(ports)
+        threads = default_threads(plan.device)
         target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", metrics_port, port),
-                           metrics_port)
+                           metrics_port, threads=threads)
         # Drafts take features from the target there (target_command sets no --host).
         target_address = None if args.features_through_gateway else f"127.0.0.1:{port}"
         drafts = []
@@ -659,7 +669,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                 port, metrics_port = next(ports), next(ports)
                 drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", metrics_port,
                                                             port, target_address), metrics_port,
-                                        draft_env(args, i)))
+                                        draft_env(args, i), threads))
         else:
             _say("no draft: serving without speculation")
         for child in [target, *drafts]:
@@ -668,7 +678,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
             sup.wait_for(f"{child.name} (loading)", lambda c=child: grpc_serving(c.address, plan.gateway_tls))
             _say(f"{child.name} ready on {child.address} ({time.monotonic() - started:.1f} s)")
         _say(f"starting gateway on {args.host}:{args.port} (REST) and {args.host}:{args.grpc_port} (gRPC)")
-        sup.start("gateway", gateway_command(args, plan, target.address, [d.address for d in drafts]))
+        sup.start("gateway", gateway_command(args, plan, target.address, [d.address for d in drafts]),
+                  threads=threads)
         local = _local(args.host)
         scheme = "https" if plan.public_tls else "http"
         sup.wait_for("gateway", lambda: http_ok(f"{scheme}://{local}:{args.port}/health")

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from kernels.compile_watch import CompileWatch
-from tandem import telemetry, timeline
+from tandem import host_threads, telemetry, timeline
 from tandem.errors import InvalidArgument, Unavailable
 from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
@@ -483,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --graph-ragged-warm-rows must be >= 0")
     if args.l2_prefetch_mb < 0:
         raise SystemExit("error: --l2-prefetch-mb must be >= 0")
+    host_threads.limit_for_gpu(args.device)
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("target", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
     spec = EngineSpec(model_dir=args.model, dtype=args.dtype or ("bfloat16" if args.device == "cuda"

@@ -1,0 +1,38 @@
+"""How many OpenMP threads a service's torch uses for its CPU ops.
+
+A service whose model runs on a GPU does little on the host but launch kernels and build small tensors, and
+some of torch's CPU ops enter an OpenMP parallel region whatever their size (tril) or above a grain of 32,768
+elements (fill, cat). On an H100 host such ops took 1.7-4 ms each (the forty-fourth session's profiles of the
+draft's eager catch-ups, where the same ops take microseconds on the dev machine): one thread runs them
+serially. vLLM's GPU workers make the same choice. An explicit OMP_NUM_THREADS always wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def default_threads(device: str, cpus: int | None = None) -> int:
+    """The threads a service on `device` starts with when OMP_NUM_THREADS is unset: one on a GPU; on the CPU,
+    where the model itself runs on these threads, a third of the cores (three processes share them)."""
+    cpus = os.cpu_count() if cpus is None else cpus
+    return 1 if device == "cuda" else max(1, (cpus or 1) // 3)
+
+
+def limit_for_gpu(device: str) -> bool:
+    """For a service started on its own (not by `tandem serve`, which sets the variable for its children): with
+    `device` "cuda" and OMP_NUM_THREADS unset, one thread here and in the processes this one starts (a TP
+    target's ranks). Returns whether it changed anything."""
+    if device != "cuda" or "OMP_NUM_THREADS" in os.environ:
+        return False
+    os.environ["OMP_NUM_THREADS"] = "1"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    log.info("one OpenMP thread for torch's CPU ops (was %d): the model runs on the GPU; set OMP_NUM_THREADS to "
+             "choose", threads)
+    return True
