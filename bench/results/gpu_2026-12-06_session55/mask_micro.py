@@ -1,0 +1,15 @@
+"""Host cost of a segment's causal mask: torch.ones().tril() against numpy's tri, with the cores busy or not."""
+import statistics, sys, time
+import numpy as np, torch
+
+def per_call_us(fn, n, reps=200):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); fn(n); times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times), 1e6 * max(times)
+
+for n in (8, 72, 190, 512):
+    t = per_call_us(lambda k: torch.ones(k, k, dtype=torch.bool).tril(), n)
+    m = per_call_us(lambda k: torch.from_numpy(np.tri(k, dtype=bool)), n)
+    print(f"threads {torch.get_num_threads()} n {n:4d}: torch ones+tril median {t[0]:8.1f} us (max {t[1]:8.1f}); "
+          f"numpy tri median {m[0]:6.1f} us (max {m[1]:8.1f})", flush=True)
