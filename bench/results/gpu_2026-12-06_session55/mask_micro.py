@@ -1,12 +1,22 @@
-"""Host cost of a segment's causal mask: torch.ones().tril() against numpy's tri, with the cores busy or not."""
-import statistics, sys, time
-import numpy as np, torch
+"""Host cost of a segment's causal mask: torch.ones().tril() against numpy's tri, per call (median and max).
 
-def per_call_us(fn, n, reps=200):
+    python bench/results/gpu_2026-12-06_session55/mask_micro.py
+"""
+import statistics
+import time
+
+import numpy as np
+import torch
+
+
+def per_call_us(fn, n: int, reps: int = 200) -> tuple[float, float]:
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter(); fn(n); times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn(n)
+        times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times), 1e6 * max(times)
+
 
 for n in (8, 72, 190, 512):
     t = per_call_us(lambda k: torch.ones(k, k, dtype=torch.bool).tril(), n)
