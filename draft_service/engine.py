@@ -351,22 +351,37 @@ class DraftEngine:
                     h_rows.append(st.last_h if st.last_h is not None
                                   else torch.zeros(model.cfg.hidden_size, dtype=model.dtype, device=dev))
                     h_at.append(row + p - a)
+        # Every index of the forward in one copy to the device, queued from pinned memory: a copy from
+        # pageable memory waits for the GPU, and five of them a call made the host wait for the feature
+        # projection, then for the whole forward, before it could queue the tree growth that follows.
+        slots = np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch])
+        last_rows = np.add(starts, counts) - 1
+        sizes = [len(next_tokens), len(positions), len(slots), len(feat_at), len(h_at), len(last_rows)]
+        indices = self._to_device(np.concatenate(
+            [np.asarray(part, dtype=np.int64) for part in (next_tokens, positions, slots, feat_at, h_at, last_rows)]))
+        tokens_on, positions_on, slots_on, feat_at_on, h_at_on, last_rows_on = torch.split(indices, sizes)
         g = torch.empty(len(next_tokens), model.cfg.hidden_size, dtype=model.dtype, device=dev)
         if feat_rows:
-            g[torch.tensor(feat_at, device=dev)] = self._project_rows(feat_rows)
+            g[feat_at_on] = self._project_rows(feat_rows)
         if h_rows:
-            g[torch.tensor(h_at, device=dev)] = torch.stack(h_rows)
+            g[h_at_on] = torch.stack(h_rows)
         layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks), tuple(tables))
-        k, v, h = model.forward(torch.tensor(next_tokens, device=dev), g, torch.tensor(positions, device=dev),
-                                layout, self.kv)
-        slots = np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch])
-        self.kv.write(0, torch.from_numpy(slots).to(dev), k, v)
-        for (rid, a, b), row, n in zip(batch, starts, counts):
+        k, v, h = model.forward(tokens_on, g, positions_on, layout, self.kv)
+        self.kv.write(0, slots_on, k, v)
+        # One gather for the batch: each request keeps a row of it (nothing writes into a last_h).
+        last_hs = h[last_rows_on]
+        for i, (rid, a, b) in enumerate(batch):
             st = self.requests[rid]
             self.kv.seqs[rid].length = b
-            st.last_h = h[row + n - 1].clone()
+            st.last_h = last_hs[i]
             for p in range(a, b):
                 st.features.pop(p, None)
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """Host ints on the model's device without waiting for the GPU: from pinned memory (torch's cache
+        of it keeps the block until the copy has run) the copy is queued and the host goes on."""
+        host = torch.from_numpy(values)
+        return host.pin_memory().to(self.model.device, non_blocking=True) if self.model.device.type == "cuda" else host
 
     def _project_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """fc(features) of these rows on the model's device. Rows that arrived on the host reach a GPU
