@@ -174,8 +174,10 @@ def run_shapes(engines: dict[bool, DraftEngine], batches: list[int], gaps: list[
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; a wake-up's catch-up "
           f"(the gap, then one position with features), ms: median of {args.turns} turns, each the median of "
           f"{args.iters} wake-ups; prompts: the requests' {prefix}-token prefixes caught up in one eager forward"
-          f"{'; another process keeps the GPU busy' if busy else ''}")
-    print(f"{'batch':>6} {'gap':>5} {'eager':>8} {'fixed':>8} {'f/e':>6} {'prompts':>8}  turns eager / fixed")
+          f"{'; another process keeps the GPU busy' if busy else ''}", flush=True)
+    # Flushed: on a fresh GPU machine Triton's first compiles take a minute before the first row.
+    print(f"{'batch':>6} {'gap':>5} {'eager':>8} {'fixed':>8} {'f/e':>6} {'prompts':>8}  turns eager / fixed",
+          flush=True)
     rows = []
     for batch in batches:
         for gap in gaps:
