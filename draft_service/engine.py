@@ -39,6 +39,7 @@ from draft_service.types import (
 )
 from kernels.tree_attention import StepLayout, causal_mask
 from tandem import timeline
+from tandem.host_copy import to_device_queued
 from tandem.tree import ancestor_mask
 
 MAX_REQUESTS = 1024  # rows of the device block table: requests one replica holds at once
@@ -357,8 +358,8 @@ class DraftEngine:
         slots = np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch])
         last_rows = np.add(starts, counts) - 1
         sizes = [len(next_tokens), len(positions), len(slots), len(feat_at), len(h_at), len(last_rows)]
-        indices = self._to_device(np.concatenate(
-            [np.asarray(part, dtype=np.int64) for part in (next_tokens, positions, slots, feat_at, h_at, last_rows)]))
+        parts = (next_tokens, positions, slots, feat_at, h_at, last_rows)
+        indices = to_device_queued(np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]), dev)
         tokens_on, positions_on, slots_on, feat_at_on, h_at_on, last_rows_on = torch.split(indices, sizes)
         g = torch.empty(len(next_tokens), model.cfg.hidden_size, dtype=model.dtype, device=dev)
         if feat_rows:
@@ -376,12 +377,6 @@ class DraftEngine:
             st.last_h = last_hs[i]
             for p in range(a, b):
                 st.features.pop(p, None)
-
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        """Host ints on the model's device without waiting for the GPU: from pinned memory (torch's cache
-        of it keeps the block until the copy has run) the copy is queued and the host goes on."""
-        host = torch.from_numpy(values)
-        return host.pin_memory().to(self.model.device, non_blocking=True) if self.model.device.type == "cuda" else host
 
     def _project_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """fc(features) of these rows on the model's device. Rows that arrived on the host reach a GPU

@@ -33,6 +33,7 @@ from kernels.invariant_attention import MAX_TAIL
 from kernels.tree_attention import StepLayout
 from kernels.tree_metadata import TreeAttnMetadata, choose_block_m, choose_num_splits
 from tandem import timeline
+from tandem.host_copy import to_device_queued
 from tandem.tree import ancestor_mask, validate_tree
 from target_service.cuda_graphs import GraphConfig, StepGraphs
 from target_service.grant import GrantStep, check_grant, run_grant
@@ -492,12 +493,6 @@ class TargetEngine:
                                          pin_memory=self._pinned)
         return self._out_host[:words]
 
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        """A small host array on the device without waiting for the GPU: from pinned memory (torch's
-        cache of it, which keeps the block until the copy has run) the copy is queued and the host goes on."""
-        host = torch.from_numpy(values)
-        return host.pin_memory().to(self.device, non_blocking=True) if self._pinned else host
-
     def _read_results(self, batch: StepBatch, M: int, out: torch.Tensor, top_k: int, tail: StepTail,
                       committed: torch.Tensor | None, features: torch.Tensor | None,
                       layers: tuple[int, ...]) -> StepResults:
@@ -519,7 +514,7 @@ class TargetEngine:
             rows = asked_rows(batch)
             feature_rows = torch.empty(len(rows), features.shape[1], dtype=features.dtype, pin_memory=self._pinned)
             asked = features[: len(rows)] if len(rows) == len(batch.tokens) else features.index_select(
-                0, self._to_device(rows))
+                0, to_device_queued(rows, self.device))
             feature_rows.copy_(asked, non_blocking=self._pinned)
         elif layers:
             # Committed rows of the sequences that asked, in row order, moved to the front on the device
@@ -529,7 +524,7 @@ class TargetEngine:
             row_seq = tail.v["row_seq"]
             want = row_seq.ge(0) if committed is None else committed & row_seq.ge(0)
             if not batch.return_features.all():
-                want &= self._to_device(batch.return_features)[row_seq.long().clamp(min=0)]
+                want &= to_device_queued(batch.return_features, self.device)[row_seq.long().clamp(min=0)]
             first = torch.sort(want.logical_not().to(torch.uint8), stable=True).indices
             compacted = features[: want.shape[0]][first]
         if self._pinned:
