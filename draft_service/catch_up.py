@@ -65,12 +65,14 @@ class BatchCatchUp:
         if capture:
             self._capture()
 
-    def load(self, tokens: list[list[int]], starts: list[int], features: list[list[torch.Tensor | None]],
-             own_h: list[torch.Tensor], table_rows: list[int], host_prefix: list[np.ndarray] | None = None) -> None:
+    def load(self, tokens: list[list[int]], starts: list[int], featured: list[list[bool]],
+             features: list[torch.Tensor], own_h: list[torch.Tensor], table_rows: list[int],
+             host_prefix: list[np.ndarray] | None = None) -> None:
         """Request b computes len(tokens[b]) positions from starts[b] (its computed length):
-        tokens[b] are the next tokens of those positions; features[b] each position's feature row, or None
-        where the position takes own_h[b] (the request's h before the segment, on the device) instead;
-        table_rows are the requests' rows of the block table."""
+        tokens[b] are the next tokens of those positions; featured[b] whether each position has a feature
+        row, where one without takes own_h[b] (the request's h before the segment, on the device) instead;
+        features are the feature rows of every featured position, in order, in runs [n, width]; table_rows
+        are the requests' rows of the block table."""
         B, W, bs = self.batch, WIDTH, self.kv.block_size
         n = len(tokens)
         counts = np.zeros(B, dtype=np.int64)
@@ -102,22 +104,24 @@ class BatchCatchUp:
         position[:] = at
         # The block table's host mirror is current: every slot of the call in one gather.
         slot[:] = np.where(used, table.host[seq_rows[:, None], at // bs] * bs + at % bs, self.kv.trash_slot)
-        rows = [f for per_request in features for f in per_request]
-        featured = [f for f in rows if f is not None]
+        has = np.fromiter(itertools.chain.from_iterable(featured), dtype=bool, count=total)
         takes_own[:] = 0
-        takes_own[used] = [f is None for f in rows]
+        takes_own[used] = ~has
         feature_row[:] = 0
-        feature_row[used] = np.cumsum([f is not None for f in rows]) - 1
+        feature_row[used] = np.cumsum(has) - 1
         np.maximum(feature_row, 0, out=feature_row)
         longs[5 * B * W:] = np.arange(B) * W + np.maximum(counts, 1) - 1
-        if featured:  # features arrive on the host (from the target's messages, or its ring)
-            torch.stack([f.cpu() for f in featured] if featured[0].is_cuda else featured,
-                        out=self.features_in.host()[:len(featured)])
-        if len(featured) < total:  # a wake-up's rows: their requests' h, copied on the device (no wait for it)
+        rows = 0
+        if features:  # features arrive on the host (from the target's messages, or its ring)
+            host = self.features_in.host()
+            for run in features:
+                host[rows: rows + run.shape[0]].copy_(run)
+                rows += run.shape[0]
+        if rows < total:  # a wake-up's rows: their requests' h, copied on the device (no wait for it)
             self.request_h[:n].copy_(torch.stack(own_h))
         self.ints_in.send()
         self.longs_in.send()
-        self.features_in.send(len(featured))
+        self.features_in.send(rows)
         self.host_slots = host_prefix or []
 
     def _plan(self):

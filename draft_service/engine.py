@@ -22,6 +22,7 @@ import torch
 
 from draft_service.catch_up import WIDTH, BatchCatchUp
 from draft_service.device_tree import BatchTreeGrowth, GrowthShape, fits
+from draft_service.feature_rows import FeatureRows
 from draft_service.model import Eagle3Draft
 from draft_service.staging import StagedInput, staged_chunks
 from draft_service.tree_growth import TreeGrowth, top_children
@@ -59,7 +60,7 @@ def _bucket(n: int) -> int:
 class _Request:
     tokens: list[int] = field(default_factory=list)
     # Target features by position, only for positions not computed yet.
-    features: dict[int, torch.Tensor] = field(default_factory=dict)
+    features: FeatureRows = field(default_factory=FeatureRows)
     last_h: torch.Tensor | None = None  # pre-norm h of the last computed position
 
 
@@ -223,11 +224,10 @@ class DraftEngine:
             st = self.requests[it.request_id] = _Request()
             self.kv.create(it.request_id)
         st.tokens.extend(it.tokens[len(st.tokens) - it.start_position:])
-        done = self.computed(it.request_id)
-        for i in range(it.num_feature_rows):
+        if it.features is not None:
             # Features of positions already computed come too late to matter.
-            if it.start_position + i >= done:
-                st.features[it.start_position + i] = it.features[i]
+            st.features.put(it.start_position, it.features,
+                            first=max(0, self.computed(it.request_id) - it.start_position))
 
     @torch.inference_mode()
     def catch_up(self, request_ids: list[str] | None = None) -> None:
@@ -317,24 +317,26 @@ class DraftEngine:
         model = self.model
         own_h = [st.last_h if st.last_h is not None  # position 0 has none: zeros
                  else torch.zeros(model.cfg.hidden_size, dtype=model.dtype, device=model.device) for st in reqs]
+        featured = [[p in st.features for p in range(a, b)] for st, (_, a, b) in zip(reqs, batch)]
+        runs = [run for st, (_, a, b), has in zip(reqs, batch, featured)
+                for run in st.features.runs(p for p, on in zip(range(a, b), has) if on)]
         catch.load([st.tokens[a + 1: b + 1] for st, (_, a, b) in zip(reqs, batch)], [a for _, a, _ in batch],
-                   [[st.features.get(p) for p in range(a, b)] for st, (_, a, b) in zip(reqs, batch)], own_h,
-                   [self.kv.seqs[rid].row for rid, _, _ in batch], host_prefix)
+                   featured, runs, own_h, [self.kv.seqs[rid].row for rid, _, _ in batch], host_prefix)
         catch.run()
         # One copy for the batch: the next call overwrites catch.last_h, and nothing writes into a last_h.
         last_hs = catch.last_h[: len(batch)].clone()
         for i, (st, (rid, a, b)) in enumerate(zip(reqs, batch)):
             self.kv.seqs[rid].length = b
             st.last_h = last_hs[i]
-            for p in range(a, b):
-                st.features.pop(p, None)
+            st.features.drop(a, b)
 
     def _run_segments(self, batch: list[tuple[str, int, int]]) -> None:
         model, dev = self.model, self.model.device
         next_tokens: list[int] = []
         positions: list[int] = []
         starts, counts, prefix, masks, tables = [], [], [], [], []
-        feat_rows, feat_at, h_rows, h_at = [], [], [], []
+        feat_runs: list[torch.Tensor] = []
+        feat_at, h_rows, h_at = [], [], []
         for rid, a, b in batch:
             st, row = self.requests[rid], len(next_tokens)
             next_tokens += st.tokens[a + 1:b + 1]
@@ -344,14 +346,16 @@ class DraftEngine:
             prefix.append(torch.from_numpy(self.kv.host_slots(rid, 0, a)))
             tables.append(list(self.kv.seqs[rid].blocks))
             masks.append(causal_mask(b - a))
-            for p in range(a, b):
-                if p in st.features:
-                    feat_rows.append(st.features[p])
-                    feat_at.append(row + p - a)
-                else:  # the draft's own state before the segment (exact at p == a); position 0 has none: zeros
-                    h_rows.append(st.last_h if st.last_h is not None
-                                  else torch.zeros(model.cfg.hidden_size, dtype=model.dtype, device=dev))
-                    h_at.append(row + p - a)
+            featured = [p for p in range(a, b) if p in st.features]
+            feat_runs += st.features.runs(featured)
+            feat_at += [row + p - a for p in featured]
+            if len(featured) < b - a:  # the others take the draft's own state before the segment (exact at
+                # p == a); position 0 has none: zeros
+                own_h = st.last_h if st.last_h is not None else torch.zeros(
+                    model.cfg.hidden_size, dtype=model.dtype, device=dev)
+                without = [row + p - a for p in range(a, b) if p not in st.features]
+                h_rows += [own_h] * len(without)
+                h_at += without
         # Every index of the forward in one copy to the device, queued from pinned memory: a copy from
         # pageable memory waits for the GPU, and five of them a call made the host wait for the feature
         # projection, then for the whole forward, before it could queue the tree growth that follows.
@@ -362,8 +366,8 @@ class DraftEngine:
         indices = to_device_queued(np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]), dev)
         tokens_on, positions_on, slots_on, feat_at_on, h_at_on, last_rows_on = torch.split(indices, sizes)
         g = torch.empty(len(next_tokens), model.cfg.hidden_size, dtype=model.dtype, device=dev)
-        if feat_rows:
-            g[feat_at_on] = self._project_rows(feat_rows)
+        if feat_runs:
+            g[feat_at_on] = self._project_rows(feat_runs)
         if h_rows:
             g[h_at_on] = torch.stack(h_rows)
         layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks), tuple(tables))
@@ -375,23 +379,25 @@ class DraftEngine:
             st = self.requests[rid]
             self.kv.seqs[rid].length = b
             st.last_h = last_hs[i]
-            for p in range(a, b):
-                st.features.pop(p, None)
+            st.features.drop(a, b)
 
-    def _project_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """fc(features) of these rows on the model's device. Rows that arrived on the host reach a GPU
-        through a pinned buffer: stacked into fresh pageable memory (whose pages are faulted in as the
-        stack writes them) and copied from there, a joining prompt's rows (16 x 72 on an H100, 2026-12-05)
-        took 34 ms of host time in the stack and 4.4 ms of device time in the pageable copy."""
+    def _project_rows(self, runs: list[torch.Tensor]) -> torch.Tensor:
+        """fc(features) of these runs of rows ([n, width] each, taken in order) on the model's device. Runs
+        that arrived on the host reach a GPU through a pinned buffer: stacked into fresh pageable memory
+        (whose pages are faulted in as the stack writes them) and copied from there, a joining prompt's rows
+        (16 x 72 on an H100, 2026-12-05) took 34 ms of host time in the stack and 4.4 ms of device time in
+        the pageable copy."""
         model = self.model
-        if not self.stage_host_features or rows[0].is_cuda:
-            return model.project(torch.stack(rows))
+        if not self.stage_host_features or runs[0].is_cuda:
+            rows = runs[0] if len(runs) == 1 else torch.cat(runs)
+            return model.project(rows)
         if self._feature_stage is None:
             self._feature_stage = StagedInput((STAGED_FEATURE_ROWS, model.cfg.feature_width), model.dtype,
                                               model.device)
         # Projected at once, as before, not chunk by chunk: a GEMM's rows may round differently with its height.
-        features = torch.empty(len(rows), model.cfg.feature_width, dtype=model.dtype, device=model.device)
-        for at, chunk in staged_chunks(self._feature_stage, rows):
+        features = torch.empty(sum(run.shape[0] for run in runs), model.cfg.feature_width, dtype=model.dtype,
+                               device=model.device)
+        for at, chunk in staged_chunks(self._feature_stage, runs):
             features[at: at + len(chunk)] = chunk
         return model.project(features)
 

@@ -38,13 +38,26 @@ class StagedInput:
             self._sent.record()
 
 
-def staged_chunks(stage: StagedInput, rows: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
-    """Host rows on their way to the device through `stage`, as many at a time as it holds: (the first
-    row's index, the chunk on the device). Use each chunk before asking for the next: the next one is copied
-    into the same device rows (after, in stream order, whatever the caller queued on this one)."""
+def staged_chunks(stage: StagedInput, runs: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Host rows on their way to the device through `stage`, as many at a time as it holds: `runs` are
+    blocks of rows [n, width], taken in order as one sequence of rows (a run may span two chunks). Yields
+    (the chunk's first row, the chunk on the device). Use each chunk before asking for the next: the next
+    one is copied into the same device rows (after, in stream order, whatever the caller queued on this one)."""
     size = stage.device.shape[0]
-    for at in range(0, len(rows), size):
-        chunk = rows[at: at + size]
-        torch.stack(chunk, out=stage.host()[: len(chunk)])
-        stage.send(len(chunk))
-        yield at, stage.device[: len(chunk)]
+    at = filled = 0
+    host: torch.Tensor | None = None
+    for run in runs:
+        taken = 0
+        while taken < run.shape[0]:
+            if host is None:
+                host = stage.host()
+            n = min(size - filled, run.shape[0] - taken)
+            host[filled: filled + n].copy_(run[taken: taken + n])
+            filled, taken = filled + n, taken + n
+            if filled == size:
+                stage.send(size)
+                yield at, stage.device[:size]
+                at, filled, host = at + size, 0, None
+    if filled:
+        stage.send(filled)
+        yield at, stage.device[:filled]

@@ -203,7 +203,7 @@ def test_engine_tree_is_the_brute_force_top_n(target, small_vocab_draft, steps, 
     ref = ReferenceEagle3(small_vocab_draft, target)
     engine = DraftEngine(Eagle3Draft(small_vocab_draft, target), num_blocks=16, block_size=4)
     tokens = ingest_history(engine, "r", 7, seed=steps * 10 + topk)
-    feats = [engine.requests["r"].features.get(p) for p in range(7)]
+    feats = [engine.requests["r"].features.row(p) for p in range(7)]
     budget = DraftBudget(steps, topk, num_draft_tokens)
     tree = engine.draft([DraftItem("r", budget)])[0]
 
