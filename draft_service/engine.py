@@ -336,7 +336,9 @@ class DraftEngine:
         positions: list[int] = []
         starts, counts, prefix, masks, tables = [], [], [], [], []
         feat_runs: list[torch.Tensor] = []
-        feat_at, h_rows, h_at = [], [], []
+        # Rows without features: each request's h before its segment, once, and per row the request's index.
+        own_hs: list[torch.Tensor] = []
+        feat_at, h_at, h_of = [], [], []
         for rid, a, b in batch:
             st, row = self.requests[rid], len(next_tokens)
             next_tokens += st.tokens[a + 1:b + 1]
@@ -351,25 +353,27 @@ class DraftEngine:
             feat_at += [row + p - a for p in featured]
             if len(featured) < b - a:  # the others take the draft's own state before the segment (exact at
                 # p == a); position 0 has none: zeros
-                own_h = st.last_h if st.last_h is not None else torch.zeros(
-                    model.cfg.hidden_size, dtype=model.dtype, device=dev)
+                own_hs.append(st.last_h if st.last_h is not None else torch.zeros(
+                    model.cfg.hidden_size, dtype=model.dtype, device=dev))
                 without = [row + p - a for p in range(a, b) if p not in st.features]
-                h_rows += [own_h] * len(without)
                 h_at += without
+                h_of += [len(own_hs) - 1] * len(without)
         # Every index of the forward in one copy to the device, queued from pinned memory: a copy from
         # pageable memory waits for the GPU, and five of them a call made the host wait for the feature
         # projection, then for the whole forward, before it could queue the tree growth that follows.
         slots = np.concatenate([self.kv.host_slots(rid, a, b) for rid, a, b in batch])
         last_rows = np.add(starts, counts) - 1
-        sizes = [len(next_tokens), len(positions), len(slots), len(feat_at), len(h_at), len(last_rows)]
-        parts = (next_tokens, positions, slots, feat_at, h_at, last_rows)
+        parts = (next_tokens, positions, slots, feat_at, h_at, h_of, last_rows)
         indices = to_device_queued(np.concatenate([np.asarray(part, dtype=np.int64) for part in parts]), dev)
-        tokens_on, positions_on, slots_on, feat_at_on, h_at_on, last_rows_on = torch.split(indices, sizes)
+        tokens_on, positions_on, slots_on, feat_at_on, h_at_on, h_of_on, last_rows_on = torch.split(
+            indices, [len(part) for part in parts])
         g = torch.empty(len(next_tokens), model.cfg.hidden_size, dtype=model.dtype, device=dev)
         if feat_runs:
             g[feat_at_on] = self._project_rows(feat_runs)
-        if h_rows:
-            g[h_at_on] = torch.stack(h_rows)
+        if own_hs:
+            # A gather on the device, not a stack of a tensor per row: a wake-up's approximate head is a
+            # few hundred rows a request, all one h.
+            g[h_at_on] = torch.stack(own_hs)[h_of_on]
         layout = StepLayout(tuple(starts), tuple(counts), tuple(prefix), tuple(masks), tuple(tables))
         k, v, h = model.forward(tokens_on, g, positions_on, layout, self.kv)
         self.kv.write(0, slots_on, k, v)
