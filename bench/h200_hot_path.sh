@@ -168,6 +168,8 @@
 # /tmp/site first. The device tool refused the working tree with the wheels as over its 64 MiB (2026-12-02; without
 # them it passed): stages that need no wheels (wide, linear, engine timings) run without them; for the others, move
 # the tracked bench/results/ (41 MB, read by no stage) out of the tree for the call and back after it.
+# Each run packs its $OUT into one results.tgz, but a device call returns at most 8 files: a call that runs several
+# (OUT=$D/a ..., OUT=$D/b ...) should end by packing them into one tarball (2026-12-06: three came back as none).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200_out}
