@@ -31,9 +31,10 @@ def limit_for_gpu(device: str) -> bool:
     target's ranks). Returns whether it changed anything."""
     if device != "cuda" or "OMP_NUM_THREADS" in os.environ:
         return False
-    os.environ["OMP_NUM_THREADS"] = "1"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    log.info("one OpenMP thread for torch's CPU ops (was %d): the model runs on the GPU; set OMP_NUM_THREADS to "
-             "choose", threads)
+    threads = default_threads(device)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    log.info("%d OpenMP thread(s) for torch's CPU ops (was %d): the model runs on the GPU; set OMP_NUM_THREADS to "
+             "choose", threads, was)
     return True
