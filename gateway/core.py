@@ -114,8 +114,8 @@ class CoreConfig:
     # close_probe_steps; 0: off). 16 by default: measured on the H200 (BENCHMARKS.md, "Common draws").
     gate_close_probe_steps: int = 16
     # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch, see there for why
-    # 2); below it the cost model's figures alone decide.
-    gate_min_batch: int = 2
+    # 1); below it the cost model's figures alone decide.
+    gate_min_batch: int = 1
     # Plans, and seconds, for which the load gate keeps judging the highest load it met (HeldLoad, see there for
     # why; 1 plan: each plan at its own load).
     gate_load_hold_plans: int = HeldLoad.plans
@@ -1265,8 +1265,12 @@ class GatewayCore:
                                         lightest=self._lighter_step(plan, outcome, seconds))
                        if arm_step and not self._ramp(plan, outcome, seqs, gate_load) else None)
             if verdict is not None:
-                log.info("load gate, %s: %s; %s", self.gate.describe(gate_load),
-                         "speculating" if verdict else "decoding plainly", self.gate.outlook(gate_load))
+                overturned = bool(self.gate.overturned)
+                self.gate.overturned.clear()
+                log.info("load gate, %s: %s%s; %s", self.gate.describe(gate_load),
+                         "speculating" if verdict else "decoding plainly",
+                         " (the standing verdict's loser measured better outside a probe)" if overturned else "",
+                         self.gate.outlook(gate_load))
                 # A grant that measured plain decoding for the gate ends here where trees won: its other
                 # steps would decode plainly for nothing. On an H100 (scale track, 0.8, 8 requests,
                 # 2026-12-05) a re-probe settled on its third granted step and the grant ran five more,

@@ -959,15 +959,17 @@ class LoadGate:
     out), so judging step by step flipped the arms back and forth, each flip
     charged to the arm switched to. For the same reason the first quarter of
     a probe is not recorded.
-    Below `min_batch` sequences the gate stays open: a lone request's step is
-    mostly fixed cost, which the profile (corrected by measured steps, see
-    CostModel) captures, and a few noisy steps at the start of a generation
-    (when acceptance is lowest) would mislead it. From two sequences on the gate
-    decides: until 2026-12-04 it did from four, and at two requests on the H200
-    scale track (0.6, where `never` beat `always` by 8-10%) the figures alone
-    predicted trees at 384-394 tok/s that measured 367-376, and auto read
-    0.89-0.91 of `never`; with the gate from two it read 0.96-1.00 (BENCHMARKS.md,
-    "The gate from two sequences").
+    Below `min_batch` sequences the gate stays open and the cost model's figures
+    alone decide. Since 2026-12-06 the gate decides from one sequence. Until
+    2026-12-04 it did from four, and at two requests on the H200 scale track (0.6,
+    where `never` beat `always` by 8-10%) the figures alone predicted trees at
+    384-394 tok/s that measured 367-376, and auto read 0.89-0.91 of `never`; with the
+    gate from two it read 0.96-1.00 (BENCHMARKS.md, "The gate from two sequences").
+    From two, a lone request on the demo track (bf16, an H100, where `never`
+    delivered 1.2-1.3x `always`) was held on trees by a lucky start of its own
+    figures in two serves of four (auto 0.66-0.69 of `never`); the gate measures
+    what a lone request's trees deliver and overturns them (see _overturned)
+    (BENCHMARKS.md, "The gate from one sequence").
     The cost model still picks the trees inside the speculative arm; the gate
     catches what the model misses (gateway work, the draft's catch-up of fed
     features, contention between services on shared cores).
@@ -976,7 +978,7 @@ class LoadGate:
     stale_after: int = 48
     probe_steps: int = 8
     margin: float = 1.1  # the other arm must measure this much better to overturn a standing verdict
-    min_batch: int = 2
+    min_batch: int = 1
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
@@ -1053,6 +1055,10 @@ class LoadGate:
     _verdict_mix: dict[int, float] = field(default_factory=dict)  # bucket -> PromptCharges.mix at its verdict
     # (bucket, mix at its verdict, mix now) of each load measured afresh since the caller last took them (for logs)
     remeasured: list[tuple[int, float, float]] = field(default_factory=list)
+    # bucket -> the standing verdict's losing arm: its steps recorded outside a probe since the verdict (see
+    # _overturned), and the buckets whose verdict those steps overturned since the caller last took them (for logs)
+    _against: dict[int, int] = field(default_factory=dict)
+    overturned: list[int] = field(default_factory=list)
     prompts: PromptCharges = field(default_factory=PromptCharges)
     _met: dict[int, float] = field(default_factory=dict)  # bucket -> when it was last met (clock seconds)
 
@@ -1167,6 +1173,7 @@ class LoadGate:
 
     def _set_verdict(self, b: int, spec: bool) -> None:
         self._verdict[b] = spec
+        self._against[b] = 0
         mix = self.prompts.mix()
         if mix is not None:
             self._verdict_mix[b] = mix
@@ -1184,7 +1191,8 @@ class LoadGate:
             return
         self.remeasured.append((b, then, now))
         self._forget_figures(b)
-        for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost, self._catch_up):
+        for state in (self._verdict, self._verdict_mix, self._unsettled, self._probe_lost, self._catch_up,
+                      self._against):
             state.pop(b, None)
         self.prompts.forget(b)
 
@@ -1348,7 +1356,8 @@ class LoadGate:
     def record(self, seqs: int, spec: bool, committed: int, seconds: float, load: int | None = None,
                lightest: Callable[[int], float] | None = None) -> bool | None:
         """Records a decode step of `seqs` sequences at `load` (requests in the gateway, the bucket judged;
-        default seqs); returns the new verdict (speculate?) when this step ended a probe.
+        default seqs); returns the new verdict (speculate?) when this step ended a probe or, outside one,
+        overturned the standing verdict (see _overturned).
 
         `lightest(n)`: what the step would have taken with its first n sequences alone (the cost model's
         figure for that shape, scaled by what the step measured). A step heavier than its bucket's lightest
@@ -1407,7 +1416,7 @@ class LoadGate:
             this.since = 0
         other.since += 1
         if not probing:
-            return None
+            return self._overturned(b, spec) if recorded else None
         first_probe = not probe.reprobe and not probe.second
         if recorded:
             probe = probe._replace(committed=probe.committed + committed, seconds=probe.seconds + seconds)
@@ -1445,6 +1454,27 @@ class LoadGate:
             self._unsettled[b] = 0
         self._end_probe(b)
         return self._verdict[b]
+
+    def _overturned(self, b: int, spec: bool) -> bool | None:
+        """A step of the standing verdict's losing arm, recorded outside any probe (the cost model chose it:
+        a dormant request's granted plain steps under a verdict for trees): once `probe_steps` such steps have
+        come since the verdict, the verdict is judged again on the arms' figures as they stand, with the margin,
+        and overturned where the loser now measures `margin` times better. Returns the new verdict, else None.
+        Why: a verdict was otherwise judged again only when a probe ended, and plain steps the cost model chose
+        kept plain decoding's figure fresh, so its re-probe never fell due. On an H100 (demo track, bf16, one
+        request, 2026-12-06) the warm-up's six lucky tree steps (2,542 tok/s) set trees against one plain step;
+        through the levels plain decoding then measured 2,643-3,488 tok/s over 254-637 steps against trees'
+        1,186-1,841, the verdict stood, and auto read 0.77 of `never`."""
+        verdict = self._verdict.get(b)
+        if verdict is None or spec == verdict or b in self._probing:
+            return None
+        self._against[b] = self._against.get(b, 0) + 1
+        if self._against[b] < self.probe_steps or self._judge(b) == verdict:
+            return None
+        self._unsettled.pop(b, None)
+        self._set_verdict(b, spec)
+        self.overturned.append(b)
+        return spec
 
     def outlook(self, seqs: int) -> str:
         """When this load's losing arm is measured again, and what its last probe lost (the price a re-probe
