@@ -959,17 +959,18 @@ class LoadGate:
     out), so judging step by step flipped the arms back and forth, each flip
     charged to the arm switched to. For the same reason the first quarter of
     a probe is not recorded.
-    Below `min_batch` sequences the gate stays open and the cost model's figures
-    alone decide. Since 2026-12-06 the gate decides from one sequence. Until
-    2026-12-04 it did from four, and at two requests on the H200 scale track (0.6,
-    where `never` beat `always` by 8-10%) the figures alone predicted trees at
-    384-394 tok/s that measured 367-376, and auto read 0.89-0.91 of `never`; with the
-    gate from two it read 0.96-1.00 (BENCHMARKS.md, "The gate from two sequences").
-    From two, a lone request on the demo track (bf16, an H100, where `never`
-    delivered 1.2-1.3x `always`) was held on trees by a lucky start of its own
-    figures in two serves of four (auto 0.66-0.69 of `never`); the gate measures
-    what a lone request's trees deliver and overturns them (see _overturned)
-    (BENCHMARKS.md, "The gate from one sequence").
+    Below `min_batch` sequences the gate stays open: a lone request's step is
+    mostly fixed cost, which the profile (corrected by measured steps, see
+    CostModel) captures, and a few noisy steps at the start of a generation
+    (when acceptance is lowest) would mislead it. From two sequences on the gate
+    decides: until 2026-12-04 it did from four, and at two requests on the H200
+    scale track (0.6, where `never` beat `always` by 8-10%) the figures alone
+    predicted trees at 384-394 tok/s that measured 367-376, and auto read
+    0.89-0.91 of `never`; with the gate from two it read 0.96-1.00 (BENCHMARKS.md,
+    "The gate from two sequences"). From one (`--gate-min-batch 1`, an H100,
+    2026-12-06, before _overturned): a lone request on the demo track read 0.77 and
+    0.89 of `never` against 0.93 and 0.69 from two, and 1.00 against 1.03 on the
+    scale track at 0.8 (BENCHMARKS.md, "The fifty-eighth session's figures").
     The cost model still picks the trees inside the speculative arm; the gate
     catches what the model misses (gateway work, the draft's catch-up of fed
     features, contention between services on shared cores).
@@ -978,7 +979,7 @@ class LoadGate:
     stale_after: int = 48
     probe_steps: int = 8
     margin: float = 1.1  # the other arm must measure this much better to overturn a standing verdict
-    min_batch: int = 1
+    min_batch: int = 2
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`
@@ -1462,9 +1463,9 @@ class LoadGate:
         and overturned where the loser now measures `margin` times better. Returns the new verdict, else None.
         Why: a verdict was otherwise judged again only when a probe ended, and plain steps the cost model chose
         kept plain decoding's figure fresh, so its re-probe never fell due. On an H100 (demo track, bf16, one
-        request, 2026-12-06) the warm-up's six lucky tree steps (2,542 tok/s) set trees against one plain step;
-        through the levels plain decoding then measured 2,643-3,488 tok/s over 254-637 steps against trees'
-        1,186-1,841, the verdict stood, and auto read 0.77 of `never`."""
+        request, `--gate-min-batch 1`, 2026-12-06) the warm-up's six lucky tree steps (2,542 tok/s) set trees
+        against one plain step; through the levels plain decoding then measured 2,643-3,488 tok/s over 254-637
+        steps against trees' 1,186-1,841, the verdict stood, and auto read 0.77 of `never`."""
         verdict = self._verdict.get(b)
         if verdict is None or spec == verdict or b in self._probing:
             return None

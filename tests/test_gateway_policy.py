@@ -454,8 +454,9 @@ def test_a_standing_verdict_for_trees_is_overturned_by_plain_steps_the_cost_mode
     """Issue 14: a lucky probe of trees (2,000 tok/s against plain's 800) sets trees; then the cost model
     puts the requests to sleep and their plain steps, recorded outside any probe, measure 4,000 tok/s. Those
     steps keep plain decoding's figure fresh, so its re-probe never falls due: on an H100 (demo track, one
-    request) the verdict stood over 637 such steps at 2-3x trees' rate. After `probe_steps` of them the
-    verdict is judged again, with the margin: overturned here, kept where plain is within the margin."""
+    request, the gate from one sequence) the verdict stood over 637 such steps at 2-3x trees' rate. After
+    `probe_steps` of them the verdict is judged again, with the margin: overturned here, kept where plain is
+    within the margin."""
     def gate_after_plain_steps(plain_seconds: float, steps: int) -> tuple[LoadGate, list[bool | None]]:
         gate = LoadGate(close_probe_steps=0)
         for _ in range(gate.probe_steps):  # plain first (the cost model prefers it): 800 tok/s
@@ -573,9 +574,9 @@ def test_while_the_gate_probes_trees_every_request_gets_one_though_stale_figures
     assert all(b.empty for b in choose_budgets(CFG, costs, book, candidates(48, stats={}), 0, 0).values())
     probed = choose_budgets(CFG, costs, book, candidates(48, stats={}), 0, 0, probe=True)
     assert len(set(probed.values())) == 1 and not probed["r0"].empty
-    gate = LoadGate(min_batch=2)
+    gate = LoadGate()
     assert gate.allow_spec(48) and gate.probing_spec(48)  # trees are measured first at a new batch size
-    assert gate.allow_spec(1) and not gate.probing_spec(1)  # below the gate's minimum: the cost model decides alone
+    assert gate.allow_spec(1) and not gate.probing_spec(1)  # a lone request: the cost model decides alone
 
 
 def test_a_stale_losing_arm_is_re_probed_briefly_not_on_every_step():
@@ -851,7 +852,7 @@ def test_a_first_bucket_measures_first_the_arm_the_cost_model_prefers():
     assert LoadGate().allow_spec(8, prefers(False)) is False
     assert LoadGate().allow_spec(8, prefers(True)) is True
     assert asked == [False, True]
-    gate = LoadGate(min_batch=2)
+    gate = LoadGate()
     assert gate.allow_spec(1, prefers(False)) and len(asked) == 2  # below min_batch: not even asked
 
 
@@ -1252,14 +1253,13 @@ def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for
 
 
 def test_the_gate_min_batch_flag_reaches_the_load_gate_and_a_bad_value_is_refused():
-    """--gate-min-batch sets the sequences from which the load gate decides (default 1, as LoadGate's)."""
+    """--gate-min-batch sets the sequences from which the load gate decides (default 2, as LoadGate's)."""
     from gateway.core import CoreConfig
     from gateway.main import build_parser
 
     parser = build_parser()
-    assert parser.parse_args(["--target", "t:1"]).gate_min_batch == 1
-    assert LoadGate().min_batch == CoreConfig().gate_min_batch == 1
-    assert LoadGate().allow_spec(1, lambda: False) is False  # a lone request is measured: plain decoding first
+    assert parser.parse_args(["--target", "t:1"]).gate_min_batch == 2
+    assert LoadGate().min_batch == CoreConfig().gate_min_batch == 2
     assert parser.parse_args(["--target", "t:1", "--gate-min-batch", "4"]).gate_min_batch == 4
     assert "--gate-min-batch N" in " ".join(parser.format_help().split())
     with pytest.raises(ValueError, match="gate min batch"):
