@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from draft_service.types import IngestItem
+from draft_service.types import DraftBudget, IngestItem
 from gateway.clients import TargetClient
 from gateway.draft_pool import DraftReplica
 from gateway.policy import CostModel, PolicyConfig, batch_bucket
@@ -141,6 +141,19 @@ def _profile_draft(replica: DraftReplica, cfg: PolicyConfig) -> tuple[float, flo
 
 # Batch buckets of the draft's growth graphs that the profile's calls (1 and 4 requests) leave uncaptured.
 WARM_BATCHES = (2, 8, 16, 32, 64)
+# Batch buckets at which each warmed option's depth cuts are warmed too. A request near its max_tokens drafts its
+# option cut to the tokens it has left (GatewayCore._budgets), a graph of its own captured on first use, and a
+# group of requests grows to its deepest member's depth (DraftEngine._grow_on_device), so a cut graph is met where
+# one or two requests decode. On an H100 (demo track, bf16, one request, 2026-12-06) the first level of `auto` met
+# six cuts of its chains (9/1/11, 7/1/11, ...), each round's draft phase 4-17 ms against 2 ms: about 60 ms of a
+# 430 ms level. Small buckets only: their graphs are small, where a cut at 64 requests would hold a large one.
+CUT_BATCHES = (1, 2)
+
+
+def depth_cuts(budget: DraftBudget) -> list[DraftBudget]:
+    """The shallower trees of this budget that a request near its max_tokens drafts: its top-k and size, 1 to
+    steps - 1 levels."""
+    return [DraftBudget(steps, budget.topk, budget.num_draft_tokens) for steps in range(1, budget.steps)]
 
 
 def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
@@ -149,10 +162,10 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
     each (batch bucket, budget) on its first call, and under load that first call is a first probe of trees,
     its capture a pause of every request. On an H200 at 16 requests a 10/1/11 capture took 30 of a probe
     round's 43 ms draft phase; on an H100, before trees of several depths grew as one, captures took about
-    190 ms of two rounds (BENCHMARKS.md, forty-third session). Then, at each bucket, one call that first takes
-    in a verify's worth of tokens with features: the fixed-width catch-up's graph of that bucket (10-70 ms a
-    capture on an H100). Returns the calls made: none on a CPU draft, which captures nothing, and none where no
-    bucket fits."""
+    190 ms of two rounds (BENCHMARKS.md, forty-third session). Each option's depth cuts get a call at each bucket
+    of CUT_BATCHES (see there). Then, at each bucket of WARM_BATCHES, one call that first takes in a verify's
+    worth of tokens with features: the fixed-width catch-up's graph of that bucket (10-70 ms a capture on an
+    H100). Returns the calls made: none on a CPU draft, which captures nothing, and none where no bucket fits."""
     client = replica.client
     info = client.info()
     if info.device != "cuda" or cfg.mode == "never":
@@ -162,17 +175,20 @@ def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
     per_request = -(-(PREFIX + len(WARM_BATCHES) + deepest) // info.load.block_size)  # + a token a catch-up call
     room = info.load.free_blocks // per_request
     batches = [b for b in WARM_BATCHES if b <= min(max_batch, room)]
-    if not batches:
+    cut_batches = [b for b in CUT_BATCHES if b <= min(max_batch, room)]
+    if not batches and not cut_batches:
         return 0
-    ids = [f"__warm_{i}" for i in range(batches[-1])]
+    ids = [f"__warm_{i}" for i in range(max(batches + cut_batches))]
     prompt = tuple(1 + i % 50 for i in range(PREFIX))
     client.ingest([IngestItem(rid, 0, prompt, None) for rid in ids], catch_up=True)
     calls = 0
     known = {rid: list(prompt) for rid in ids}
     try:
         for budget in options:
-            for batch in batches:
-                client.draft([], [(rid, budget, len(prompt)) for rid in ids[:batch]])
+            shapes = [(budget, batch) for batch in batches]
+            shapes += [(cut, batch) for cut in depth_cuts(budget) for batch in cut_batches]
+            for shape_budget, batch in shapes:
+                client.draft([], [(rid, shape_budget, len(prompt)) for rid in ids[:batch]])
                 calls += 1
         for batch in batches if info.feature_width else ():
             # The root and one accepted token, the root's features with them: as a verify step feeds the draft.

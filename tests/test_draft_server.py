@@ -244,9 +244,11 @@ def test_the_gateways_start_up_warm_up_runs_against_a_real_draft_and_leaves_it_a
     try:
         before = stub.GetLoad(draft_pb2.DraftLoadRequest())
         # 32 blocks of 4 tokens, 14 a request (32 tokens of prompt, 5 of catch-ups, 16 of the widest tree): the
-        # 2-request bucket, a call per option and one that catches up a verify's tokens with features.
-        assert warm_draft(SimpleNamespace(client=SaysCuda()), PolicyConfig(), max_batch=256) == len(
-            PolicyConfig().auto_options()) + 1
+        # 2-request bucket, a call per option and one that catches up a verify's tokens with features; and each
+        # option's depth cuts at one and two requests.
+        options = PolicyConfig().auto_options()
+        calls = len(options) + 1 + 2 * sum(o.steps - 1 for o in options)
+        assert warm_draft(SimpleNamespace(client=SaysCuda()), PolicyConfig(), max_batch=256) == calls
         after = stub.GetLoad(draft_pb2.DraftLoadRequest())
         assert (after.num_sequences, after.free_blocks) == (before.num_sequences, before.free_blocks)
     finally:

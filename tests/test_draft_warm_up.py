@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from draft_service.types import DraftBudget
 from gateway.clients import DraftInfo
 from gateway.policy import PolicyConfig
-from gateway.profiling import PREFIX, WARM_BATCHES, warm_draft
+from gateway.profiling import CUT_BATCHES, PREFIX, WARM_BATCHES, depth_cuts, warm_draft
 from target_service.types import KvLoad
 
 
@@ -55,14 +55,24 @@ def warm(client: RecordingDraft, cfg: PolicyConfig | None = None, max_batch: int
     return warm_draft(SimpleNamespace(client=client), cfg or PolicyConfig(), max_batch)
 
 
-def test_a_cuda_draft_gets_a_call_for_each_option_at_each_bucket_the_profile_leaves_out():
+def test_a_cuda_draft_gets_a_call_for_each_option_at_each_bucket_the_profile_leaves_out_and_its_cuts_at_one_or_two():
     client = RecordingDraft("cuda")
     cfg = PolicyConfig()
     calls = warm(client, cfg)
-    assert calls == len(client.calls) + len(client.catch_ups) == (len(cfg.auto_options()) + 1) * len(WARM_BATCHES)
-    assert set(client.calls) == {(o, b) for o in cfg.auto_options() for b in WARM_BATCHES}
+    cuts = {(cut, b) for o in cfg.auto_options() for cut in depth_cuts(o) for b in CUT_BATCHES}
+    assert calls == len(client.calls) + len(client.catch_ups) == (
+        (len(cfg.auto_options()) + 1) * len(WARM_BATCHES) + len(cuts))
+    assert set(client.calls) == {(o, b) for o in cfg.auto_options() for b in WARM_BATCHES} | cuts
+    assert len(client.calls) == len(set(client.calls))  # each shape once
     assert client.catch_ups == list(WARM_BATCHES)  # the fixed-width catch-up's graph of each bucket
     assert sorted(client.released) == sorted(client.ingested) and len(client.ingested) == max(WARM_BATCHES)
+
+
+def test_a_budgets_depth_cuts_are_its_shallower_trees_of_the_same_top_k_and_size():
+    """As GatewayCore._budgets cuts a request's budget near its max_tokens: steps 1 .. steps - 1."""
+    assert depth_cuts(DraftBudget(5, 4, 8)) == [DraftBudget(d, 4, 8) for d in (1, 2, 3, 4)]
+    assert depth_cuts(DraftBudget(10, 1, 11))[-1] == DraftBudget(9, 1, 11)
+    assert depth_cuts(DraftBudget(1, 1, 2)) == []
 
 
 def test_a_draft_that_reports_no_feature_width_gets_no_catch_up_call():
@@ -79,17 +89,23 @@ def test_a_cpu_draft_captures_nothing_and_is_not_called():
 def test_the_warm_up_stays_within_the_running_batch_and_the_drafts_free_kv():
     client = RecordingDraft("cuda")
     warm(client, max_batch=20)
-    assert {batch for _, batch in client.calls} == {2, 8, 16}
+    assert {batch for _, batch in client.calls} == {1, 2, 8, 16}  # 1: depth cuts (CUT_BATCHES)
+    lone = RecordingDraft("cuda")
+    warm(lone, max_batch=1)  # one request at most: only the cuts' bucket of one
+    assert {batch for _, batch in lone.calls} == {1} and not lone.catch_ups
     # 16-token blocks; the longest option (6/8/16) asks PREFIX + 5 catch-up tokens + 16 = 53 tokens: 4 blocks a
     # request.
     tight = RecordingDraft("cuda", free_blocks=4 * 9)
     warm(tight)
-    assert {batch for _, batch in tight.calls} == {2, 8}
-    assert warm(RecordingDraft("cuda", free_blocks=4)) == 0
+    assert {batch for _, batch in tight.calls} == {1, 2, 8}
+    one = RecordingDraft("cuda", free_blocks=4)  # room for one request: the cuts at one
+    warm(one)
+    assert {batch for _, batch in one.calls} == {1}
+    assert warm(RecordingDraft("cuda", free_blocks=3)) == 0
 
 
 def test_only_what_the_mode_drafts_is_warmed():
     assert warm(RecordingDraft("cuda"), PolicyConfig(mode="never")) == 0
     client = RecordingDraft("cuda")
     warm(client, PolicyConfig(mode="always", steps=4, topk=2, draft_tokens=6))
-    assert {budget for budget, _ in client.calls} == {DraftBudget(4, 2, 6)}
+    assert {budget for budget, _ in client.calls} == {DraftBudget(d, 2, 6) for d in (1, 2, 3, 4)}
