@@ -145,8 +145,8 @@ WARM_BATCHES = (2, 8, 16, 32, 64)
 # option cut to the tokens it has left (GatewayCore._budgets), a graph of its own captured on first use, and a
 # group of requests grows to its deepest member's depth (DraftEngine._grow_on_device), so a cut graph is met where
 # one or two requests decode. On an H100 (demo track, bf16, one request, 2026-12-06) the first level of `auto` met
-# six cuts of its chains (9/1/11, 7/1/11, ...), each round's draft phase 4-17 ms against 2 ms: about 60 ms of a
-# 430 ms level. Small buckets only: their graphs are small, where a cut at 64 requests would hold a large one.
+# five cuts of its 10/1/11 chain (9/1/11, 7/1/11, ...), each round's draft phase 4-17 ms against 2 ms: about 60 ms
+# of a 429 ms level. Small buckets only: their graphs are small, where a cut at 64 requests would hold a large one.
 CUT_BATCHES = (1, 2)
 
 
