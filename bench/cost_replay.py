@@ -17,9 +17,9 @@ ingest, which the gateway leaves out of the cost model; the replay counts them. 
 another gateway.policy.OUTLIER_STEP (100: as before it existed).
 
 --plain prints, per batch bucket, what a plain step was priced at as each grant began, learned a step at a time (as
-the gateway learns it) and learned a grant at a time (its steps' mean, as 6697e94 did until b4bb570 reverted it),
-beside what the plain steps took on average. A grant's first step carries the plan's round trip: learned a step at a
-time, the ratio a plan reads has just taken in the cheap ones.
+the gateway learned it until 5e6f445) and learned a grant at a time (its steps' mean, as GatewayCore._learn_grant
+does since 5e6f445), beside what the plain steps took on average. A grant's first step carries the plan's round
+trip: learned a step at a time, the ratio a plan reads has just taken in the cheap ones.
 
 --accepted A: each row also gives the configured tree's goodput with every request drafting it, as
 gateway.policy.search_budgets predicts it (the audit's 'cfg pred') from the replayed model and a book in
@@ -162,8 +162,8 @@ def learn_grant(costs: CostModel, grant: dict[int, list[float]]) -> None:
 
 
 def print_plain(plain: dict[int, list[float]]) -> None:
-    print("\nplain steps by batch bucket: the mean price of a step as each grant began, learned a step at a time (as "
-          "served) and a grant at a time, beside the plain steps' mean (ms)")
+    print("\nplain steps by batch bucket: the mean price of a step as each grant began, learned a step at a time "
+          "and a grant at a time (as served), beside the plain steps' mean (ms)")
     print(f"{'seqs':>7} {'grants':>7} {'stepwise':>10} {'per grant':>10} {'steps':>7} {'mean':>8}")
     for bucket, (grants, stepwise, per_grant, steps, seconds) in sorted(plain.items()):
         if grants:

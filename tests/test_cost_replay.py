@@ -115,8 +115,8 @@ def test_the_replay_refuses_a_negative_acceptance(tmp_path):
 
 def test_the_replay_shows_a_plain_step_priced_short_when_learned_a_step_at_a_time_and_right_per_grant(tmp_path):
     """--plain: grants whose first step carries the plan's round trip (2 ms, then seven of 0.5). Learned a step at a
-    time (as the gateway learns them), a grant's plan read a ratio that had just taken in the cheap steps; learned per
-    grant, a plain step is priced near the steps' mean."""
+    time (as the gateway learned them until 5e6f445), a grant's plan read a ratio that had just taken in the cheap
+    steps; learned per grant (as it does since), a plain step is priced near the steps' mean."""
     profile = dataclasses.replace(PROFILE, target_base=6e-4, target_per_token=0.0, ratios={}, option_ratios={})
     lines = [f"{stamped(0)} gateway INFO cost model: {profile!r}"]
     step = 0
