@@ -348,15 +348,16 @@ class DraftEngine:
             prefix.append(torch.from_numpy(self.kv.host_slots(rid, 0, a)))
             tables.append(list(self.kv.seqs[rid].blocks))
             masks.append(causal_mask(b - a))
-            featured = [p for p in range(a, b) if p in st.features]
+            featured, without = [], []
+            for p in range(a, b):
+                (featured if p in st.features else without).append(p)
             feat_runs += st.features.runs(featured)
             feat_at += [row + p - a for p in featured]
-            if len(featured) < b - a:  # the others take the draft's own state before the segment (exact at
-                # p == a); position 0 has none: zeros
+            if without:  # they take the draft's own state before the segment (exact at p == a); position 0 has
+                # none: zeros
                 own_hs.append(st.last_h if st.last_h is not None else torch.zeros(
                     model.cfg.hidden_size, dtype=model.dtype, device=dev))
-                without = [row + p - a for p in range(a, b) if p not in st.features]
-                h_at += without
+                h_at += [row + p - a for p in without]
                 h_of += [len(own_hs) - 1] * len(without)
         # Every index of the forward in one copy to the device, queued from pinned memory: a copy from
         # pageable memory waits for the GPU, and five of them a call made the host wait for the feature

@@ -16,7 +16,7 @@ else 0 ...]`, `num_fixed=1` (see DraftTree.verify_tree).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -93,6 +93,11 @@ class DraftBudget:
             return 0
         candidates = self.topk + (self.steps - 1) * self.topk * self.topk
         return min(self.num_draft_tokens - 1, candidates)
+
+    def cut(self, steps: int) -> DraftBudget:
+        """This budget with `steps` levels, its top-k and size kept: the tree a request near its max_tokens drafts
+        (GatewayCore._budgets)."""
+        return replace(self, steps=steps)
 
     def problem(self, draft_vocab_size: int) -> str | None:
         if min(self.steps, self.topk, self.num_draft_tokens) < 0:

@@ -657,7 +657,7 @@ class GatewayCore:
         for rid, budget in list(budgets.items()):
             room = self._draft_room(by_id[rid])
             if not budget.empty and budget.steps > room:
-                budgets[rid] = DraftBudget(room, budget.topk, budget.num_draft_tokens) if room >= 1 else NO_SPEC
+                budgets[rid] = budget.cut(room) if room >= 1 else NO_SPEC
         return budgets
 
     # When `auto` stops speculating (under load, or wherever trees do not pay), feeding

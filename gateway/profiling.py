@@ -153,7 +153,7 @@ CUT_BATCHES = (1, 2)
 def depth_cuts(budget: DraftBudget) -> list[DraftBudget]:
     """The shallower trees of this budget that a request near its max_tokens drafts: its top-k and size, 1 to
     steps - 1 levels."""
-    return [DraftBudget(steps, budget.topk, budget.num_draft_tokens) for steps in range(1, budget.steps)]
+    return [budget.cut(steps) for steps in range(1, budget.steps)]
 
 
 def warm_draft(replica: DraftReplica, cfg: PolicyConfig, max_batch: int) -> int:
