@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -236,6 +237,10 @@ def resolve(args: argparse.Namespace) -> Plan:
     for flag, value in (("--port", args.port), ("--grpc-port", args.grpc_port)):
         if not port_is_free(args.host, value):
             raise ServeError(f"{flag} {value}: {args.host}:{value} is already in use")
+    try:
+        child_port_span()
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     if args.protect_metrics and not args.api_key:
         raise ServeError("--protect-metrics needs --api-key")
     try:
@@ -300,16 +305,56 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     return RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 now, for the children's gRPC and metrics."""
-    sockets = [socket.socket() for _ in range(n)]
+# Ports for the children are taken below the kernel's ephemeral range (where bind(0) and every outgoing
+# connection get theirs), in turn from a random start: between our pick and the child's bind no client socket
+# can take the port, and two supervisors (or two test workers) rarely look at the same one. TANDEM_CHILD_PORTS
+# ("LOW-HIGH") narrows the span, for a firewall's allowed range or a test worker's share.
+CHILD_PORTS_ENV = "TANDEM_CHILD_PORTS"
+CHILD_PORTS_LOW = 20000
+_next_port: dict[tuple[int, int], int] = {}  # span -> the port this process looks at next
+
+
+def ephemeral_low(default: int = 32768) -> int:
+    """The lowest port the kernel hands out on its own (Linux's ip_local_port_range; 32768 elsewhere)."""
     try:
-        for s in sockets:  # held open together, so no port is handed out twice
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def child_port_span() -> tuple[int, int]:
+    """[low, high) of the ports free_ports hands out."""
+    text = os.environ.get(CHILD_PORTS_ENV, "").strip()
+    if text:
+        low, sep, high = text.partition("-")
+        try:
+            span = (int(low), int(high) + 1)
+        except ValueError:
+            span = (0, 0)
+        if not sep or not 1024 <= span[0] < span[1] <= 65536:
+            raise ValueError(f"{CHILD_PORTS_ENV}={text!r}: expected LOW-HIGH, ports between 1024 and 65535")
+        return span
+    return CHILD_PORTS_LOW, max(ephemeral_low(), CHILD_PORTS_LOW + 1024)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now, for the children's gRPC and metrics (see CHILD_PORTS_ENV)."""
+    low, high = span = child_port_span()
+    size = high - low
+    port = _next_port.get(span)
+    if port is None:
+        port = low + random.randrange(size)
+    ports: list[int] = []
+    for _ in range(size):
+        if port_is_free("127.0.0.1", port):
+            ports.append(port)
+            if len(ports) == n:
+                break
+        port = low + (port + 1 - low) % size
+    _next_port[span] = low + (port + 1 - low) % size
+    if len(ports) < n:
+        raise OSError(f"fewer than {n} free ports in {low}-{high - 1} ({CHILD_PORTS_ENV})")
+    return ports
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -23,6 +23,13 @@ from tests.tiny_models import make_tiny_llama  # noqa: E402
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
+# Each xdist worker (gw0, gw1, ...) hands out the services' ports from a share of its own, which the
+# services and `tandem serve` processes it starts inherit: two workers never pick the same free port.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_PORTS_A_WORKER = 1500
+os.environ.setdefault("TANDEM_CHILD_PORTS", f"{20000 + _PORTS_A_WORKER * (_WORKER % 8)}-"
+                      f"{20000 + _PORTS_A_WORKER * (_WORKER % 8 + 1) - 1}")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> callable:

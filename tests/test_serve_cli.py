@@ -74,6 +74,37 @@ def test_bad_flags_are_errors_before_anything_starts(dirs, tmp_path, capsys):
     assert "--target-args: cannot split" in capsys.readouterr().err
 
 
+def test_child_ports_are_distinct_free_ports_taken_in_turn_from_the_span_below_the_ephemeral_range(monkeypatch):
+    monkeypatch.setattr(serve, "_next_port", {})
+    monkeypatch.delenv(serve.CHILD_PORTS_ENV, raising=False)
+    low, high = serve.child_port_span()
+    assert (low, high) == (serve.CHILD_PORTS_LOW, max(serve.ephemeral_low(), low + 1024))
+    assert all(low <= port < high for port in serve.free_ports(4))
+    # A worker's share: ports in turn, a listener's port passed over, and none twice until the span wraps.
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setenv(serve.CHILD_PORTS_ENV, f"{taken}-{taken + 9}")
+        first = serve.free_ports(3)
+        second = serve.free_ports(3)
+    assert taken not in first + second and len(set(first + second)) == 6
+    assert all(taken < port <= taken + 9 for port in first + second)
+    assert serve.free_ports(3)[0] not in first + second  # the cursor goes on from where it stopped
+    monkeypatch.setenv(serve.CHILD_PORTS_ENV, f"{taken}-{taken + 2}")
+    with pytest.raises(OSError, match="fewer than 4 free ports"):
+        serve.free_ports(4)
+
+
+def test_a_bad_child_port_span_is_an_error_before_anything_starts(dirs, monkeypatch, capsys):
+    model, _ = dirs
+    for bad in ("20000", "x-y", "30000-20000", "80-90", "60000-70000"):
+        monkeypatch.setenv(serve.CHILD_PORTS_ENV, bad)
+        assert serve.main(["--model", str(model)]) == 2
+        assert f"TANDEM_CHILD_PORTS={bad!r}: expected LOW-HIGH" in capsys.readouterr().err
+
+
 def test_child_command_lines(dirs, tmp_path):
     model, draft = dirs
     args = serve.build_parser().parse_args([
