@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem serve",
         description="Start a target service, draft replicas and the gateway as separate processes on this "
                     "machine, and stop them all on Ctrl-C or SIGTERM. With no --model, serves the bundled "
-                    f"demo pair ({DEMO_DIR.name}/{DEMO_TARGET_NAME} and {DEMO_DIR.name}/{DEMO_DRAFT_NAME}).")
+                    f"demo pair ({DEMO_DIR.name}/{DEMO_TARGET_NAME} and {DEMO_DIR.name}/{DEMO_DRAFT_NAME}).",
+        epilog=f"The services listen on 127.0.0.1, on ports picked free from {CHILD_PORTS_LOW} up to the kernel's "
+               f"ephemeral range; set {CHILD_PORTS_ENV}=LOW-HIGH to keep them within a range of your own.")
     p.add_argument("--model", metavar="DIR", default=None,
                    help="Hugging Face Llama-family directory (config.json, safetensors, tokenizer files); "
                         "default: the bundled demo target")
