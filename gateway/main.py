@@ -97,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
                         "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off; "
                         "default 16 (measured on the H200: BENCHMARKS.md, \"Common draws\")")
-    p.add_argument("--gate-min-batch", type=int, default=2, metavar="N",
+    p.add_argument("--gate-min-batch", type=int, default=1, metavar="N",
                    help="sequences from which the load gate measures speculation against plain decoding and "
-                        "decides between them; below N the cost model's predictions alone decide. Default 2 "
-                        "(from 4: measured on the H200, BENCHMARKS.md, \"The gate from two sequences\")")
+                        "decides between them; below N the cost model's predictions alone decide. Default 1 "
+                        "(measured on an H100: BENCHMARKS.md, \"The fifty-ninth session's figures\")")
     p.add_argument("--gate-load-hold-plans", type=int, default=HeldLoad.plans, metavar="N",
                    help="judge each plan at the most requests the gateway held in the last N plans (made in the "
                         "last --gate-load-hold-seconds), so that a load that dips while requests end and their "

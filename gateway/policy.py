@@ -959,18 +959,22 @@ class LoadGate:
     out), so judging step by step flipped the arms back and forth, each flip
     charged to the arm switched to. For the same reason the first quarter of
     a probe is not recorded.
-    Below `min_batch` sequences the gate stays open: a lone request's step is
-    mostly fixed cost, which the profile (corrected by measured steps, see
-    CostModel) captures, and a few noisy steps at the start of a generation
-    (when acceptance is lowest) would mislead it. From two sequences on the gate
-    decides: until 2026-12-04 it did from four, and at two requests on the H200
-    scale track (0.6, where `never` beat `always` by 8-10%) the figures alone
-    predicted trees at 384-394 tok/s that measured 367-376, and auto read
-    0.89-0.91 of `never`; with the gate from two it read 0.96-1.00 (BENCHMARKS.md,
-    "The gate from two sequences"). From one (`--gate-min-batch 1`, an H100,
-    2026-12-06, before _overturned): a lone request on the demo track read 0.77 and
-    0.89 of `never` against 0.93 and 0.69 from two, and 1.00 against 1.03 on the
-    scale track at 0.8 (BENCHMARKS.md, "The fifty-eighth session's figures").
+    Below `min_batch` sequences the gate stays open and the cost model's figures
+    alone decide. The gate decides from one sequence by default: until 2026-12-04
+    it did from four, and at two requests on the H200 scale track (0.6, where
+    `never` beat `always` by 8-10%) the figures alone predicted trees at 384-394
+    tok/s that measured 367-376, and auto read 0.89-0.91 of `never`; with the gate
+    from two it read 0.96-1.00 (BENCHMARKS.md, "The gate from two sequences"). At
+    one request the figures misprice plain decoding by the host's drift: a plain
+    step is priced from the last grants measured, perhaps a level ago, while trees
+    are measured as they run, and on an H100 the same granted plain step took
+    0.61-0.93 ms from one level to the next (demo track, 2026-12-06). From two
+    sequences a lone request on the demo track then drafted trees in 97.6% of its
+    steps where `never` led `always` by 1.23x (auto 0.69 of `never`); from one,
+    with _overturned, two serves drafted trees in at most 13 of a level's 2,000
+    steps (the gate's probes) and decoded in granted plain steps as `never` does
+    (BENCHMARKS.md, "The fifty-ninth session's figures"). `tandem gateway --gate-min-batch 2` restores
+    the figures' rule at one sequence.
     The cost model still picks the trees inside the speculative arm; the gate
     catches what the model misses (gateway work, the draft's catch-up of fed
     features, contention between services on shared cores).
@@ -979,7 +983,7 @@ class LoadGate:
     stale_after: int = 48
     probe_steps: int = 8
     margin: float = 1.1  # the other arm must measure this much better to overturn a standing verdict
-    min_batch: int = 2
+    min_batch: int = 1
     # Probing a clearly losing arm is what a gate costs: on an H200 a step with trees
     # took 3-6x a plain one from 16 requests on (scale track), so 8 probe steps every 48
     # cost more than the probes could ever win. A probe of an arm that measures `clear`

@@ -229,12 +229,15 @@ def tokenizer(tmp_path_factory):
 
 
 def new_core(tokenizer, mode: str = "always", drafts: int = 1, grant_steps: int = 1, fed_grants: bool = False,
-             load_hold_plans: int = CoreConfig.gate_load_hold_plans, **target_kw):
+             load_hold_plans: int = CoreConfig.gate_load_hold_plans,
+             gate_min_batch: int = CoreConfig.gate_min_batch, **target_kw):
+    """gate_min_batch=2: a lone request's choice is the cost model's alone (the gate stays open at one
+    sequence), for tests of what the figures do there."""
     target = FakeTarget(**target_kw)
     clients = [FakeDraft(f"draft{i}") for i in range(drafts)]
     cfg = CoreConfig(policy=PolicyConfig(mode), scheduler=SchedulerConfig(block_size=target.block_size),
                      profile=False, grant_steps=grant_steps, fed_grants=fed_grants,
-                     gate_load_hold_plans=load_hold_plans)
+                     gate_load_hold_plans=load_hold_plans, gate_min_batch=gate_min_batch)
     core = GatewayCore(target, clients, tokenizer, cfg, "fake")
     core.configure()
     core._ready = True
@@ -832,7 +835,7 @@ def test_an_abort_during_a_grant_interrupts_it_and_frees_the_kv(tokenizer):
 
 def test_auto_at_light_load_goes_dormant_when_trees_do_not_pay_so_plain_steps_are_granted(tokenizer):
     """The plain arm as plain decoding really runs: no feature traffic, granted steps."""
-    core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+    core, target, drafts = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8)
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     out = submit(core, "solo", [4, 5, 6], max_tokens=200)
     run_until_idle(core)
@@ -849,7 +852,7 @@ def test_auto_goes_dormant_at_once_where_plain_decoding_beats_every_tree_by_a_wi
     decoding look dearer than trees it beat by 1.3x). Its next wake-up still keeps it awake a spell; with
     thin evidence the first spell stays awake too, to explore."""
     def fed_steps(thin: bool) -> list[bool]:
-        core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+        core, target, _ = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8)
         core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
         while not thin and core.book.evidence_is_thin():  # recent trees enough (the book decays)
             core.book.record(core.cfg.policy.fixed_budget, 1)
@@ -871,7 +874,7 @@ def test_a_step_that_carries_a_prompt_or_a_draft_behind_puts_no_request_to_sleep
     so a tree for the one request decoding beside it can look far dearer than it is (on an H100 such a step put
     a level's requests to sleep where trees won): only a step that decodes alone, every draft ready, may skip
     the awake spell, whatever its figures say."""
-    core, _, _ = new_core(tokenizer, mode="auto")
+    core, _, _ = new_core(tokenizer, mode="auto", gate_min_batch=2)
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     core._sleeps_at_once = lambda search: bool(search.auto)  # the figures always say: asleep at once
     core.gate.min_batch = 64  # the figures alone decide at every load here
@@ -891,7 +894,7 @@ def test_a_step_that_carries_a_prompt_or_a_draft_behind_puts_no_request_to_sleep
             break
         assert plans[-1].drafts_behind or not all(it.is_decode for it in plans[-1].items)
     # and alone, a decodes and sleeps at once
-    core2, _, _ = new_core(tokenizer, mode="auto")
+    core2, _, _ = new_core(tokenizer, mode="auto", gate_min_batch=2)
     core2.costs = core.costs
     core2._sleeps_at_once = core._sleeps_at_once
     submit(core2, "a", [4, 5, 6], max_tokens=50)
@@ -997,7 +1000,7 @@ def test_awake_auto_requests_decode_in_fed_grants_that_end_where_the_policy_may_
     granted one (9.5 against 5.1 ms on the scale track, 4.6 against 1.2 ms on the demo pair at 4
     requests)."""
     def run(fed_grants: bool):
-        core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8, fed_grants=fed_grants)
+        core, target, drafts = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8, fed_grants=fed_grants)
         drafts[0].wrong_trees = wrong_trees
         drafts[0].reads_target_features = True  # the features stay at the target: only row counts travel
         price_as_the_emulated_ci_track(core)
@@ -1024,7 +1027,7 @@ def test_awake_auto_requests_decode_in_fed_grants_that_end_where_the_policy_may_
 def test_auto_explores_a_draft_that_is_never_right_less_once_the_evidence_is_in(tokenizer):
     """The backoff is bounded: 3 trees per quiet spell while the acceptance book holds fewer than
     `thin_evidence` trees, then the one tree before each dormancy."""
-    core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+    core, target, drafts = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8)
     drafts[0].wrong_trees = 10**6
     price_as_the_emulated_ci_track(core)
     core.MAX_WAKE_EVERY = core.WAKE_EVERY  # a wake-up every WAKE_EVERY steps (the next test backs off)
@@ -1340,7 +1343,7 @@ def test_a_lone_request_whose_first_trees_miss_drafts_on_where_the_book_says_tre
     request drafts on. Priced spread over a spell of granted steps, it took 7 such steps between its trees
     (on the H200 at one request and acceptance 0.6: runs of 14, auto 0.91-0.95x the better arm)."""
     def shape(fed_ratio: float | None) -> str:
-        core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+        core, target, drafts = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8)
         drafts[0].wrong_trees = 3
         price_as_the_emulated_ci_track(core)
         core.costs.observe_fed = lambda *args: None  # the fake's timings must not move the prices
@@ -1566,7 +1569,7 @@ def test_auto_wakes_less_often_while_trees_keep_losing_and_as_often_again_once_t
     """Each wake-up after which auto still declines trees doubles the wait for the next (128, 256,
     512 steps), so a batch where plain decoding wins spends fewer steps fed and ungranted; a tree
     the figures choose brings the wait back to WAKE_EVERY."""
-    core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
+    core, target, _ = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8)
     core.costs = CostModel(target_base=1e-3, target_per_token=1.0, draft_base=1.0)  # trees never pay
     out = submit(core, "solo", [4, 5, 6], max_tokens=1500)
     run_until_idle(core)
@@ -1670,7 +1673,7 @@ def test_a_wake_up_that_cost_more_than_its_budget_makes_the_next_wait_long_enoug
     In fed grants all but a spell's first steps are granted."""
     target = PacedTarget()
     cfg = CoreConfig(policy=PolicyConfig("auto"), scheduler=SchedulerConfig(block_size=target.block_size),
-                     profile=False, grant_steps=8, fed_grants=fed_grants)
+                     profile=False, grant_steps=8, fed_grants=fed_grants, gate_min_batch=2)
     core = GatewayCore(target, [FakeDraft("draft0")], tokenizer, cfg, "fake")
     core.configure()
     core._ready = True

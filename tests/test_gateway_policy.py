@@ -574,9 +574,9 @@ def test_while_the_gate_probes_trees_every_request_gets_one_though_stale_figures
     assert all(b.empty for b in choose_budgets(CFG, costs, book, candidates(48, stats={}), 0, 0).values())
     probed = choose_budgets(CFG, costs, book, candidates(48, stats={}), 0, 0, probe=True)
     assert len(set(probed.values())) == 1 and not probed["r0"].empty
-    gate = LoadGate()
+    gate = LoadGate(min_batch=2)
     assert gate.allow_spec(48) and gate.probing_spec(48)  # trees are measured first at a new batch size
-    assert gate.allow_spec(1) and not gate.probing_spec(1)  # a lone request: the cost model decides alone
+    assert gate.allow_spec(1) and not gate.probing_spec(1)  # below min_batch: the cost model decides alone
 
 
 def test_a_stale_losing_arm_is_re_probed_briefly_not_on_every_step():
@@ -852,8 +852,9 @@ def test_a_first_bucket_measures_first_the_arm_the_cost_model_prefers():
     assert LoadGate().allow_spec(8, prefers(False)) is False
     assert LoadGate().allow_spec(8, prefers(True)) is True
     assert asked == [False, True]
-    gate = LoadGate()
+    gate = LoadGate(min_batch=2)
     assert gate.allow_spec(1, prefers(False)) and len(asked) == 2  # below min_batch: not even asked
+    assert LoadGate().allow_spec(1, prefers(False)) is False  # from one sequence by default
 
 
 def test_a_tree_steps_price_from_its_deepest_level_and_expansions_is_the_price_of_its_budgets():
@@ -1253,13 +1254,13 @@ def test_each_load_is_charged_what_its_own_prompts_cost_once_it_has_a_charge_for
 
 
 def test_the_gate_min_batch_flag_reaches_the_load_gate_and_a_bad_value_is_refused():
-    """--gate-min-batch sets the sequences from which the load gate decides (default 2, as LoadGate's)."""
+    """--gate-min-batch sets the sequences from which the load gate decides (default 1, as LoadGate's)."""
     from gateway.core import CoreConfig
     from gateway.main import build_parser
 
     parser = build_parser()
-    assert parser.parse_args(["--target", "t:1"]).gate_min_batch == 2
-    assert LoadGate().min_batch == CoreConfig().gate_min_batch == 2
+    assert parser.parse_args(["--target", "t:1"]).gate_min_batch == 1
+    assert LoadGate().min_batch == CoreConfig().gate_min_batch == 1
     assert parser.parse_args(["--target", "t:1", "--gate-min-batch", "4"]).gate_min_batch == 4
     assert "--gate-min-batch N" in " ".join(parser.format_help().split())
     with pytest.raises(ValueError, match="gate min batch"):
