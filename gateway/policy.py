@@ -973,8 +973,8 @@ class LoadGate:
     steps where `never` led `always` by 1.23x (auto 0.69 of `never`); from one,
     with _overturned, two serves drafted trees in at most 13 of a level's 2,000
     steps (the gate's probes) and decoded in granted plain steps as `never` does
-    (BENCHMARKS.md, "The fifty-ninth session's figures"). `tandem gateway --gate-min-batch 2` restores
-    the figures' rule at one sequence.
+    (BENCHMARKS.md, "The fifty-ninth session's figures"). `tandem gateway
+    --gate-min-batch 2` restores the figures' rule at one sequence.
     The cost model still picks the trees inside the speculative arm; the gate
     catches what the model misses (gateway work, the draft's catch-up of fed
     features, contention between services on shared cores).

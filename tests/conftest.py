@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from gateway.serve import CHILD_PORTS_ENV, CHILD_PORTS_LOW  # noqa: E402
 from tests.tiny_models import make_tiny_llama  # noqa: E402
 
 # One intra-op thread, here and in the services tests start (they inherit the
@@ -27,8 +28,8 @@ torch.set_num_threads(1)
 # services and `tandem serve` processes it starts inherit: two workers never pick the same free port.
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 _PORTS_A_WORKER = 1500
-os.environ.setdefault("TANDEM_CHILD_PORTS", f"{20000 + _PORTS_A_WORKER * (_WORKER % 8)}-"
-                      f"{20000 + _PORTS_A_WORKER * (_WORKER % 8 + 1) - 1}")
+_first_port = CHILD_PORTS_LOW + _PORTS_A_WORKER * (_WORKER % 8)
+os.environ.setdefault(CHILD_PORTS_ENV, f"{_first_port}-{_first_port + _PORTS_A_WORKER - 1}")
 
 
 @pytest.fixture(scope="session")
