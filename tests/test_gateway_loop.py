@@ -964,7 +964,8 @@ def test_a_plain_grant_ends_at_the_step_on_which_the_load_gate_chooses_trees(tok
 
 def price_as_the_emulated_ci_track(core) -> None:
     """The start-up profile of the demo's emulated-cost CI track (tests/test_gateway_auto_phases.py at
-    4 ms a token), fixed: the fake's steps take microseconds, so these prices decide, not its timing."""
+    4 ms a token), fixed: the fake's steps take microseconds, so these prices decide, not its timing (the load
+    gate, which measures timing, decides from gate_min_batch sequences on)."""
     core.costs = CostModel(target_base=0.03, target_per_token=0.004, target_per_seq=0.0, draft_base=0.0065,
                            draft_per_level=0.0, draft_per_expansion=0.003)
     core.costs.observe = lambda *args: None
@@ -979,7 +980,7 @@ def test_auto_at_light_load_tries_a_tree_again_before_going_dormant_so_unlucky_f
     is no candidate, so without a tree tried before dormancy none was drafted again. With one
     tree per quiet spell, 3 misses ended it (3 trees, then 116 plain steps): while the evidence
     is thin, auto explores 2, 6 and 14 steps into a spell."""
-    core, target, drafts = new_core(tokenizer, mode="auto", grant_steps=8)
+    core, target, drafts = new_core(tokenizer, mode="auto", gate_min_batch=2, grant_steps=8)
     drafts[0].wrong_trees = wrong_trees
     price_as_the_emulated_ci_track(core)
     out = submit(core, "solo", [4, 5, 6], max_tokens=120)
