@@ -115,7 +115,7 @@ class CoreConfig:
     gate_close_probe_steps: int = 16
     # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch, see there for why
     # 1); below it the cost model's figures alone decide.
-    gate_min_batch: int = 1
+    gate_min_batch: int = LoadGate.min_batch
     # Plans, and seconds, for which the load gate keeps judging the highest load it met (HeldLoad, see there for
     # why; 1 plan: each plan at its own load).
     gate_load_hold_plans: int = HeldLoad.plans

@@ -17,7 +17,7 @@ from gateway.core import CoreConfig, GatewayCore
 from gateway.discovery import parse_draft_source, wait_for_replicas
 from gateway.draft_pool import feature_layers_match
 from gateway.http_guards import DEFAULT_MAX_BODY_BYTES
-from gateway.policy import HeldLoad, PolicyConfig
+from gateway.policy import HeldLoad, LoadGate, PolicyConfig
 from gateway.scheduler import SchedulerConfig
 from tandem import telemetry
 from tandem.tls import add_client_tls_arguments, add_server_tls_arguments, client_tls_from_args, server_tls_from_args
@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
                         "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off; "
                         "default 16 (measured on the H200: BENCHMARKS.md, \"Common draws\")")
-    p.add_argument("--gate-min-batch", type=int, default=1, metavar="N",
+    p.add_argument("--gate-min-batch", type=int, default=LoadGate.min_batch, metavar="N",
                    help="sequences from which the load gate measures speculation against plain decoding and "
-                        "decides between them; below N the cost model's predictions alone decide. Default 1 "
+                        "decides between them; below N the cost model's predictions alone decide. "
+                        f"Default {LoadGate.min_batch} "
                         "(measured on an H100: BENCHMARKS.md, \"The fifty-ninth session's figures\")")
     p.add_argument("--gate-load-hold-plans", type=int, default=HeldLoad.plans, metavar="N",
                    help="judge each plan at the most requests the gateway held in the last N plans (made in the "
