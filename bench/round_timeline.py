@@ -62,6 +62,10 @@ ASIDE = [
     ("draft.grow.read", "draft.engine.end", "draft engine: trees filled in"),
     ("target.sent", "draft.push.recv", "target's push -> draft's subscriber thread"),
     ("draft.push.recv", "draft.push.stored", "draft: the push stored"),
+    # --catch-up-on-push (the sixty-first session): the draft computes the push's positions before the gateway's call
+    # brings them; a round's catch-up that ends after the next round began is counted in neither.
+    ("draft.push.stored", "draft.push.catch_up.start", "draft: the push's catch-up takes the engine's lock"),
+    ("draft.push.catch_up.start", "draft.push.catch_up.end", "draft engine: the catch-up on the push"),
 ]
 
 

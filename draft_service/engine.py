@@ -36,6 +36,7 @@ from draft_service.types import (
     IngestItem,
     InvalidDraftInput,
     OutOfDraftCapacity,
+    PushedRows,
     RequestStatus,
 )
 from kernels.tree_attention import StepLayout, causal_mask
@@ -228,6 +229,41 @@ class DraftEngine:
             # Features of positions already computed come too late to matter.
             st.features.put(it.start_position, it.features,
                             first=max(0, self.computed(it.request_id) - it.start_position))
+
+    @torch.inference_mode()
+    def catch_up_pushed(self, pushes: list[PushedRows]) -> int:
+        """Compute now what the target's pushed rows allow, ahead of the ingest that will bring the same
+        tokens (which then finds those positions computed and drafts at once). Only for requests this
+        draft holds up to the rows' first position; one whose tokens disagree with what it knows, or that
+        would need blocks the cache lacks, is left to that ingest. Returns the positions computed."""
+        t0 = time.perf_counter()
+        items = []
+        for push in pushes:
+            rid, start, known = push.request_id, push.start_position, push.num_known
+            st = self.requests.get(rid)
+            if st is None or known == 0 or start >= len(st.tokens) or self.computed(rid) >= start + known:
+                continue  # not held, nothing new, or a gap before the rows that only the gateway can fill
+            item = IngestItem(rid, start, (st.tokens[start], *push.next_tokens[:known]), push.rows[: known + 1])
+            try:
+                self._check_ingest([item])
+            except InvalidDraftInput as exc:
+                log.debug("pushed rows of %s not caught up on: %s", rid, exc)
+                continue
+            items.append(item)
+        if not items:
+            return 0
+        after = {it.request_id: max(len(self.requests[it.request_id].tokens), it.start_position + len(it.tokens))
+                 for it in items}
+        try:
+            self._check_capacity(after)
+        except OutOfDraftCapacity:
+            return 0  # the ingest's own check then says so, to the gateway
+        before = sum(self.computed(rid) for rid in after)
+        for it in items:
+            self._apply(it)
+        self._catch_up(list(after))
+        self.last_call_seconds = time.perf_counter() - t0
+        return sum(self.computed(rid) for rid in after) - before
 
     @torch.inference_mode()
     def catch_up(self, request_ids: list[str] | None = None) -> None:

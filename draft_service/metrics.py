@@ -51,6 +51,13 @@ class DraftMetrics:
                                            "(--target), by where they came from: pushed by the target, read "
                                            "from it, or absent (dropped, or the target unreachable: those "
                                            "positions are caught up without them)", ["source"], registry=r)
+        self.push_catch_up_positions = Counter(
+            "tandem_draft_push_catch_up_positions", "Draft positions computed as the target pushed their features "
+            "and the tokens after them (--catch-up-on-push), before the gateway's next call brought the same "
+            "tokens", registry=r)
+        self.push_catch_up_seconds = Histogram(
+            "tandem_draft_push_catch_up_seconds", "Engine time of one catch-up on a step's pushed rows "
+            "(--catch-up-on-push)", buckets=STEP_SECONDS_BUCKETS, registry=r)
         if load is not None:  # tandem_draft_sequences and _kv_cache_usage_ratio, read at each scrape
             r.register(draft_load_collector(load))
 
@@ -78,6 +85,11 @@ class DraftMetrics:
         """source: pushed, read or absent."""
         if rows:
             self.target_feature_rows.labels(source=source).inc(rows)
+
+    def record_push_catch_up(self, positions: int, seconds: float) -> None:
+        if positions:
+            self.push_catch_up_positions.inc(positions)
+            self.push_catch_up_seconds.observe(seconds)
 
     def record_ingest(self, items: Sequence[IngestItem], catch_up: bool, seconds: float) -> None:
         if catch_up:

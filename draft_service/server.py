@@ -27,6 +27,7 @@ from draft_service.types import (
     DraftItem,
     DraftTree,
     IngestItem,
+    PushedRows,
     RequestStatus,
 )
 from kernels.compile_watch import CompileWatch
@@ -127,6 +128,25 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if self.metrics is not None:
             self.metrics.record_feature_read(time.perf_counter() - t0)
         return items
+
+    def catch_up_pushed(self, pushes: list[PushedRows]) -> None:
+        """On the feature subscription's thread (TargetFeatureReader.on_push, --catch-up-on-push): compute
+        the positions the target's pushed rows and tokens allow before the gateway's next call brings the
+        same tokens; that call then finds them computed and drafts at once. Never raises: an error here
+        would end the subscription."""
+        engine = self.engine
+        if engine is None:
+            return
+        try:
+            with self._lock:
+                timeline.mark("draft.push.catch_up.start")
+                positions = engine.catch_up_pushed(pushes)
+                timeline.mark("draft.push.catch_up.end")
+                seconds = engine.last_call_seconds
+            if self.metrics is not None:
+                self.metrics.record_push_catch_up(positions, seconds)
+        except Exception:
+            log.exception("catching up on pushed features failed; the next ingest catches those positions up")
 
     @map_errors
     def Ingest(self, request, context):
@@ -257,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-features", action="store_true",
                    help="with --target: read every row with ReadFeatures, one round trip before each tree, "
                         "instead of subscribing to pushes (for comparison; default off)")
+    p.add_argument("--catch-up-on-push", action="store_true",
+                   help="with --target (pushed features): compute the draft KV of the positions a step committed "
+                        "as soon as the target pushes their features and tokens, on the subscription's thread, "
+                        "instead of when the gateway's next call brings the same tokens; that call then drafts at "
+                        "once. Default off until measured on a GPU")
     p.add_argument("--feature-ring-mb", type=int, default=DEFAULT_RING_BYTES >> 20, metavar="MB",
                    help="with --target: a shared-memory ring of this size under /dev/shm for the pushed "
                         "features, used when the target runs on this host and can open it (the stream then "
@@ -318,13 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     servicer = DraftServicer(Path(args.model).resolve().name, Path(args.target_model).resolve().name, pacing)
     if args.pull_features and not args.target:
         raise SystemExit("error: --pull-features needs --target")
+    if args.catch_up_on_push and (not args.target or args.pull_features):
+        raise SystemExit("error: --catch-up-on-push needs --target and pushed features (not --pull-features)")
     if args.feature_ring_mb < 0:
         raise SystemExit(f"error: --feature-ring-mb must be >= 0, got {args.feature_ring_mb}")
     if args.target:
         try:
             servicer.target_features = TargetFeatureReader(args.target, target_tls(args),
                                                            subscribe=not args.pull_features,
-                                                           ring_bytes=args.feature_ring_mb << 20)
+                                                           ring_bytes=args.feature_ring_mb << 20,
+                                                           on_push=servicer.catch_up_pushed
+                                                           if args.catch_up_on_push else None)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
     metrics = None

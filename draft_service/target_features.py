@@ -30,7 +30,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from draft_service.types import IngestItem
+from draft_service.types import IngestItem, PushedRows
 from tandem import timeline
 from tandem.channels import open_channel
 from tandem.errors import InvalidArgument
@@ -64,17 +64,33 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
+def _with_next_tokens(msg: target_pb2.FeatureRows, starts: np.ndarray, counts: np.ndarray, rows
+                      ) -> list[PushedRows]:
+    """A batch's sequences whose first row's next token the step decided, with their next tokens."""
+    tokens = array_from_proto(msg.next_tokens, "int32", "next_tokens")
+    if tokens.shape != (int(counts.sum()),):
+        raise InvalidArgument(f"a batch of {int(counts.sum())} rows came with {tokens.size} next tokens")
+    ends = np.cumsum(counts)
+    return [PushedRows(rid, int(start), rows[int(end - count): int(end)], tuple(tokens[end - count: end].tolist()))
+            for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)
+            if count and tokens[end - count] >= 0]
+
+
 class TargetFeatureReader:
     """subscribe: take pushed rows (a subscription thread, reconnecting after a break);
     False: pull every row with ReadFeatures. on_rows(source, rows): told, per fill, how many
     rows were pushed, read, or absent (the service's metrics). A subscription asks for a step's
     rows in one message; where the target's address is a loopback one it also offers a
-    shared-memory ring of ring_bytes for them (tandem.feature_ring; 0: none)."""
+    shared-memory ring of ring_bytes for them (tandem.feature_ring; 0: none). on_push(pushes):
+    called on the subscription's thread with each step's rows that came with next tokens, once
+    they are stored (the draft may catch up on them before its next call)."""
 
     def __init__(self, address: str, tls: ClientTLS | None = None, timeout: float = 10.0, subscribe: bool = True,
-                 on_rows: Callable[[str, int], None] | None = None, ring_bytes: int = DEFAULT_RING_BYTES):
+                 on_rows: Callable[[str, int], None] | None = None, ring_bytes: int = DEFAULT_RING_BYTES,
+                 on_push: Callable[[list[PushedRows]], None] | None = None):
         self.address = address
         self.on_rows = on_rows
+        self.on_push = on_push
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
@@ -217,6 +233,8 @@ class TargetFeatureReader:
         ends = np.cumsum(counts)
         self.pushed.hold_many([(rid, int(start), rows[int(end - count): int(end)])
                                for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)])
+        if self.on_push is not None and msg.HasField("next_tokens"):
+            self.on_push(_with_next_tokens(msg, starts, counts, rows))
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
         """The items with the target's rows for them in `features` (target_feature_rows

@@ -65,6 +65,27 @@ class IngestItem:
 
 
 @dataclass(frozen=True)
+class PushedRows:
+    """Feature rows the target pushed as a step committed them, with the next tokens it knew.
+
+    `rows` belong to positions start, start+1, ...; next_tokens[i] is the token
+    at start + i + 1, or -1 where the step did not decide it (the last row of a
+    prompt chunk short of the prompt's end). The draft may catch up on them
+    before the gateway's ingest of the same tokens arrives (--catch-up-on-push).
+    """
+
+    request_id: str
+    start_position: int
+    rows: torch.Tensor  # [n, feature_width]
+    next_tokens: tuple[int, ...]  # n of them
+
+    @property
+    def num_known(self) -> int:
+        """Leading rows whose next token is known: the positions the draft can compute."""
+        return next((i for i, t in enumerate(self.next_tokens) if t < 0), len(self.next_tokens))
+
+
+@dataclass(frozen=True)
 class DraftBudget:
     """How much to draft for one request. Any zero (or num_draft_tokens <= 1) means no tree.
 

@@ -981,9 +981,11 @@ class GatewayCore:
         if tree is not None:
             tokens, parents, num_fixed = tree.verify_tree()
             return SequenceStep(req.request_id, tuple(tokens), tuple(parents), num_fixed, False, sampling, top,
-                                want_features, req.logits_controls)
+                                want_features, req.logits_controls, sample_is_output=it.reaches_end)
+        # reaches_end: the sample is the request's next token, which pushed features then carry to its draft.
         return SequenceStep.chain(req.request_id, it.tokens, create=not req.target_created, sampling=sampling,
-                                  top_logprobs=top, return_features=want_features, controls=req.logits_controls)
+                                  top_logprobs=top, return_features=want_features, controls=req.logits_controls,
+                                  sample_is_output=it.reaches_end)
 
     def _wants_features(self, req: Request) -> bool:
         return self._replica(req) is not None and self._mode(req) != SpecMode.NEVER and not self._dormant(req)

@@ -28,27 +28,32 @@ import torch
 from tandem.feature_ring import FeatureRing
 from tandem.tensors import array_to_proto, dtype_name, tensor_to_proto
 from tandem.v1 import target_pb2
-from target_service.step_batch import StepResults
+from target_service.step_batch import StepBatch, StepResults
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CommittedRows:
-    """The features of positions start .. start + len(rows) - 1 of one sequence, on the host."""
+    """The features of positions start .. start + len(rows) - 1 of one sequence, on the host, and
+    where known the token at each position + 1 (-1 where the step did not decide it)."""
 
     request_id: str
     start: int
     rows: torch.Tensor
+    next_tokens: np.ndarray | None = None  # int32 [len(rows)]
 
 
-def split_features(results: StepResults) -> tuple[StepResults, list[tuple[int, CommittedRows]]]:
-    """The results without their features, and (item index, rows) of every item that asked."""
+def split_features(results: StepResults, batch: StepBatch | None = None
+                   ) -> tuple[StepResults, list[tuple[int, CommittedRows]]]:
+    """The results without their features, and (item index, rows) of every item that asked;
+    with the step's batch, each item's rows carry their next tokens (_next_tokens)."""
     counts = results.feature_counts
     if results.features is None or counts is None:
         return results, []
     host = results.features.cpu()  # one tensor for the step (the engine's own, on the host); rows are views of it
     ends = np.cumsum(counts)
+    outputs = None if batch is None else batch.sample_is_output
     found = []
     for b, rid in enumerate(results.request_ids):
         count = int(counts[b])
@@ -58,8 +63,24 @@ def split_features(results: StepResults) -> tuple[StepResults, list[tuple[int, C
             # that they do not keep the whole step's features alive. (A copy per item cost 0.3-0.6 ms a step
             # at 64 requests on the dev machine.)
             rows = host[int(ends[b]) - count: int(ends[b])]
-            found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows)))
+            next_tokens = None if outputs is None else _next_tokens(batch, results, b, count)
+            found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows, next_tokens)))
     return dataclasses.replace(results, features=None, feature_counts=None), found
+
+
+def _next_tokens(batch: StepBatch, results: StepResults, b: int, count: int) -> np.ndarray:
+    """The token after each of item b's `count` committed positions: its fixed nodes after the first, then
+    its new tokens (the accepted drafted ones and the bonus); the bonus only where the item's sample is its
+    next token (a prompt chunk short of the prompt's end samples a token nobody keeps), else -1."""
+    fixed = int(batch.num_fixed[b])
+    new = results.new_tokens[b, : count - fixed + 1]  # count = fixed nodes + accepted drafted ones
+    if fixed == 1 and batch.sample_is_output[b]:
+        return new  # a decode step's: a view (it runs before the step's reply leaves)
+    start = int(batch.starts[b])
+    out = np.concatenate((batch.tokens[start + 1: start + fixed], new)).astype(np.int32)
+    if not batch.sample_is_output[b]:
+        out[-1] = -1
+    return out
 
 
 _END = None  # what a closed subscription's queue ends with
@@ -183,6 +204,10 @@ def batch_to_proto(batch: list[CommittedRows], ring: FeatureRing | None) -> targ
         request_ids=[rows.request_id for rows in batch],
         start_positions=array_to_proto(np.array([rows.start for rows in batch], dtype=np.int64)),
         row_counts=array_to_proto(np.array([rows.rows.shape[0] for rows in batch], dtype=np.int64)))
+    if any(rows.next_tokens is not None for rows in batch):
+        msg.next_tokens.CopyFrom(array_to_proto(np.concatenate([
+            rows.next_tokens if rows.next_tokens is not None else np.full(rows.rows.shape[0], -1, dtype=np.int32)
+            for rows in batch]).astype(np.int32)))
     parts = [rows.rows for rows in batch]
     start = ring.write(parts) if ring is not None else None
     if start is None:

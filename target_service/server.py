@@ -193,18 +193,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             results = engine.run(batch, layers)
             timeline.mark("target.engine.end")
             if hold and results.features is not None:  # before the reply leaves: a reader told of them finds them
-                results, pushes = self._keep_features(results, sinks)
+                results, pushes = self._keep_features(results, sinks, batch)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
         return _StepRun(batch, results, load, seconds, pushes)
 
-    def _keep_features(self, results: StepResults, sinks: list[str | None] | None
+    def _keep_features(self, results: StepResults, sinks: list[str | None] | None, batch: StepBatch | None = None
                        ) -> tuple[StepResults, list[tuple[str, CommittedRows]]]:
         """Hold each item's rows for a pull, or, where its sink has a subscriber, return them to
-        be pushed once the reply has left (_after_reply); the results leave without them."""
-        results, found = split_features(results)
+        be pushed once the reply has left (_after_reply), with their next tokens where `batch`
+        (the step's) tells them; the results leave without them."""
+        results, found = split_features(results, batch)
         pushes = []
         for b, rows in found:
             sink = sinks[b] if sinks else None
@@ -325,7 +326,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 results, pushes = granted.results, []
                 if call.hold_features and results.features is not None:
                     results, pushes = self._keep_features(
-                        results, [sink_of[rid] for rid in results.request_ids] if sink_of else None)
+                        results, [sink_of[rid] for rid in results.request_ids] if sink_of else None, granted.batch)
                 try:
                     yield _reply(results, granted.item_index, load, seconds, index, granted.last)
                 finally:

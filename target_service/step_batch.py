@@ -37,6 +37,7 @@ class StepBatch:
     top_logprobs: np.ndarray  # int32 [B]
     return_features: np.ndarray  # bool [B]
     controls: ControlColumns | None = None  # None: every sequence's logits controls are neutral
+    sample_is_output: np.ndarray | None = None  # bool [B] (SequenceStep.sample_is_output); None: all False
 
     def __post_init__(self) -> None:
         B = len(self.request_ids)
@@ -44,6 +45,8 @@ class StepBatch:
                      "top_logprobs", "return_features"):
             if len(getattr(self, name)) != B:
                 raise ValueError(f"StepBatch.{name} has {len(getattr(self, name))} entries for {B} sequences")
+        if self.sample_is_output is not None and len(self.sample_is_output) != B:
+            raise ValueError(f"StepBatch.sample_is_output has {len(self.sample_is_output)} entries for {B} sequences")
         if self.controls is not None and self.controls.size != B:
             raise ValueError(f"StepBatch.controls has {self.controls.size} entries for {B} sequences")
         if len(self.tokens) != len(self.parents) or len(self.tokens) != int(self.num_nodes.sum()):
@@ -96,7 +99,7 @@ class StepBatch:
                          [s.top_k for s in sampling], [it.top_logprobs for it in items]], dtype=np.int32)
         floats = np.array([[s.temperature for s in sampling], [s.top_p for s in sampling]], dtype=np.float32)
         flags = np.array([[it.create for it in items], [s is not None for s in seeds],
-                          [it.return_features for it in items]], dtype=bool)
+                          [it.return_features for it in items], [it.sample_is_output for it in items]], dtype=bool)
         return cls(
             request_ids=tuple(it.request_id for it in items),
             create=flags[0], num_nodes=ints[0], num_fixed=ints[1],
@@ -104,7 +107,7 @@ class StepBatch:
             parents=np.array(parents, dtype=np.int32),
             temperature=floats[0], top_k=ints[2], top_p=floats[1],
             seed=np.array([s or 0 for s in seeds], dtype=np.uint64), has_seed=flags[1],
-            top_logprobs=ints[3], return_features=flags[2],
+            top_logprobs=ints[3], return_features=flags[2], sample_is_output=flags[3],
             controls=ControlColumns.from_items([it.controls for it in items]))
 
     def items(self) -> list[SequenceStep]:
@@ -119,6 +122,7 @@ class StepBatch:
                 sampling=SamplingParams(float(self.temperature[b]), int(self.top_k[b]), float(self.top_p[b]),
                                         int(self.seed[b]) if self.has_seed[b] else None),
                 top_logprobs=int(self.top_logprobs[b]), return_features=bool(self.return_features[b]),
+                sample_is_output=self.sample_is_output is not None and bool(self.sample_is_output[b]),
                 **({} if self.controls is None else {"controls": self.controls.item(b)})))
         return out
 
@@ -134,13 +138,15 @@ class StepBatch:
 
     def take(self, rows: np.ndarray, tokens: np.ndarray) -> StepBatch:
         """Items `rows` of a batch of one-node items, each now with the given token and no
-        create flag: the next step of a plain-decode grant."""
+        create flag: the next step of a plain-decode grant (whose every sample is output: it feeds them
+        forward)."""
         pick = {name: getattr(self, name)[rows] for name in ("num_nodes", "num_fixed", "temperature", "top_k",
                                                              "top_p", "seed", "has_seed", "top_logprobs",
                                                              "return_features")}
         return StepBatch(request_ids=tuple(self.request_ids[r] for r in rows.tolist()),
                          create=np.zeros(len(rows), dtype=bool), tokens=tokens.astype(np.int32),
                          parents=np.full(len(rows), -1, dtype=np.int32),
+                         sample_is_output=np.ones(len(rows), dtype=bool),
                          controls=None if self.controls is None else self.controls.take(rows), **pick)
 
 

@@ -50,6 +50,10 @@ class SequenceStep:
     top_logprobs: int = 0
     return_features: bool = False
     controls: LogitsControls = field(default_factory=LogitsControls)  # penalties, bias, min_tokens, min_p
+    # The token sampled after the last committed node is the sequence's next token (the chain reaches the
+    # last token the caller knows), not a prompt chunk's throwaway sample: feature rows pushed to a
+    # subscriber then carry it, so that it can compute those positions at once (FeatureRows.next_tokens).
+    sample_is_output: bool = False
 
     @classmethod
     def chain(cls, request_id: str, tokens: list[int] | tuple[int, ...], **kw) -> SequenceStep:

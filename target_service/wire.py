@@ -18,7 +18,7 @@ from target_service.controls import ControlColumns
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import InvalidStep, SequenceResult
 
-CREATE, RETURN_FEATURES, HAS_SEED = 1, 2, 4
+CREATE, RETURN_FEATURES, HAS_SEED, SAMPLE_IS_OUTPUT = 1, 2, 4, 8
 
 
 _CONTROL_COLUMNS = (("repetition_penalty", "float32"), ("frequency_penalty", "float32"),
@@ -52,6 +52,8 @@ def controls_from_proto(m: target_pb2.PackedItems, size: int) -> ControlColumns 
 
 def batch_to_proto(batch: StepBatch) -> target_pb2.PackedItems:
     flags = (batch.create * CREATE | batch.return_features * RETURN_FEATURES | batch.has_seed * HAS_SEED)
+    if batch.sample_is_output is not None:
+        flags = flags | batch.sample_is_output * SAMPLE_IS_OUTPUT
     m = _items_to_proto(batch, flags)
     if batch.controls is not None:
         controls_to_proto(batch.controls, m)
@@ -93,7 +95,7 @@ def batch_from_proto(m: target_pb2.PackedItems) -> StepBatch:
         top_k=column("top_k", "int32", B), top_p=column("top_p", "float32", B),
         seed=column("seed", "int64", B).view(np.uint64), has_seed=(flags & HAS_SEED) > 0,
         top_logprobs=column("top_logprobs", "int32", B), return_features=(flags & RETURN_FEATURES) > 0,
-        controls=controls_from_proto(m, B))
+        sample_is_output=(flags & SAMPLE_IS_OUTPUT) > 0, controls=controls_from_proto(m, B))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -284,6 +284,30 @@ def test_the_target_pushes_a_steps_features_to_the_sink_it_names_and_holds_the_r
         client.close()
 
 
+def test_pushed_rows_come_with_the_tokens_after_them_where_the_step_decided_them(tiny_llama, tmp_path):
+    """A prompt chunk not marked as reaching the prompt's end pushes its rows with the prompt's tokens
+    after them and none for its last row (its sample is nobody's); a decode step marked so pushes its
+    sampled token. The subscriber hands them on (--catch-up-on-push) once they are stored."""
+    with _target_and_reader(tiny_llama, tmp_path) as (target, reader):
+        got = []
+        reader.on_push = got.extend
+        client = TargetClient(target.address)
+        prompt = (5, 17, 3, 9, 33, 2)
+        [first], _, _ = client.step([SequenceStep.chain("p", prompt, create=True, return_features=True)], (),
+                                    hold_features=True, feature_sinks=[reader.sink])
+        _wait(lambda: len(got) == 1)
+        [chunk] = got
+        assert (chunk.request_id, chunk.start_position, chunk.next_tokens) == ("p", 0, (*prompt[1:], -1))
+        assert reader.pushed.wait_for("p", len(prompt), timeout=0)  # stored before it was handed on
+        [decoded], _, _ = client.step([SequenceStep.chain("p", (first.tokens[-1],), return_features=True,
+                                                          sample_is_output=True)], (),
+                                      hold_features=True, feature_sinks=[reader.sink])
+        _wait(lambda: len(got) == 2)
+        assert (got[1].start_position, got[1].next_tokens) == (len(prompt), (decoded.tokens[-1],))
+        assert got[1].rows.shape[0] == 1
+        client.close()
+
+
 def test_a_fed_grant_pushes_or_holds_each_steps_features_as_single_steps_return_them(tiny_llama, tmp_path):
     """Awake auto requests decode plainly in grants that still feed their drafts: the target pushes
     each granted step's rows to the sink the call names (or holds them for a pull) after that step's
@@ -327,11 +351,12 @@ def test_a_fed_grant_pushes_or_holds_each_steps_features_as_single_steps_return_
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory):
     made = {}
-    for name, reads in (("inline", False), ("from_target", True)):
+    for name, reads, extra in (("inline", False, ()), ("from_target", True, ()),
+                               ("caught_up_on_push", True, ("--catch-up-on-push",))):
         made[name] = Stack(tmp_path_factory.mktemp(name), DEMO / "target", [DEMO / "draft"], "--max-model-len",
                            "1024", "--no-profile",
                            target_args=("--num-blocks", "1024", "--block-size", "16", "--metrics-port", "0"),
-                           draft_args=("--metrics-port", "0"), drafts_read_target=reads)
+                           draft_args=("--metrics-port", "0", *extra), drafts_read_target=reads)
     yield made
     for st in made.values():
         st.stop()
@@ -353,6 +378,12 @@ def test_a_draft_that_takes_its_features_from_the_target_drafts_as_one_the_gatew
     per_step = {name: accepted / verify for name, (accepted, verify) in totals.items()}
     assert per_step["inline"] > 1.5  # the trained head, fed: not a vacuous comparison
     assert per_step["from_target"] == pytest.approx(per_step["inline"], abs=0.15), per_step
+    assert per_step["caught_up_on_push"] == pytest.approx(per_step["inline"], abs=0.15), per_step
+    # With --catch-up-on-push the draft computed positions as the pushes came (most of a round's: the
+    # gateway's call then found them done); without it, none.
+    caught = {name: scrape(_metrics_url(stacks[name].drafts[0])).get("tandem_draft_push_catch_up_positions_total", 0)
+              for name in ("from_target", "caught_up_on_push")}
+    assert caught["from_target"] == 0 < caught["caught_up_on_push"], caught
     # The features went target -> draft, pushed as the steps ended: the target returned none to the
     # gateway, and held next to none for a read (the first steps may run before the subscription).
     from_target = stacks["from_target"]

@@ -152,7 +152,7 @@ class ReadFeaturesRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[FeatureRange, _Mapping]]] = ...) -> None: ...
 
 class FeatureRows(_message.Message):
-    __slots__ = ("request_id", "start_position", "features", "request_ids", "start_positions", "row_counts", "ring_rows", "ring_attached", "step_lane")
+    __slots__ = ("request_id", "start_position", "features", "request_ids", "start_positions", "row_counts", "ring_rows", "ring_attached", "step_lane", "next_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class FeatureRows(_message.Message):
     RING_ROWS_FIELD_NUMBER: _ClassVar[int]
     RING_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     STEP_LANE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     features: _common_pb2.Tensor
@@ -171,7 +172,8 @@ class FeatureRows(_message.Message):
     ring_rows: RingRows
     ring_attached: bool
     step_lane: _common_pb2.StepLane
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., start_positions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., row_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_rows: _Optional[_Union[RingRows, _Mapping]] = ..., ring_attached: _Optional[bool] = ..., step_lane: _Optional[_Union[_common_pb2.StepLane, _Mapping]] = ...) -> None: ...
+    next_tokens: _common_pb2.Tensor
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., start_positions: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., row_counts: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., ring_rows: _Optional[_Union[RingRows, _Mapping]] = ..., ring_attached: _Optional[bool] = ..., step_lane: _Optional[_Union[_common_pb2.StepLane, _Mapping]] = ..., next_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class RingRows(_message.Message):
     __slots__ = ("start", "shape", "dtype")
