@@ -138,8 +138,10 @@ class TargetFeatureReader:
                     for msg in self._call:
                         if msg.request_ids:
                             timeline.mark("draft.push.recv")
-                            self._take_batch(msg)
+                            pushes = self._take_batch(msg)
                             timeline.mark("draft.push.stored")
+                            if pushes:
+                                self.on_push(pushes)
                         elif msg.request_id:  # a target that sends a message per sequence
                             self.pushed.hold(msg.request_id, msg.start_position, tensor_from_proto(msg.features))
                         else:
@@ -210,8 +212,9 @@ class TargetFeatureReader:
         self.live = True
         return ring
 
-    def _take_batch(self, msg: target_pb2.FeatureRows) -> None:
-        """A step's rows for several sequences, from the message or the ring."""
+    def _take_batch(self, msg: target_pb2.FeatureRows) -> list[PushedRows]:
+        """A step's rows for several sequences, from the message or the ring, stored; those that came with
+        next tokens, for on_push (none without it)."""
         starts = array_from_proto(msg.start_positions, "int64", "start_positions")
         counts = array_from_proto(msg.row_counts, "int64", "row_counts")
         if not len(starts) == len(counts) == len(msg.request_ids) or (counts < 0).any():
@@ -225,7 +228,7 @@ class TargetFeatureReader:
             if rows is None:  # written over before it was read: those positions go without features
                 self._warn(f"pushed features of {len(counts)} sequence(s) were overwritten in the shared-memory "
                            f"ring before this draft read them; a larger --feature-ring-mb keeps more steps")
-                return
+                return []
         else:
             rows = tensor_from_proto(msg.features)
         if rows.dim() != 2 or rows.shape[0] != int(counts.sum()):
@@ -233,8 +236,9 @@ class TargetFeatureReader:
         ends = np.cumsum(counts)
         self.pushed.hold_many([(rid, int(start), rows[int(end - count): int(end)])
                                for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)])
-        if self.on_push is not None and msg.HasField("next_tokens"):
-            self.on_push(_with_next_tokens(msg, starts, counts, rows))
+        if self.on_push is None or not msg.HasField("next_tokens"):
+            return []
+        return _with_next_tokens(msg, starts, counts, rows)
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
         """The items with the target's rows for them in `features` (target_feature_rows
