@@ -44,16 +44,13 @@ class CommittedRows:
     next_tokens: np.ndarray | None = None  # int32 [len(rows)]
 
 
-def split_features(results: StepResults, batch: StepBatch | None = None
-                   ) -> tuple[StepResults, list[tuple[int, CommittedRows]]]:
-    """The results without their features, and (item index, rows) of every item that asked;
-    with the step's batch, each item's rows carry their next tokens (_next_tokens)."""
+def split_features(results: StepResults) -> tuple[StepResults, list[tuple[int, CommittedRows]]]:
+    """The results without their features, and (item index, rows) of every item that asked."""
     counts = results.feature_counts
     if results.features is None or counts is None:
         return results, []
     host = results.features.cpu()  # one tensor for the step (the engine's own, on the host); rows are views of it
     ends = np.cumsum(counts)
-    outputs = None if batch is None else batch.sample_is_output
     found = []
     for b, rid in enumerate(results.request_ids):
         count = int(counts[b])
@@ -63,9 +60,21 @@ def split_features(results: StepResults, batch: StepBatch | None = None
             # that they do not keep the whole step's features alive. (A copy per item cost 0.3-0.6 ms a step
             # at 64 requests on the dev machine.)
             rows = host[int(ends[b]) - count: int(ends[b])]
-            next_tokens = None if outputs is None else _next_tokens(batch, results, b, count)
-            found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows, next_tokens)))
+            found.append((b, CommittedRows(rid, int(results.num_committed[b]) - count, rows)))
     return dataclasses.replace(results, features=None, feature_counts=None), found
+
+
+def with_next_tokens(pushes: list[tuple[str, CommittedRows]], batch: StepBatch | None, results: StepResults
+                     ) -> list[tuple[str, CommittedRows]]:
+    """The pushes of a step (`batch`, whose items `results` answer in order) with the token after each row
+    (_next_tokens). Once the step's reply has left: at 64 requests the tokens cost a step 27 us (dev machine)
+    before it, where a draft that does not catch up on pushes ignores them."""
+    if not pushes or batch is None or batch.sample_is_output is None:
+        return pushes
+    item = {rid: b for b, rid in enumerate(results.request_ids)}
+    return [(sink, dataclasses.replace(rows, next_tokens=_next_tokens(batch, results, item[rows.request_id],
+                                                                      rows.rows.shape[0])))
+            for sink, rows in pushes]
 
 
 def _next_tokens(batch: StepBatch, results: StepResults, b: int, count: int) -> np.ndarray:
@@ -75,7 +84,7 @@ def _next_tokens(batch: StepBatch, results: StepResults, b: int, count: int) -> 
     fixed = int(batch.num_fixed[b])
     new = results.new_tokens[b, : count - fixed + 1]  # count = fixed nodes + accepted drafted ones
     if fixed == 1 and batch.sample_is_output[b]:
-        return new  # a decode step's: a view (it runs before the step's reply leaves)
+        return new  # a decode step's: a view
     start = int(batch.starts[b])
     out = np.concatenate((batch.tokens[start + 1: start + fixed], new)).astype(np.int32)
     if not batch.sample_is_output[b]:

@@ -36,6 +36,7 @@ from target_service.feature_sinks import (
     batch_to_proto,
     single_to_proto,
     split_features,
+    with_next_tokens,
 )
 from target_service.grant import GrantStep, check_grant, run_grant
 from target_service.metrics import TargetMetrics
@@ -193,19 +194,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             results = engine.run(batch, layers)
             timeline.mark("target.engine.end")
             if hold and results.features is not None:  # before the reply leaves: a reader told of them finds them
-                results, pushes = self._keep_features(results, sinks, batch)
+                results, pushes = self._keep_features(results, sinks)
             if self.pacing is not None:
                 self.pacing.hold(t0, int(batch.num_nodes.sum()))
             load = engine.load()
             seconds = time.perf_counter() - t0 if self.pacing is not None else engine.engine.last_step_seconds
         return _StepRun(batch, results, load, seconds, pushes)
 
-    def _keep_features(self, results: StepResults, sinks: list[str | None] | None, batch: StepBatch | None = None
+    def _keep_features(self, results: StepResults, sinks: list[str | None] | None
                        ) -> tuple[StepResults, list[tuple[str, CommittedRows]]]:
         """Hold each item's rows for a pull, or, where its sink has a subscriber, return them to
-        be pushed once the reply has left (_after_reply), with their next tokens where `batch`
-        (the step's) tells them; the results leave without them."""
-        results, found = split_features(results, batch)
+        be pushed once the reply has left (_after_reply); the results leave without them."""
+        results, found = split_features(results)
         pushes = []
         for b, rows in found:
             sink = sinks[b] if sinks else None
@@ -227,20 +227,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         metrics: per verify step at one request on the dev machine 0.15 ms and 0.12 ms (py-spy),
         on a round's critical path before. Never raises: on a stream the reply has already left,
         and a second reply would be read as the next call's."""
-        self._push(run.pushes)
+        self._push(run.pushes, run.batch, run.results)
         try:
             if self.metrics is not None:
                 self.metrics.record_batch(run.batch, run.results, run.seconds)
         except Exception:
             log.exception("after a step's reply: recording its metrics failed")
 
-    def _push(self, pushes: list[tuple[str, CommittedRows]]) -> None:
-        """A step's rows to their subscribers, one message a subscriber (not one a sequence); the
-        rows of a subscriber gone since are held for a pull. Never raises: it runs once the step's
-        reply has left."""
+    def _push(self, pushes: list[tuple[str, CommittedRows]], batch: StepBatch | None,
+              results: StepResults) -> None:
+        """A step's rows to their subscribers, one message a subscriber (not one a sequence), with the
+        token after each row where the step (`batch`, answered by `results`) decided it; the rows of a
+        subscriber gone since are held for a pull. Never raises: it runs once the step's reply has left."""
         try:
             by_sink: dict[str, list[CommittedRows]] = {}
-            for sink, rows in pushes:
+            for sink, rows in with_next_tokens(pushes, batch, results):
                 by_sink.setdefault(sink, []).append(rows)
             for sink, batch in by_sink.items():
                 if self.feature_sinks.push(sink, batch):
@@ -326,11 +327,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 results, pushes = granted.results, []
                 if call.hold_features and results.features is not None:
                     results, pushes = self._keep_features(
-                        results, [sink_of[rid] for rid in results.request_ids] if sink_of else None, granted.batch)
+                        results, [sink_of[rid] for rid in results.request_ids] if sink_of else None)
                 try:
                     yield _reply(results, granted.item_index, load, seconds, index, granted.last)
                 finally:
-                    self._push(pushes)
+                    self._push(pushes, granted.batch, results)
         except Exception as exc:
             code, message = status_for(exc)
             if code == grpc.StatusCode.INTERNAL:

@@ -20,7 +20,7 @@ from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.target_features import _with_next_tokens
 from draft_service.types import DraftBudget, DraftItem, IngestItem, PushedRows
-from target_service.feature_sinks import CommittedRows, batch_to_proto, split_features
+from target_service.feature_sinks import CommittedRows, batch_to_proto, split_features, with_next_tokens
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import SequenceStep
 from target_service.wire import batch_from_proto
@@ -163,11 +163,12 @@ def test_pushed_rows_carry_the_token_after_each_where_the_step_decided_it():
     batch = batch_from_proto(items_to_proto(StepBatch.from_items(steps)))  # the flag crosses the wire
     assert batch.sample_is_output.tolist() == [True, False, True, True]
     results = _results([[51, 52, 77], [9], [8], [5]], [2, 0, 0, 0], [3, 3, 2, 0])
-    _, found = split_features(results, batch)
-    assert [(b, rows.start, rows.next_tokens.tolist()) for b, rows in found] == [
-        (0, 17, [51, 52, 77]), (1, 17, [2, 3, -1]), (2, 18, [5, 8])]
-    _, bare = split_features(results)  # no batch: rows without tokens
-    assert all(rows.next_tokens is None for _, rows in bare)
+    light, found = split_features(results)  # before the reply leaves: the rows alone
+    assert all(rows.next_tokens is None for _, rows in found)
+    pushes = with_next_tokens([("sink", rows) for _, rows in found], batch, light)  # once it has left
+    assert [(rows.request_id, rows.start, rows.next_tokens.tolist()) for _, rows in pushes] == [
+        ("a", 17, [51, 52, 77]), ("b", 17, [2, 3, -1]), ("c", 18, [5, 8])]
+    assert with_next_tokens([("sink", found[0][1])], None, light)[0][1].next_tokens is None  # no step known
 
 
 def test_a_grants_later_steps_mark_every_sample_as_output():
