@@ -66,29 +66,25 @@ def split_features(results: StepResults) -> tuple[StepResults, list[tuple[int, C
 
 def with_next_tokens(pushes: list[tuple[str, CommittedRows]], batch: StepBatch | None, results: StepResults
                      ) -> list[tuple[str, CommittedRows]]:
-    """The pushes of a step (`batch`, whose items `results` answer in order) with the token after each row
-    (_next_tokens). Once the step's reply has left: at 64 requests the tokens cost a step 27 us (dev machine)
-    before it, where a draft that does not catch up on pushes ignores them."""
+    """The pushes of a step (`batch`, whose items `results` answer in order) with the token after each row.
+    Once the step's reply has left: at 64 requests the tokens cost a step 27 us (dev machine) before it,
+    where a draft that does not catch up on pushes ignores them. Per row at position p, the token at p + 1:
+    the item's fixed nodes after the first, then its new tokens (the accepted drafted ones and the bonus);
+    the bonus only where the item's sample is its next token (a prompt chunk short of the prompt's end
+    samples a token nobody keeps), else -1."""
     if not pushes or batch is None or batch.sample_is_output is None:
         return pushes
-    item = {rid: b for b, rid in enumerate(results.request_ids)}
-    return [(sink, dataclasses.replace(rows, next_tokens=_next_tokens(batch, results, item[rows.request_id],
-                                                                      rows.rows.shape[0])))
-            for sink, rows in pushes]
-
-
-def _next_tokens(batch: StepBatch, results: StepResults, b: int, count: int) -> np.ndarray:
-    """The token after each of item b's `count` committed positions: its fixed nodes after the first, then
-    its new tokens (the accepted drafted ones and the bonus); the bonus only where the item's sample is its
-    next token (a prompt chunk short of the prompt's end samples a token nobody keeps), else -1."""
-    fixed = int(batch.num_fixed[b])
-    new = results.new_tokens[b, : count - fixed + 1]  # count = fixed nodes + accepted drafted ones
-    if fixed == 1 and batch.sample_is_output[b]:
-        return new  # a decode step's: a view
-    start = int(batch.starts[b])
-    out = np.concatenate((batch.tokens[start + 1: start + fixed], new)).astype(np.int32)
-    if not batch.sample_is_output[b]:
-        out[-1] = -1
+    item = dict(zip(results.request_ids, range(len(results.request_ids))))
+    fixed, outputs, starts = batch.num_fixed.tolist(), batch.sample_is_output.tolist(), batch.starts
+    out = []
+    for sink, rows in pushes:
+        b, count = item[rows.request_id], rows.rows.shape[0]
+        new = results.new_tokens[b, : count - fixed[b] + 1]  # count = fixed nodes + accepted drafted ones
+        if fixed[b] > 1 or not outputs[b]:  # a prompt chunk (a decode step's tokens are a view of the results)
+            new = np.concatenate((batch.tokens[starts[b] + 1: starts[b] + fixed[b]], new)).astype(np.int32)
+            if not outputs[b]:
+                new[-1] = -1
+        out.append((sink, CommittedRows(rows.request_id, rows.start, rows.rows, new)))
     return out
 
 
