@@ -243,13 +243,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             by_sink: dict[str, list[CommittedRows]] = {}
             for sink, rows in with_next_tokens(pushes, batch, results):
                 by_sink.setdefault(sink, []).append(rows)
-            for sink, batch in by_sink.items():
-                if self.feature_sinks.push(sink, batch):
+            for sink, sink_rows in by_sink.items():
+                if self.feature_sinks.push(sink, sink_rows):
                     if self.metrics is not None:
                         self.metrics.pushed_feature_bytes.inc(
-                            sum(rows.rows.numel() * rows.rows.element_size() for rows in batch))
+                            sum(rows.rows.numel() * rows.rows.element_size() for rows in sink_rows))
                 else:
-                    for rows in batch:
+                    for rows in sink_rows:
                         self._hold(rows)
         except Exception:
             log.exception("after a step's reply: pushing its features failed")
