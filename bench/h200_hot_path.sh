@@ -182,7 +182,12 @@ fi
 site=/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 
-pack() {  # Files come back from the machine at most 8 at a time: everything in one archive.
+pack() {  # Files come back from the machine at most 8 at a time: everything in one archive. A run before this one
+  # into the same $OUT left its archive there: its files join this one's, not a tarball inside it (2026-12-07: four
+  # timeline runs into one $OUT came back nested four deep)
+  if [[ -f $OUT/results.tgz ]]; then
+    tar xzf "$OUT/results.tgz" -C "$OUT" --skip-old-files && rm -f "$OUT/results.tgz"
+  fi
   tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/results.tgz"
   ls -la "$OUT"
 }
