@@ -64,13 +64,13 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _with_next_tokens(msg: target_pb2.FeatureRows, starts: np.ndarray, counts: np.ndarray, rows
+def _with_next_tokens(msg: target_pb2.FeatureRows, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray, rows
                       ) -> list[PushedRows]:
-    """A batch's sequences whose first row's next token the step decided, with their next tokens."""
+    """A batch's sequences whose first row's next token the step decided, with their next tokens (ends: each
+    sequence's rows end there, counts' running sum)."""
     tokens = array_from_proto(msg.next_tokens, "int32", "next_tokens")
     if tokens.shape != (int(counts.sum()),):
         raise InvalidArgument(f"a batch of {int(counts.sum())} rows came with {tokens.size} next tokens")
-    ends = np.cumsum(counts)
     return [PushedRows(rid, int(start), rows[int(end - count): int(end)], tuple(tokens[end - count: end].tolist()))
             for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)
             if count and tokens[end - count] >= 0]
@@ -238,7 +238,7 @@ class TargetFeatureReader:
                                for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)])
         if self.on_push is None or not msg.HasField("next_tokens"):
             return []
-        return _with_next_tokens(msg, starts, counts, rows)
+        return _with_next_tokens(msg, starts, counts, ends, rows)
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
         """The items with the target's rows for them in `features` (target_feature_rows

@@ -72,7 +72,7 @@ def with_next_tokens(pushes: list[tuple[str, CommittedRows]], batch: StepBatch |
     the item's fixed nodes after the first, then its new tokens (the accepted drafted ones and the bonus);
     the bonus only where the item's sample is its next token (a prompt chunk short of the prompt's end
     samples a token nobody keeps), else -1."""
-    if not pushes or batch is None or batch.sample_is_output is None:
+    if not pushes or batch is None:
         return pushes
     item = dict(zip(results.request_ids, range(len(results.request_ids))))
     fixed, outputs, starts = batch.num_fixed.tolist(), batch.sample_is_output.tolist(), batch.starts

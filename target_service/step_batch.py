@@ -37,7 +37,8 @@ class StepBatch:
     top_logprobs: np.ndarray  # int32 [B]
     return_features: np.ndarray  # bool [B]
     controls: ControlColumns | None = None  # None: every sequence's logits controls are neutral
-    sample_is_output: np.ndarray | None = None  # bool [B] (SequenceStep.sample_is_output); None: all False
+    # bool [B] (SequenceStep.sample_is_output); not given: all False, filled in at construction
+    sample_is_output: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         B = len(self.request_ids)
@@ -45,7 +46,9 @@ class StepBatch:
                      "top_logprobs", "return_features"):
             if len(getattr(self, name)) != B:
                 raise ValueError(f"StepBatch.{name} has {len(getattr(self, name))} entries for {B} sequences")
-        if self.sample_is_output is not None and len(self.sample_is_output) != B:
+        if self.sample_is_output is None:
+            object.__setattr__(self, "sample_is_output", np.zeros(B, dtype=bool))
+        elif len(self.sample_is_output) != B:
             raise ValueError(f"StepBatch.sample_is_output has {len(self.sample_is_output)} entries for {B} sequences")
         if self.controls is not None and self.controls.size != B:
             raise ValueError(f"StepBatch.controls has {self.controls.size} entries for {B} sequences")
@@ -122,7 +125,7 @@ class StepBatch:
                 sampling=SamplingParams(float(self.temperature[b]), int(self.top_k[b]), float(self.top_p[b]),
                                         int(self.seed[b]) if self.has_seed[b] else None),
                 top_logprobs=int(self.top_logprobs[b]), return_features=bool(self.return_features[b]),
-                sample_is_output=self.sample_is_output is not None and bool(self.sample_is_output[b]),
+                sample_is_output=bool(self.sample_is_output[b]),
                 **({} if self.controls is None else {"controls": self.controls.item(b)})))
         return out
 

@@ -51,9 +51,8 @@ def controls_from_proto(m: target_pb2.PackedItems, size: int) -> ControlColumns 
 
 
 def batch_to_proto(batch: StepBatch) -> target_pb2.PackedItems:
-    flags = (batch.create * CREATE | batch.return_features * RETURN_FEATURES | batch.has_seed * HAS_SEED)
-    if batch.sample_is_output is not None:
-        flags = flags | batch.sample_is_output * SAMPLE_IS_OUTPUT
+    flags = (batch.create * CREATE | batch.return_features * RETURN_FEATURES | batch.has_seed * HAS_SEED
+             | batch.sample_is_output * SAMPLE_IS_OUTPUT)
     m = _items_to_proto(batch, flags)
     if batch.controls is not None:
         controls_to_proto(batch.controls, m)

@@ -15,6 +15,7 @@ from draft_service.types import (
     InvalidDraftInput,
     OutOfDraftCapacity,
 )
+from tests.draft_state import history, kv_of, snapshot
 from tests.tiny_draft import make_tiny_eagle3
 
 
@@ -22,16 +23,6 @@ from tests.tiny_draft import make_tiny_eagle3
 def model(tiny_llama, tmp_path_factory):
     target = tiny_llama("gqa")
     return Eagle3Draft(make_tiny_eagle3(tmp_path_factory.mktemp("d") / "d", target, seed=21), target)
-
-
-def history(model: Eagle3Draft, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, model.cfg.target_vocab_size, (n + 1,), generator=gen).tolist(),
-            torch.randn(n, model.cfg.feature_width, generator=gen))
-
-
-def kv_of(engine: DraftEngine, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return engine.kv.read(0, engine.kv.slots(rid, 0, engine.computed(rid)))
 
 
 BUDGET = DraftBudget(steps=4, topk=3, num_draft_tokens=10)
@@ -128,11 +119,6 @@ def test_release_frees_all_state(model):
 
 
 # --- validation: a bad call changes nothing ----------------------------------------------------
-
-def snapshot(engine: DraftEngine):
-    return ({r: (list(s.tokens), sorted(s.features)) for r, s in engine.requests.items()},
-            {r: engine.computed(r) for r in engine.requests}, engine.load())
-
 
 @pytest.mark.parametrize("call, message", [
     (lambda e: e.draft([DraftItem("ghost", BUDGET)]), "unknown request 'ghost'"),

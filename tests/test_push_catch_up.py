@@ -25,6 +25,7 @@ from target_service.step_batch import StepBatch, StepResults
 from target_service.types import SequenceStep
 from target_service.wire import batch_from_proto
 from target_service.wire import batch_to_proto as items_to_proto
+from tests.draft_state import history, kv_of, snapshot
 from tests.tiny_draft import make_tiny_eagle3
 
 BUDGET = DraftBudget(steps=4, topk=3, num_draft_tokens=10)
@@ -34,21 +35,6 @@ BUDGET = DraftBudget(steps=4, topk=3, num_draft_tokens=10)
 def model(tiny_llama, tmp_path_factory):
     target = tiny_llama("gqa")
     return Eagle3Draft(make_tiny_eagle3(tmp_path_factory.mktemp("d") / "d", target, seed=33), target)
-
-
-def history(model: Eagle3Draft, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, model.cfg.target_vocab_size, (n + 1,), generator=gen).tolist(),
-            torch.randn(n, model.cfg.feature_width, generator=gen))
-
-
-def kv_of(engine: DraftEngine, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return engine.kv.read(0, engine.kv.slots(rid, 0, engine.computed(rid)))
-
-
-def snapshot(engine: DraftEngine):
-    return ({rid: (list(st.tokens), sorted(st.features)) for rid, st in engine.requests.items()},
-            {rid: engine.computed(rid) for rid in engine.requests}, engine.load())
 
 
 # --- the draft's engine ----------------------------------------------------------------------------
@@ -183,7 +169,7 @@ def test_the_subscriber_gets_each_sequences_rows_with_their_next_tokens():
              CommittedRows("c", 9, rows[5:], np.array([-1], np.int32))]
     msg = batch_to_proto(batch, None)
     starts, counts = np.array([3, 0, 9]), np.array([2, 3, 1])
-    got = _with_next_tokens(msg, starts, counts, rows)
+    got = _with_next_tokens(msg, starts, counts, np.cumsum(counts), rows)
     # "b" came without tokens and "c" without its next one: nothing to compute ahead for them.
     assert [(p.request_id, p.start_position, p.next_tokens) for p in got] == [("a", 3, (7, 8))]
     assert torch.equal(got[0].rows, rows[:2])
