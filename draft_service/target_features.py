@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import itertools
 import logging
 import threading
 import time
@@ -28,7 +29,6 @@ import uuid
 from collections.abc import Callable
 
 import grpc
-import numpy as np
 
 from draft_service.types import IngestItem, PushedRows
 from tandem import timeline
@@ -62,18 +62,6 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _with_next_tokens(msg: target_pb2.FeatureRows, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray, rows
-                      ) -> list[PushedRows]:
-    """A batch's sequences whose first row's next token the step decided, with their next tokens (ends: each
-    sequence's rows end there, counts' running sum)."""
-    tokens = array_from_proto(msg.next_tokens, "int32", "next_tokens")
-    if tokens.shape != (int(counts.sum()),):
-        raise InvalidArgument(f"a batch of {int(counts.sum())} rows came with {tokens.size} next tokens")
-    return [PushedRows(rid, int(start), rows[int(end - count): int(end)], tuple(tokens[end - count: end].tolist()))
-            for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)
-            if count and tokens[end - count] >= 0]
 
 
 class TargetFeatureReader:
@@ -214,12 +202,15 @@ class TargetFeatureReader:
 
     def _take_batch(self, msg: target_pb2.FeatureRows) -> list[PushedRows]:
         """A step's rows for several sequences, from the message or the ring, stored; those that came with
-        next tokens, for on_push (none without it)."""
-        starts = array_from_proto(msg.start_positions, "int64", "start_positions")
-        counts = array_from_proto(msg.row_counts, "int64", "row_counts")
-        if not len(starts) == len(counts) == len(msg.request_ids) or (counts < 0).any():
-            raise InvalidArgument(f"a batch of {len(msg.request_ids)} sequences with {len(starts)} starts "
+        next tokens, for on_push (none without it). Plain lists, and no slice for a batch of one: the push
+        runs cold, after the wait for a step, where each numpy or torch op costs tens of microseconds."""
+        request_ids = msg.request_ids
+        starts = array_from_proto(msg.start_positions, "int64", "start_positions").tolist()
+        counts = array_from_proto(msg.row_counts, "int64", "row_counts").tolist()
+        if not len(starts) == len(counts) == len(request_ids) or min(counts, default=0) < 0:
+            raise InvalidArgument(f"a batch of {len(request_ids)} sequences with {len(starts)} starts "
                                   f"and {len(counts)} row counts")
+        total = sum(counts)
         if msg.HasField("ring_rows"):
             if self.ring is None:
                 raise InvalidArgument("rows in a ring this subscription has not attached")
@@ -231,14 +222,27 @@ class TargetFeatureReader:
                 return []
         else:
             rows = tensor_from_proto(msg.features)
-        if rows.dim() != 2 or rows.shape[0] != int(counts.sum()):
-            raise InvalidArgument(f"a batch of {int(counts.sum())} rows came with rows of shape {list(rows.shape)}")
-        ends = np.cumsum(counts)
-        self.pushed.hold_many([(rid, int(start), rows[int(end - count): int(end)])
-                               for rid, start, count, end in zip(msg.request_ids, starts, counts, ends)])
+        if rows.dim() != 2 or rows.shape[0] != total:
+            raise InvalidArgument(f"a batch of {total} rows came with rows of shape {list(rows.shape)}")
+        if len(counts) == 1:
+            entries = [(request_ids[0], starts[0], rows)]
+        else:
+            ends = itertools.accumulate(counts)
+            entries = [(rid, start, rows[end - count: end])
+                       for rid, start, count, end in zip(request_ids, starts, counts, ends)]
+        self.pushed.hold_many(entries)
         if self.on_push is None or not msg.HasField("next_tokens"):
             return []
-        return _with_next_tokens(msg, starts, counts, ends, rows)
+        next_tokens = array_from_proto(msg.next_tokens, "int32", "next_tokens")
+        if next_tokens.shape != (total,):
+            raise InvalidArgument(f"a batch of {total} rows came with {next_tokens.size} next tokens")
+        tokens = next_tokens.tolist()
+        pushes, end = [], 0
+        for (rid, start, part), count in zip(entries, counts):
+            end += count
+            if count and tokens[end - count] >= 0:
+                pushes.append(PushedRows(rid, start, part, tuple(tokens[end - count: end])))
+        return pushes
 
     def fill(self, items: list[IngestItem]) -> list[IngestItem]:
         """The items with the target's rows for them in `features` (target_feature_rows

@@ -18,8 +18,10 @@ import torch
 
 from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
-from draft_service.target_features import _with_next_tokens
+from draft_service.target_features import TargetFeatureReader
 from draft_service.types import DraftBudget, DraftItem, IngestItem, PushedRows
+from tandem.errors import InvalidArgument
+from tandem.tensors import array_to_proto
 from target_service.feature_sinks import CommittedRows, batch_to_proto, split_features, with_next_tokens
 from target_service.step_batch import StepBatch, StepResults
 from target_service.types import SequenceStep
@@ -163,14 +165,29 @@ def test_a_grants_later_steps_mark_every_sample_as_output():
     assert batch.take(np.array([1]), np.array([9])).sample_is_output.tolist() == [True]
 
 
-def test_the_subscriber_gets_each_sequences_rows_with_their_next_tokens():
+def test_the_subscriber_stores_each_sequences_rows_and_hands_on_those_with_next_tokens():
+    reader = TargetFeatureReader("127.0.0.1:1", subscribe=False, on_push=lambda pushes: None)
     rows = torch.arange(12, dtype=torch.float32).view(6, 2)
     batch = [CommittedRows("a", 3, rows[:2], np.array([7, 8], np.int32)), CommittedRows("b", 0, rows[2:5], None),
              CommittedRows("c", 9, rows[5:], np.array([-1], np.int32))]
-    msg = batch_to_proto(batch, None)
-    starts, counts = np.array([3, 0, 9]), np.array([2, 3, 1])
-    got = _with_next_tokens(msg, starts, counts, np.cumsum(counts), rows)
+    got = reader._take_batch(batch_to_proto(batch, None))
     # "b" came without tokens and "c" without its next one: nothing to compute ahead for them.
     assert [(p.request_id, p.start_position, p.next_tokens) for p in got] == [("a", 3, (7, 8))]
     assert torch.equal(got[0].rows, rows[:2])
+    for rid, start, end, want in (("a", 3, 5, rows[:2]), ("b", 0, 3, rows[2:5]), ("c", 9, 10, rows[5:])):
+        assert torch.equal(reader.pushed.read(rid, start, end)[1], want)
+    # A batch of one sequence (stored without a slice), and a message without next tokens: stored, none handed on.
+    alone = reader._take_batch(batch_to_proto([CommittedRows("a", 5, rows[:3], np.array([4, 5, 6], np.int32))], None))
+    assert [(p.request_id, p.start_position, p.next_tokens) for p in alone] == [("a", 5, (4, 5, 6))]
+    assert reader._take_batch(batch_to_proto([CommittedRows("b", 3, rows[2:5])], None)) == []
+    assert torch.equal(reader.pushed.read("a", 5, 8)[1], rows[:3]) and torch.equal(reader.pushed.read("b", 3, 6)[1],
+                                                                                     rows[2:5])
     assert not batch_to_proto([CommittedRows("b", 0, rows[2:5])], None).HasField("next_tokens")
+
+
+def test_the_subscriber_refuses_a_batch_whose_next_tokens_do_not_match_its_rows():
+    reader = TargetFeatureReader("127.0.0.1:1", subscribe=False, on_push=lambda pushes: None)
+    msg = batch_to_proto([CommittedRows("a", 3, torch.zeros(2, 2), np.array([7, 8], np.int32))], None)
+    msg.next_tokens.CopyFrom(array_to_proto(np.array([7, 8, 9], np.int32)))
+    with pytest.raises(InvalidArgument, match="3 next tokens"):
+        reader._take_batch(msg)
