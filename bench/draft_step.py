@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from bench.served_pause import wait_as_served
 from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget, DraftItem, IngestItem
@@ -143,11 +144,11 @@ def spread_depths(budget: DraftBudget, batch: int) -> list[DraftBudget]:
 
 def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, accepted: int, iters: int,
                device: str, grow_only: bool = False, around: contextlib.AbstractContextManager | None = None,
-               mixed_depths: bool = False) -> float:
+               mixed_depths: bool = False, pause_s: float = 0.0) -> float:
     """Median seconds of a Draft call that first ingests `accepted` + 1 committed tokens per request
     (grow_only: ingests nothing, so the call is the tree growth alone). `around` is entered for the
     timed calls only (after the requests' prefixes were ingested): a profiler. mixed_depths: the
-    requests' depths spread (spread_depths)."""
+    requests' depths spread (spread_depths). pause_s: each call after that long a wait (served_pause)."""
     width, vocab = engine.model.cfg.feature_width, engine.model.cfg.target_vocab_size
     ids = [f"b{batch}-{i}" for i in range(batch)]
     budgets = spread_depths(budget, batch) if mixed_depths else [budget] * batch
@@ -155,13 +156,13 @@ def time_calls(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget
                               torch.randn(prefix, width, dtype=engine.model.dtype)) for r in ids], catch_up=True)
     times = []
     with around or contextlib.nullcontext():
-        _calls(engine, ids, budgets, accepted, iters + 2, vocab, width, device, grow_only, times)
+        _calls(engine, ids, budgets, accepted, iters + 2, vocab, width, device, grow_only, times, pause_s)
     engine.release(ids)
     return statistics.median(times[2:])
 
 
 def _calls(engine: DraftEngine, ids: list[str], budgets: list[DraftBudget], accepted: int, n: int, vocab: int,
-           width: int, device: str, grow_only: bool, times: list[float]) -> None:
+           width: int, device: str, grow_only: bool, times: list[float], pause_s: float = 0.0) -> None:
     for _ in range(n):
         ingest = []
         for r in ids if not grow_only else ():
@@ -170,6 +171,7 @@ def _calls(engine: DraftEngine, ids: list[str], budgets: list[DraftBudget], acce
             ingest.append(IngestItem(r, start, tuple(engine.requests[r].tokens[start:]) +
                                      tuple(torch.randint(0, vocab, (accepted + 1,)).tolist()),
                                      torch.randn(accepted + 1, width, dtype=engine.model.dtype)))
+        wait_as_served(pause_s, device)
         sync(device)
         t0 = time.perf_counter()
         engine.draft([DraftItem(r, budget) for r, budget in zip(ids, budgets)], ingest)
@@ -197,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time each shape without and with --fused-tree-levels, two engines on one model in one "
                          "process, alternated N times (--iters calls each time): between processes the same "
                          "setting's median moved by 10-20%% on the H200, as much as the effect")
+    ap.add_argument("--pause-ms", default="0", metavar="MS,...",
+                    help="wait this long before each timed call, the host asleep and the GPU busy, as a served "
+                         "call comes after the target's verify (bench/served_pause.py); several (0,5,0,5): each "
+                         "shape timed after each, in turn (default 0: back to back)")
     ap.add_argument("--out", type=Path, help="also write JSON")
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="also profile a few calls of the first batch and budget (torch.profiler) and write the "
@@ -214,16 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     engine = DraftEngine(model, num_blocks=blocks, block_size=16, fused_levels=args.fused_tree_levels)
     fused = "; growth levels fused" if engine.fused_levels else ""
     mixed = "; depths spread (request i: steps - i % steps)" if args.mixed_depths else ""
+    pauses = [float(p) for p in args.pause_ms.split(",")]
+    waits = pauses != [0.0]  # a column of its own only where asked for
+    mixed += "; the pause column: each call after that wait (ms)" if waits else ""
     print(f"track: {track}; {device} {str(dtype).removeprefix('torch.')}; prefix {prefix}; "
           f"{args.accepted + 1} tokens ingested per request per call{fused}{mixed}; median ms per Draft call")
-    print(f"{'batch':>6} " + " ".join(f"{f'{b.steps}/{b.topk}/{b.num_draft_tokens}':>10}" for b in budgets))
+    print(f"{'batch':>6} " + (f"{'pause':>6} " if waits else "")
+          + " ".join(f"{f'{b.steps}/{b.topk}/{b.num_draft_tokens}':>10}" for b in budgets))
     rows = []
     for batch in batches:
-        ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device, args.grow_only,
-                                mixed_depths=args.mixed_depths) for b in budgets]
-        rows.append({"batch": batch, "ms": dict(zip([f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in budgets],
-                                                    ms))})
-        print(f"{batch:>6} " + " ".join(f"{m:>10.2f}" for m in ms))
+        for pause in pauses:
+            ms = [1000 * time_calls(engine, batch, prefix, b, args.accepted, args.iters, device, args.grow_only,
+                                    mixed_depths=args.mixed_depths, pause_s=pause / 1e3) for b in budgets]
+            rows.append({"batch": batch, "pause_ms": pause,
+                         "ms": dict(zip([f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in budgets], ms))})
+            print(f"{batch:>6} " + (f"{pause:>6g} " if waits else "") + " ".join(f"{m:>10.2f}" for m in ms))
     if args.out:
         args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
                                         "fused_levels": engine.fused_levels,

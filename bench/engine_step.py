@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.call_clock import CallClock  # noqa: E402
+from bench.served_pause import wait_as_served  # noqa: E402
 from kernels.l2_prefetch import WeightPrefetch  # noqa: E402
 from target_service.cuda_graphs import GraphConfig  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
@@ -90,10 +91,11 @@ def prefill(engine: TargetEngine, batch: int, prefix: int) -> list[str]:
 
 
 def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, device: str,
-               features: bool = False) -> float:
+               features: bool = False, pause_s: float = 0.0) -> float:
     """ms per step (median). features: every item asks for the target's features (the model's default
     layers), and the committed rows are copied to the host as the served target does before a
-    step's reply (target_service.feature_sinks.split_features): a step that feeds a draft."""
+    step's reply (target_service.feature_sinks.split_features): a step that feeds a draft. pause_s:
+    each step after that long a wait (bench/served_pause.py)."""
     from target_service.engine import batch_of_items
     from target_service.feature_sinks import split_features
 
@@ -101,6 +103,7 @@ def time_steps(engine: TargetEngine, ids: list[str], nodes: int, iters: int, dev
     times = []
     for _ in range(iters + 3):
         items = [SequenceStep(rid, *tree(last[rid], nodes), 1, return_features=features) for rid in ids]
+        wait_as_served(pause_s, device)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -233,13 +236,16 @@ def run_mode(engine: TargetEngine | ParallelEngine, mode: str, batches: list[int
     for b in batches:
         ids = prefill(engine, b, args.prefix)
         for n in nodes:
-            ms = time_steps(engine, ids, n, args.iters, device)
-            rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms})
-            print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step", flush=True)
-            if args.features:
-                ms = time_steps(engine, ids, n, args.iters, device, features=True)
-                rows.append({"mode": mode, "batch": b, "nodes": n, "features": True, "ms": ms})
-                print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step with features", flush=True)
+            for pause in args.pause_ms:
+                after = f" after {pause:g} ms waits" if pause else ""
+                ms = time_steps(engine, ids, n, args.iters, device, pause_s=pause / 1e3)
+                rows.append({"mode": mode, "batch": b, "nodes": n, "ms": ms, "pause_ms": pause})
+                print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step{after}", flush=True)
+                if args.features:
+                    ms = time_steps(engine, ids, n, args.iters, device, features=True, pause_s=pause / 1e3)
+                    rows.append({"mode": mode, "batch": b, "nodes": n, "features": True, "ms": ms, "pause_ms": pause})
+                    print(f"{mode:>6} batch {b:>4} nodes {n:>3}: {ms:8.2f} ms per step with features{after}",
+                          flush=True)
             # Right after steps of this shape: the shared input buffer holds this bucket's layout.
             replay = time_replays(engine, b, n, args.iters) if mode == "graphs" and args.tp == 1 else None
             if replay is not None:
@@ -414,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--l2-prefetch-mb", type=int, default=0, metavar="MIB",
                     help="ask L2 for up to MIB MiB of each GEMM's weight ahead of it (kernels.l2_prefetch, as "
                     "tandem target --l2-prefetch-mb serves; default 0: off; TP=1 on CUDA only)")
+    ap.add_argument("--pause-ms", type=lambda v: [float(x) for x in v.split(",")], default=[0.0], metavar="MS,...",
+                    help="wait this long before each timed step, the host asleep and the GPU busy, as a served step "
+                         "comes after the draft's call and the gateway's hops (bench/served_pause.py); several "
+                         "(0,2,0,2): each shape timed after each, in turn (default 0: back to back)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.tp < 1:
