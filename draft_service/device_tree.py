@@ -118,6 +118,10 @@ class BatchTreeGrowth:
         self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_seconds = 0.0
+        # What the ints' host buffer holds of the last call's layout (see _write_layout): (requests,
+        # padding row), and whether its depths are a call's own rather than the shape's.
+        self._layout: tuple[int, int] | None = None
+        self._custom_depths = False
         if capture:
             self._capture()
 
@@ -129,20 +133,39 @@ class BatchTreeGrowth:
         tree keeps (default the shape's): every request grows to the shape's depth, and the selection
         takes a request's best nodes of levels below its own depth only. Levels grow the same whatever
         comes after them, so these are the nodes a growth to that depth alone keeps."""
-        B, R, K = self.shape.batch, self.shape.slots, self.shape.k
+        B = self.shape.batch
         n = len(lengths)
         if depths is not None and (len(depths) != n or any(not 1 <= d <= self.shape.budget.steps for d in depths)):
             raise ValueError(f"{n} requests need depths 1..{self.shape.budget.steps}, got {depths}")
         ints = self.ints_in.host().numpy()
+        info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
+        if self._layout != (n, padding_row):
+            self._write_layout(ints, n, padding_row)
+        info[:n, 0] = lengths
+        info[:n, 3] = table_rows
+        if depths is not None or self._custom_depths:
+            ints[-B:] = self.shape.budget.steps
+            if depths is not None:
+                ints[-B:][:n] = depths
+            self._custom_depths = depths is not None
+        self.ints_in.send()
+        if n:
+            torch.stack(root_h, out=self.root_h[:n])
+        self.root_h[n:].zero_()
+        if self.model.attention.name == "torch":
+            self.host_slots = host_slots or [np.zeros(0, dtype=np.int64)] * n
+
+    def _write_layout(self, ints: np.ndarray, n: int, padding_row: int) -> None:
+        """What the ints hold for any call of n requests: the padding requests' info, every request's
+        offset and slots, each run's tiles, the shape's depth. The host buffer keeps it between calls,
+        so a call of as many requests as the last writes only lengths and table rows (each numpy op
+        a call leaves out is some microseconds warm, and several times that cold)."""
+        B, R, K = self.shape.batch, self.shape.slots, self.shape.k
         ints[-B:] = self.shape.budget.steps
-        if depths is not None:
-            ints[-B:][:n] = depths
         info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
         info[:] = (0, 0, 0, padding_row)
         info[:, 1] = np.arange(B) * R
-        info[:n, 0] = lengths
         info[:n, 2] = R
-        info[:n, 3] = table_rows
         at = SEQ_INFO_FIELDS * B
         for run in range(self.shape.runs):
             tiles = ints[at: at + 3 * B * self.tiles_per_run].reshape(B, self.tiles_per_run, 3)
@@ -152,12 +175,7 @@ class BatchTreeGrowth:
             tiles[:, :, 2] = np.minimum(self.per_tile, (run + 1) * K - first)
             tiles[n:, :, 2] = 0  # padding requests do nothing
             at += 3 * B * self.tiles_per_run
-        self.ints_in.send()
-        if n:
-            torch.stack(root_h, out=self.root_h[:n])
-        self.root_h[n:].zero_()
-        if self.model.attention.name == "torch":
-            self.host_slots = host_slots or [np.zeros(0, dtype=np.int64)] * n
+        self._layout, self._custom_depths = (n, padding_row), False
 
     # --- the growth ---------------------------------------------------------------
     def _plan(self, run: int):

@@ -18,6 +18,7 @@ from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget, DraftItem, IngestItem
 from kernels.topk import top_k_ranked_reference
+from kernels.tree_metadata import SEQ_INFO_FIELDS
 from tests.tiny_draft import make_tiny_eagle3
 
 BUDGETS = [DraftBudget(5, 4, 8), DraftBudget(3, 1, 4), DraftBudget(6, 8, 16), DraftBudget(2, 3, 30),
@@ -111,6 +112,34 @@ def test_a_growth_refuses_depths_beyond_its_own():
     growth.shape = GrowthShape(batch=2, budget=DraftBudget(3, 2, 6))
     with pytest.raises(ValueError, match="depths 1..3"):
         growth.load([], [5], [0], 0, depths=[4])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_growths_inputs_after_calls_of_other_sizes_and_depths_are_those_a_fresh_growth_loads(pair, backend):
+    """A growth keeps the layout of its last call in its host buffer and writes only what changed: after
+    any sequence of calls, its inputs are those of a growth that never ran another call."""
+    from draft_service.device_tree import BatchTreeGrowth, GrowthShape
+
+    target, draft = pair
+    model = Eagle3Draft(draft, target, attention_backend=backend)
+    kv = DraftEngine(model, num_blocks=32, block_size=4).kv
+    shape = GrowthShape(batch=4, budget=DraftBudget(4, 3, 9))
+    kept = BatchTreeGrowth(model, kv, shape, capture=False)
+    h = [torch.randn(model.cfg.hidden_size) for _ in range(4)]
+    calls = [([7, 9], [1, 2], None), ([8, 10], [2, 1], [2, 4]), ([9, 11], [0, 3], None), ([5], [3], [3]),
+             ([12, 13, 14, 15], [0, 1, 2, 3], None), ([6, 7], [2, 1], None), ([3, 4], [2, 1], [1, 1]),
+             ([4, 5], [2, 1], [1, 1]), ([5, 6], [2, 1], None)]
+    for lengths, rows, depths in calls:
+        kept.load(h[: len(lengths)], lengths, rows, kv.block_table.padding_row, depths=depths)
+        fresh = BatchTreeGrowth(model, kv, shape, capture=False)
+        fresh.load(h[: len(lengths)], lengths, rows, kv.block_table.padding_row, depths=depths)
+        assert torch.equal(kept.ints_in.host(), fresh.ints_in.host()), (lengths, depths)
+        assert torch.equal(kept.ints, fresh.ints)
+        info = kept.ints[: SEQ_INFO_FIELDS * shape.batch].view(shape.batch, SEQ_INFO_FIELDS)
+        n = len(lengths)
+        assert info[:n, 0].tolist() == lengths and info[:n, 3].tolist() == rows
+        assert info[n:, 3].tolist() == [kv.block_table.padding_row] * (shape.batch - n)
+        assert kept.depths.tolist() == (depths or [4] * n) + [4] * (shape.batch - n)
 
 
 def test_the_top_k_reference_breaks_ties_towards_the_lower_index_like_a_stable_sort():
