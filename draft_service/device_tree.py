@@ -141,6 +141,7 @@ class BatchTreeGrowth:
         info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
         if self._layout != (n, padding_row):
             self._write_layout(ints, n, padding_row)
+            self.root_h[n:].zero_()  # padding requests grow from zeros (nothing else writes root_h)
         info[:n, 0] = lengths
         info[:n, 3] = table_rows
         if depths is not None or self._custom_depths:
@@ -151,7 +152,6 @@ class BatchTreeGrowth:
         self.ints_in.send()
         if n:
             torch.stack(root_h, out=self.root_h[:n])
-        self.root_h[n:].zero_()
         if self.model.attention.name == "torch":
             self.host_slots = host_slots or [np.zeros(0, dtype=np.int64)] * n
 

@@ -134,7 +134,7 @@ def test_a_growths_inputs_after_calls_of_other_sizes_and_depths_are_those_a_fres
         fresh = BatchTreeGrowth(model, kv, shape, capture=False)
         fresh.load(h[: len(lengths)], lengths, rows, kv.block_table.padding_row, depths=depths)
         assert torch.equal(kept.ints_in.host(), fresh.ints_in.host()), (lengths, depths)
-        assert torch.equal(kept.ints, fresh.ints)
+        assert torch.equal(kept.ints, fresh.ints) and torch.equal(kept.root_h, fresh.root_h)
         info = kept.ints[: SEQ_INFO_FIELDS * shape.batch].view(shape.batch, SEQ_INFO_FIELDS)
         n = len(lengths)
         assert info[:n, 0].tolist() == lengths and info[:n, 3].tolist() == rows
