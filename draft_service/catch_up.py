@@ -11,7 +11,6 @@ features, more than WIDTH new positions) take the engine's eager path.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
@@ -39,21 +38,28 @@ class BatchCatchUp:
         self.block_m = choose_block_m(W, group)
         self.per_tile = self.block_m // group
         self.tiles_per_seq = -(-W // self.per_tile)
-        # A call's inputs, each in one non-blocking copy: the attention's ints; the rows' tokens,
-        # positions, cache slots, feature rows and whether a row takes its own h, then each request's
-        # last row; the features, packed.
-        self.ints_in = StagedInput((SEQ_INFO_FIELDS * batch + 3 * batch * self.tiles_per_seq,), torch.int32, dev)
-        self.ints = self.ints_in.device
-        self.longs_in = StagedInput((5 * rows + batch,), torch.long, dev)
-        self.tokens, self.positions, self.slots, self.feature_rows, self.takes_own_h = (
-            self.longs_in.device[: 5 * rows].view(5, rows))
-        self.last_row = self.longs_in.device[5 * rows:]
+        # A call's input, in one non-blocking copy: each request's start (its computed length), count of new
+        # positions and block-table row, then its WIDTH next tokens and whether each position has a feature
+        # row. The rest (each row's position, cache slot, feature row and own-h flag, the attention's
+        # sequence info and tiles) is derived from it on the device, inside the graph (_rows): built on the
+        # host it took some 35 numpy ops a call, each tens of microseconds once the caches had gone cold
+        # between calls.
+        self.longs_in = StagedInput((3 * batch + 2 * rows,), torch.long, dev)
+        self.ints = torch.zeros(SEQ_INFO_FIELDS * batch + 3 * batch * self.tiles_per_seq, dtype=torch.int32,
+                                device=dev)
+        self.offsets = torch.arange(W, device=dev)  # a row's place in its request's rows
+        self.first_rows = torch.arange(batch, device=dev) * W
+        self.tile_starts = torch.arange(self.tiles_per_seq, device=dev) * self.per_tile
+        self.info = self.ints[: SEQ_INFO_FIELDS * batch].view(batch, SEQ_INFO_FIELDS)
+        self.tiles = self.ints[SEQ_INFO_FIELDS * batch:].view(batch, self.tiles_per_seq, 3)
+        self.info[:, 1] = self.first_rows  # the parts of the ints that no call changes
+        self.tiles[:, :, 0] = torch.arange(batch, device=dev)[:, None]
+        self.tiles[:, :, 1] = self.tile_starts
         # Each request's h before its segment, which its rows without features take (copied on the device,
         # outside the graph, only by calls that have such rows: a verify's catch-up never does), and each row's
         # request.
         self.request_h = torch.zeros(batch, model.cfg.hidden_size, dtype=model.dtype, device=dev)
         self.row_request = torch.arange(rows, device=dev) // W
-        self.slots.fill_(kv.trash_slot)  # the capture's warm-up runs before any load: it writes only trash
         self.features_in = StagedInput((rows, model.cfg.feature_width), model.dtype, dev)
         # Row j of a request sees its rows 0..j: the same causal words for every call.
         own = torch.arange(W, device=dev)
@@ -73,56 +79,53 @@ class BatchCatchUp:
         row, where one without takes own_h[b] (the request's h before the segment, on the device) instead;
         features are the feature rows of every featured position, in order, in runs [n, width]; table_rows
         are the requests' rows of the block table."""
-        B, W, bs = self.batch, WIDTH, self.kv.block_size
-        n = len(tokens)
-        counts = np.zeros(B, dtype=np.int64)
-        counts[:n] = [len(t) for t in tokens]
-        table = self.kv.block_table
-        seq_rows = np.full(B, table.padding_row, dtype=np.int64)
-        seq_rows[:n] = table_rows
-        ints = self.ints_in.host().numpy()
-        info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
-        info[:] = 0
-        info[:, 1] = np.arange(B) * W
-        info[:n, 0] = starts
-        info[:, 2] = counts
-        info[:, 3] = seq_rows
-        tiles = ints[SEQ_INFO_FIELDS * B:].reshape(B, self.tiles_per_seq, 3)
-        first = np.arange(self.tiles_per_seq) * self.per_tile
-        tiles[:, :, 0] = np.arange(B)[:, None]
-        tiles[:, :, 1] = first
-        tiles[:, :, 2] = np.clip(counts[:, None] - first[None, :], 0, self.per_tile)
-        longs = self.longs_in.host().numpy()
-        token, position, slot, feature_row, takes_own = longs[: 5 * B * W].reshape(5, B, W)
-        used = np.arange(W)[None, :] < counts[:, None]  # [B, W]: the rows that compute a position
-        start = np.zeros(B, dtype=np.int64)
-        start[:n] = starts
-        at = np.where(used, start[:, None] + np.arange(W)[None, :], 0)
-        total = int(counts.sum())
-        token[:] = 0
-        token[used] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=total)
-        position[:] = at
-        # The block table's host mirror is current: every slot of the call in one gather.
-        slot[:] = np.where(used, table.host[seq_rows[:, None], at // bs] * bs + at % bs, self.kv.trash_slot)
-        has = np.fromiter(itertools.chain.from_iterable(featured), dtype=bool, count=total)
-        takes_own[:] = 0
-        takes_own[used] = ~has
-        feature_row[:] = 0
-        feature_row[used] = np.cumsum(has) - 1
-        np.maximum(feature_row, 0, out=feature_row)
-        longs[5 * B * W:] = np.arange(B) * W + np.maximum(counts, 1) - 1
+        B, W = self.batch, WIDTH
+        padding = B - len(tokens)
+        values = [*starts, *[0] * padding, *map(len, tokens), *[0] * padding,
+                  *table_rows, *[self.kv.block_table.padding_row] * padding]
+        for row in tokens:
+            values += row
+            values += [0] * (W - len(row))
+        values += [0] * (W * padding)
+        for row in featured:
+            values += row
+            values += [False] * (W - len(row))
+        values += [0] * (W * padding)
+        self.longs_in.host().numpy()[:] = values
         rows = 0
         if features:  # features arrive on the host (from the target's messages, or its ring)
             host = self.features_in.host()
             for run in features:
                 host[rows: rows + run.shape[0]].copy_(run)
                 rows += run.shape[0]
-        if rows < total:  # a wake-up's rows: their requests' h, copied on the device (no wait for it)
-            self.request_h[:n].copy_(torch.stack(own_h))
-        self.ints_in.send()
+        if rows < sum(map(len, tokens)):  # a wake-up's rows: their requests' h, copied on the device (no wait)
+            self.request_h[: len(own_h)].copy_(torch.stack(own_h))
         self.longs_in.send()
         self.features_in.send(rows)
         self.host_slots = host_prefix or []
+
+    def _rows(self) -> tuple[torch.Tensor, ...]:
+        """From the call's input (see __init__): each row's token, position, cache slot, feature row and
+        whether it takes its request's own h, and each request's last row; the attention's sequence info and
+        tiles written into the ints. Rows past a request's count are padding: position 0, the trash slot."""
+        B, W, size = self.batch, WIDTH, self.kv.block_size
+        given = self.longs_in.device
+        start, count, table_row = given[:B], given[B: 2 * B], given[2 * B: 3 * B]
+        tokens = given[3 * B: 3 * B + B * W]
+        has = given[3 * B + B * W:].view(B, W) != 0
+        used = self.offsets[None, :] < count[:, None]
+        positions = torch.where(used, start[:, None] + self.offsets, 0)
+        blocks = self.kv.block_table.table[table_row[:, None], positions // size].long()
+        slots = torch.where(used, blocks * size + positions % size, self.kv.trash_slot)
+        featured = (has & used).flatten()
+        feature_rows = torch.where(used.flatten(), (torch.cumsum(featured, 0) - 1).clamp(min=0), 0)
+        takes_own_h = (used & ~has).flatten()
+        last_row = self.first_rows + count.clamp(min=1) - 1
+        self.info[:, 0] = start
+        self.info[:, 2] = count
+        self.info[:, 3] = table_row
+        self.tiles[:, :, 2] = (count[:, None] - self.tile_starts[None, :]).clamp(0, self.per_tile)
+        return tokens, positions.flatten(), slots.flatten(), feature_rows, takes_own_h, last_row
 
     def _plan(self):
         B, W = self.batch, WIDTH
@@ -139,14 +142,15 @@ class BatchCatchUp:
 
     def _compute(self) -> None:
         model = self.model
-        g = model.project(self.features_in.device[self.feature_rows])
-        g = torch.where(self.takes_own_h[:, None] != 0, self.request_h[self.row_request], g)
-        q, k, v = model.attention_inputs(self.tokens, g, self.positions)
+        tokens, positions, slots, feature_rows, takes_own_h, last_row = self._rows()
+        g = model.project(self.features_in.device[feature_rows])
+        g = torch.where(takes_own_h[:, None], self.request_h[self.row_request], g)
+        q, k, v = model.attention_inputs(tokens, g, positions)
         attn = model.attention(q, k, v, self.kv.k[0], self.kv.v[0], self._plan(), model.scale)
         h = model.finish(attn, g)
-        self.kv.k[0].view(-1, *k.shape[1:])[self.slots] = k
-        self.kv.v[0].view(-1, *v.shape[1:])[self.slots] = v
-        self.last_h.copy_(h[self.last_row])
+        self.kv.k[0].view(-1, *k.shape[1:])[slots] = k
+        self.kv.v[0].view(-1, *v.shape[1:])[slots] = v
+        self.last_h.copy_(h[last_row])
 
     def run(self) -> None:
         if self.graph is not None:
