@@ -1,0 +1,67 @@
+"""The draft catch-up's input load (BatchCatchUp.load), warm and cold, in two trees of the code.
+
+    python catch_up_load_cost.py BEFORE_TREE AFTER_TREE [--turns 3]
+
+The tiny draft pair of the tests (Triton attention's metadata, CPU, no graph), a call of 1 and of 8
+requests, each catching up 4 positions with features (a verify's root and 3 accepted tokens): the median
+over loads run back to back (warm), and over loads each after a 20 ms sleep (cold). Each tree in its own
+process, the trees in turn. Microseconds. The load only: after the change the graph derives what the
+load no longer builds (on a CPU, eagerly, in run()).
+"""
+import argparse
+import json
+import subprocess
+import sys
+
+PROBE = r'''
+import json, statistics, sys, tempfile, time
+from pathlib import Path
+import torch
+sys.path.insert(0, ".")
+from draft_service.catch_up import BatchCatchUp
+from draft_service.engine import DraftEngine
+from draft_service.model import Eagle3Draft
+import os; os.environ.setdefault("TRITON_INTERPRET", "1"); torch.set_num_threads(1)
+from tests.tiny_models import make_tiny_llama
+from tests.tiny_draft import make_tiny_eagle3
+root = Path(tempfile.mkdtemp())
+target = make_tiny_llama(root / "t", "gqa")
+model = Eagle3Draft(make_tiny_eagle3(root / "d", target, seed=31), target, attention_backend="triton")
+kv = DraftEngine(model, num_blocks=64, block_size=4).kv
+figures = {}
+for batch in (1, 8):
+    catch = BatchCatchUp(model, kv, batch, capture=False)
+    h = [torch.randn(model.cfg.hidden_size) for _ in range(batch)]
+    rows = [torch.randn(4, model.cfg.feature_width) for _ in range(batch)]
+    def timed(n, pause):
+        out = []
+        for i in range(n):
+            if pause:
+                time.sleep(pause)
+            t0 = time.perf_counter_ns()
+            catch.load([[5, 6, 7, 8]] * batch, [4 * i + b for b in range(batch)], [[True] * 4] * batch, rows, h,
+                       list(range(batch)))
+            out.append((time.perf_counter_ns() - t0) / 1e3)
+        return statistics.median(out)
+    figures[batch] = {"warm_us": timed(500, 0), "cold_us": timed(150, 0.02)}
+print(json.dumps(figures))
+'''
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--turns", type=int, default=3)
+    args = ap.parse_args()
+    for turn in range(1, args.turns + 1):
+        for name, tree in (("before", args.before), ("after", args.after)):
+            out = subprocess.run([sys.executable, "-c", PROBE], cwd=tree, capture_output=True, text=True, check=True)
+            for batch, figures in json.loads(out.stdout).items():
+                print(f"turn {turn} {name:6s} batch {batch}: warm {figures['warm_us']:6.1f} us  "
+                      f"cold {figures['cold_us']:6.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
