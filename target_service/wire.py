@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.tensors import array_from_proto, array_to_proto, tensor_from_proto, tensor_to_proto
+from tandem.tensors import array_from_proto, array_to_proto, list_from_proto, tensor_from_proto, tensor_to_proto
 from tandem.v1 import target_pb2
 from target_service.controls import ControlColumns
 from target_service.step_batch import StepBatch, StepResults
@@ -150,22 +150,23 @@ def results_to_proto(results: StepResults, item_index: np.ndarray) -> target_pb2
 def results_from_proto(m: target_pb2.PackedResults, request_ids: list[str] | tuple[str, ...]
                        ) -> list[SequenceResult]:
     """Per-sequence results; request_ids are the call's items (item_index picks among them)."""
-    index = array_from_proto(m.item_index, "int32", "item_index")
-    count = array_from_proto(m.num_accepted, "int32", "num_accepted").astype(np.int64)
-    accepted = array_from_proto(m.accepted_nodes, "int32", "accepted_nodes").tolist()
-    tokens = array_from_proto(m.tokens, "int32", "tokens").tolist()
-    logprobs = array_from_proto(m.logprobs, "float32", "logprobs").tolist()
-    committed = array_from_proto(m.num_committed, "int64", "num_committed").tolist()
-    top_k = array_from_proto(m.top_k, "int32", "top_k").tolist() if m.HasField("top_k") else None
-    top_ids = array_from_proto(m.top_ids, "int32", "top_ids").tolist() if top_k else None
-    top_lps = array_from_proto(m.top_logprobs, "float32", "top_logprobs").tolist() if top_k else None
+    # Plain lists (list_from_proto): the gateway parses every step's reply on the round's path, cold.
+    index = list_from_proto(m.item_index, "int32", "item_index")
+    count = list_from_proto(m.num_accepted, "int32", "num_accepted")
+    accepted = list_from_proto(m.accepted_nodes, "int32", "accepted_nodes")
+    tokens = list_from_proto(m.tokens, "int32", "tokens")
+    logprobs = list_from_proto(m.logprobs, "float32", "logprobs")
+    committed = list_from_proto(m.num_committed, "int64", "num_committed")
+    top_k = list_from_proto(m.top_k, "int32", "top_k") if m.HasField("top_k") else None
+    top_ids = list_from_proto(m.top_ids, "int32", "top_ids") if top_k else None
+    top_lps = list_from_proto(m.top_logprobs, "float32", "top_logprobs") if top_k else None
     features: torch.Tensor | None = tensor_from_proto(m.features) if m.HasField("features") else None
-    feature_counts = array_from_proto(m.feature_counts, "int64", "feature_counts").tolist() \
+    feature_counts = list_from_proto(m.feature_counts, "int64", "feature_counts") \
         if m.HasField("feature_counts") else None
     out = []
     at_acc = at_tok = at_top = at_feat = 0
-    for i, item in enumerate(index.tolist()):
-        n_acc = int(count[i])
+    for i, item in enumerate(index):
+        n_acc = count[i]
         n_new = n_acc + 1
         tops: list[tuple[list[int], list[float]]] = []
         if top_k and top_k[i]:
