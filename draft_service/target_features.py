@@ -37,7 +37,7 @@ from tandem.errors import InvalidArgument
 from tandem.feature_ring import FeatureRing, RingUnavailable
 from tandem.feature_store import FeatureStore
 from tandem.lane import LaneRefused, LaneStream
-from tandem.tensors import array_from_proto, dtype_from_name, tensor_from_proto
+from tandem.tensors import dtype_from_name, list_from_proto, tensor_from_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import target_pb2, target_pb2_grpc
 
@@ -205,8 +205,8 @@ class TargetFeatureReader:
         next tokens, for on_push (none without it). Plain lists, and no slice for a batch of one: the push
         runs cold, after the wait for a step, where each numpy or torch op costs tens of microseconds."""
         request_ids = msg.request_ids
-        starts = array_from_proto(msg.start_positions, "int64", "start_positions").tolist()
-        counts = array_from_proto(msg.row_counts, "int64", "row_counts").tolist()
+        starts = list_from_proto(msg.start_positions, "int64", "start_positions")
+        counts = list_from_proto(msg.row_counts, "int64", "row_counts")
         if not len(starts) == len(counts) == len(request_ids) or min(counts, default=0) < 0:
             raise InvalidArgument(f"a batch of {len(request_ids)} sequences with {len(starts)} starts "
                                   f"and {len(counts)} row counts")
@@ -233,10 +233,9 @@ class TargetFeatureReader:
         self.pushed.hold_many(entries)
         if self.on_push is None or not msg.HasField("next_tokens"):
             return []
-        next_tokens = array_from_proto(msg.next_tokens, "int32", "next_tokens")
-        if next_tokens.shape != (total,):
-            raise InvalidArgument(f"a batch of {total} rows came with {next_tokens.size} next tokens")
-        tokens = next_tokens.tolist()
+        tokens = list_from_proto(msg.next_tokens, "int32", "next_tokens")
+        if len(tokens) != total or len(msg.next_tokens.shape) != 1:
+            raise InvalidArgument(f"a batch of {total} rows came with {len(tokens)} next tokens")
         pushes, end = [], 0
         for (rid, start, part), count in zip(entries, counts):
             end += count
