@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.tree_wire import trees_from_proto
@@ -22,12 +21,11 @@ from tandem.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tandem.grpc_tracing import instrument_channel
 from tandem.lane import LaneRefused, LaneStream
 from tandem.telemetry import stream_call_span
-from tandem.tensors import array_to_proto, tensor_to_proto
+from tandem.tensors import list_to_proto, tensor_to_proto
 from tandem.tls import ClientTLS
 from tandem.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from target_service.step_batch import StepBatch
 from target_service.types import KvLoad, SequenceResult, SequenceStep
-from target_service.wire import GrantStops, batch_to_proto, results_from_proto
+from target_service.wire import GrantStops, items_to_proto, results_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -266,9 +264,8 @@ class TargetClient:
     def _call(self, items: list[SequenceStep], feature_layers: tuple[int, ...], grant_steps: int = 0,
               stops: GrantStops | None = None, hold_features: bool = False,
               feature_sinks: list[str] | None = None, release: Sequence[str] = ()) -> TargetGrant:
-        batch = StepBatch.from_items(items)
         span, traceparent = stream_call_span(STEP_CALL)
-        call = target_pb2.PackedStep(items=batch_to_proto(batch), feature_layers=list(feature_layers),
+        call = target_pb2.PackedStep(items=items_to_proto(items), feature_layers=list(feature_layers),
                                      grant_steps=grant_steps, traceparent=traceparent, hold_features=hold_features,
                                      release_request_ids=release)
         if stops is not None:
@@ -277,12 +274,11 @@ class TargetClient:
             names = sorted({sink for sink in feature_sinks if sink})
             index = {sink: i for i, sink in enumerate(names)}
             call.feature_sinks.extend(names)
-            call.item_feature_sink.CopyFrom(array_to_proto(
-                np.array([index.get(sink, -1) for sink in feature_sinks], dtype=np.int32)))
+            call.item_feature_sink.CopyFrom(list_to_proto([index.get(sink, -1) for sink in feature_sinks], "int32"))
         stream = self._open_stream()
         timeline.mark("gw.step.send")
         stream.send(target_pb2.StepCall(step=call))
-        return TargetGrant(stream, batch.request_ids, self._drop_stream, span)
+        return TargetGrant(stream, tuple(it.request_id for it in items), self._drop_stream, span)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         """Whether the target answers its health check with SERVING."""

@@ -86,11 +86,11 @@ def array_from_proto(msg: common_pb2.Tensor, dtype: str, what: str) -> np.ndarra
 # push's few sequences) turn into Python lists with no numpy op on the way. A served hop runs cold, after a
 # wait, where each numpy op costs tens of microseconds: a tree's seven columns parsed this way took 95 against
 # 185-245 us through numpy on the dev machine (BENCHMARKS.md, the sixty-second session).
-_ARRAY_CODES = {"int32": "i", "int64": "q", "float32": "f"}
+_ARRAY_CODES = {"uint8": "B", "int32": "i", "int64": "q", "float32": "f"}
 
 
 def list_from_proto(msg: common_pb2.Tensor, dtype: str, what: str) -> list:
-    """array_from_proto(msg, dtype, what).tolist(), without numpy (int32, int64 and float32)."""
+    """array_from_proto(msg, dtype, what).tolist(), without numpy (uint8, int32, int64 and float32)."""
     if msg.dtype != dtype:
         raise InvalidArgument(f"{what}: expected {dtype} values, got {msg.dtype or 'none'!r}")
     values = array.array(_ARRAY_CODES[dtype])
@@ -103,6 +103,6 @@ def list_from_proto(msg: common_pb2.Tensor, dtype: str, what: str) -> list:
 
 
 def list_to_proto(values, dtype: str) -> common_pb2.Tensor:
-    """A flat column of Python numbers as a packed Tensor of dtype (int32, int64 or float32), without numpy."""
+    """A flat column of Python numbers as a packed Tensor of dtype (uint8, int32, int64 or float32), without numpy."""
     packed = array.array(_ARRAY_CODES[dtype], values)
     return common_pb2.Tensor(dtype=dtype, shape=[len(packed)], data=packed.tobytes())

@@ -7,16 +7,25 @@ one repeated field per token.
 
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tandem.tensors import array_from_proto, array_to_proto, list_from_proto, tensor_from_proto, tensor_to_proto
-from tandem.v1 import target_pb2
+from tandem.tensors import (
+    array_from_proto,
+    array_to_proto,
+    list_from_proto,
+    list_to_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+)
+from tandem.v1 import common_pb2, target_pb2
 from target_service.controls import ControlColumns
 from target_service.step_batch import StepBatch, StepResults
-from target_service.types import InvalidStep, SequenceResult
+from target_service.types import InvalidStep, SequenceResult, SequenceStep
 
 CREATE, RETURN_FEATURES, HAS_SEED, SAMPLE_IS_OUTPUT = 1, 2, 4, 8
 
@@ -57,6 +66,33 @@ def batch_to_proto(batch: StepBatch) -> target_pb2.PackedItems:
     if batch.controls is not None:
         controls_to_proto(batch.controls, m)
     return m
+
+
+def items_to_proto(items: list[SequenceStep]) -> target_pb2.PackedItems:
+    """batch_to_proto(StepBatch.from_items(items)), packed from the items as plain lists: the gateway packs every
+    step on the round's path, cold, where each numpy op costs tens of microseconds (list_to_proto). Items with
+    logits controls, or values out of their column's range, take the batch's path."""
+    if not all(it.controls.neutral for it in items):
+        return batch_to_proto(StepBatch.from_items(items))
+    sampling = [it.sampling for it in items]
+    flags = [CREATE * it.create | RETURN_FEATURES * it.return_features | HAS_SEED * (s.seed is not None)
+             | SAMPLE_IS_OUTPUT * it.sample_is_output for it, s in zip(items, sampling)]
+    try:
+        return target_pb2.PackedItems(
+            request_ids=[it.request_id for it in items],
+            num_nodes=list_to_proto([len(it.tokens) for it in items], "int32"),
+            num_fixed=list_to_proto([it.num_fixed for it in items], "int32"), flags=list_to_proto(flags, "uint8"),
+            tokens=list_to_proto(itertools.chain.from_iterable(it.tokens for it in items), "int32"),
+            parents=list_to_proto(itertools.chain.from_iterable(it.parents for it in items), "int32"),
+            temperature=list_to_proto([s.temperature for s in sampling], "float32"),
+            top_k=list_to_proto([s.top_k for s in sampling], "int32"),
+            top_p=list_to_proto([s.top_p for s in sampling], "float32"),
+            # uint64 seeds, sent as int64 of the same bytes (as batch_to_proto sends them)
+            seed=common_pb2.Tensor(dtype="int64", shape=[len(items)],
+                                   data=array.array("Q", [s.seed or 0 for s in sampling]).tobytes()),
+            top_logprobs=list_to_proto([it.top_logprobs for it in items], "int32"))
+    except OverflowError:  # a token, seed or count its column cannot hold: the batch's path wraps it as before
+        return batch_to_proto(StepBatch.from_items(items))
 
 
 def _items_to_proto(batch: StepBatch, flags: np.ndarray) -> target_pb2.PackedItems:

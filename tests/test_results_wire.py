@@ -34,3 +34,26 @@ def test_the_gateway_reads_each_sequences_tokens_top_log_probs_and_features_as_t
         if mine.features is not None:
             assert torch.equal(mine.features, theirs.features)
     assert len(got[0].tokens) == 4 and len(got[0].top_logprobs) == 4 and len(got[2].features) == 2
+
+
+def test_steps_packed_from_their_items_are_the_bytes_the_batch_packs():
+    """The gateway packs a step straight from its items (items_to_proto); the target reads the columns the
+    batch's own packing writes, for every kind of item, and items the plain-list path cannot hold take it."""
+    from target_service.controls import LogitsControls
+    from target_service.step_batch import StepBatch
+    from target_service.types import SamplingParams, SequenceStep
+    from target_service.wire import batch_from_proto, batch_to_proto, items_to_proto
+
+    tree = SequenceStep("t", (5, 9, 11, 12), (-1, 0, 0, 1), 1, return_features=True, sample_is_output=True)
+    chain = SequenceStep.chain("c", (3, 4, 5), create=True, sampling=SamplingParams(0.7, 40, 0.9, seed=2**63 + 5),
+                               top_logprobs=3)
+    plain = SequenceStep.chain("p", (8,), sampling=SamplingParams(1.3, 0, 0.95))
+    controlled = SequenceStep.chain("k", (6,), controls=LogitsControls(repetition_penalty=1.2, stop_ids=(2,),
+                                                                        min_tokens=3, logit_bias=((7, -1.5),)))
+    huge = SequenceStep.chain("h", (2**40,))  # not a token; the target refuses it, as it did
+    empty = SequenceStep("e", (), (), 0)
+    for items in ([tree], [tree, chain, plain], [chain, controlled, tree], [huge, plain], [empty, tree], []):
+        packed = items_to_proto(items)
+        assert packed == batch_to_proto(StepBatch.from_items(items)), [it.request_id for it in items]
+        if empty not in items:  # (the target refuses an empty tree by name)
+            assert batch_from_proto(packed).items() == StepBatch.from_items(items).items()
