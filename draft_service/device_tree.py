@@ -118,10 +118,8 @@ class BatchTreeGrowth:
         self.splits = choose_num_splits(tiles * model.num_kv_heads, model.max_position, dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capture_seconds = 0.0
-        # What the ints' host buffer holds of the last call's layout (see _write_layout): (requests,
-        # padding row), and whether its depths are a call's own rather than the shape's.
+        # The layout the ints' host buffer holds from the last call (see _write_layout): (requests, padding row).
         self._layout: tuple[int, int] | None = None
-        self._custom_depths = False
         if capture:
             self._capture()
 
@@ -144,11 +142,9 @@ class BatchTreeGrowth:
             self.root_h[n:].zero_()  # padding requests grow from zeros (nothing else writes root_h)
         info[:n, 0] = lengths
         info[:n, 3] = table_rows
-        if depths is not None or self._custom_depths:
-            ints[-B:] = self.shape.budget.steps
-            if depths is not None:
-                ints[-B:][:n] = depths
-            self._custom_depths = depths is not None
+        ints[-B:] = self.shape.budget.steps
+        if depths is not None:
+            ints[-B:][:n] = depths
         self.ints_in.send()
         if n:
             torch.stack(root_h, out=self.root_h[:n])
@@ -157,11 +153,10 @@ class BatchTreeGrowth:
 
     def _write_layout(self, ints: np.ndarray, n: int, padding_row: int) -> None:
         """What the ints hold for any call of n requests: the padding requests' info, every request's
-        offset and slots, each run's tiles, the shape's depth. The host buffer keeps it between calls,
-        so a call of as many requests as the last writes only lengths and table rows (each numpy op
-        a call leaves out is some microseconds warm, and several times that cold)."""
+        offset and slots, each run's tiles. The host buffer keeps it between calls, so a call of as many
+        requests as the last writes only lengths, table rows and depths (each numpy op a call leaves out
+        is some microseconds warm, and several times that cold)."""
         B, R, K = self.shape.batch, self.shape.slots, self.shape.k
-        ints[-B:] = self.shape.budget.steps
         info = ints[: SEQ_INFO_FIELDS * B].reshape(B, SEQ_INFO_FIELDS)
         info[:] = (0, 0, 0, padding_row)
         info[:, 1] = np.arange(B) * R
@@ -175,7 +170,7 @@ class BatchTreeGrowth:
             tiles[:, :, 2] = np.minimum(self.per_tile, (run + 1) * K - first)
             tiles[n:, :, 2] = 0  # padding requests do nothing
             at += 3 * B * self.tiles_per_run
-        self._layout, self._custom_depths = (n, padding_row), False
+        self._layout = (n, padding_row)
 
     # --- the growth ---------------------------------------------------------------
     def _plan(self, run: int):
