@@ -8,10 +8,7 @@ columns into per-sequence results (the message's own parse not timed). The media
 (warm), and over calls each after a 20 ms sleep (cold, as the gateway runs it after waiting for the step). Each tree
 in its own process, the trees in turn. Microseconds.
 """
-import argparse
-import json
-import subprocess
-import sys
+from two_trees import compare
 
 PROBE = r'''
 import json, statistics, sys, time
@@ -43,20 +40,5 @@ print(json.dumps(figures))
 '''
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("before")
-    ap.add_argument("after")
-    ap.add_argument("--turns", type=int, default=3)
-    args = ap.parse_args()
-    for turn in range(1, args.turns + 1):
-        for name, tree in (("before", args.before), ("after", args.after)):
-            out = subprocess.run([sys.executable, "-c", PROBE], cwd=tree, capture_output=True, text=True, check=True)
-            for batch, figures in json.loads(out.stdout).items():
-                print(f"turn {turn} {name:6s} batch {batch}: warm {figures['warm_us']:6.1f} us  "
-                      f"cold {figures['cold_us']:6.1f} us")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(compare(__doc__, PROBE))

@@ -6,10 +6,7 @@ One sequence's push (4 rows of 768 float32 values in the message, 4 next tokens)
 median over calls run back to back (warm), and over calls each after a 20 ms sleep (cold, as a served push
 comes after a step's wait). Each tree in its own process, the trees in turn. Microseconds.
 """
-import argparse
-import json
-import subprocess
-import sys
+from two_trees import compare
 
 PROBE = r'''
 import json, statistics, sys, time
@@ -34,23 +31,9 @@ def timed(n, pause):
         reader._take_batch(msg)
         out.append((time.perf_counter_ns() - t0) / 1e3)
     return statistics.median(out)
-print(json.dumps({"warm_us": timed(500, 0), "cold_us": timed(150, 0.02)}))
+print(json.dumps({"": {"warm_us": timed(500, 0), "cold_us": timed(150, 0.02)}}))
 '''
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("before")
-    ap.add_argument("after")
-    ap.add_argument("--turns", type=int, default=3)
-    args = ap.parse_args()
-    for turn in range(1, args.turns + 1):
-        for name, tree in (("before", args.before), ("after", args.after)):
-            out = subprocess.run([sys.executable, "-c", PROBE], cwd=tree, capture_output=True, text=True, check=True)
-            figures = json.loads(out.stdout)
-            print(f"turn {turn} {name:6s} warm {figures['warm_us']:6.1f} us  cold {figures['cold_us']:6.1f} us")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(compare(__doc__, PROBE, lambda key: ""))
