@@ -1,6 +1,6 @@
 """What a hop costs a host that waits between hops: cold host ops and a woken process.
 
-    python bench/host_wake.py [--pause-ms 5] [--samples 200] [--out FILE]
+    python bench/host_wake.py [--pause-ms 5] [--samples 200] [--cpu-latency-us N] [--out FILE]
 
 A round's hops each run after a wait (the GPU's step, the other services' work), and the served
 timelines show the host work after a hop several times slower than the same work timed in a warm
@@ -16,6 +16,8 @@ the dev machine). Two measurements say why, and what would help:
          and the work's own time, medians, with the receiver blocking in recv, busy-polling recv, and
          blocking with both processes pinned to one core each.
 
+With --cpu-latency-us N both run with the host's wake-up latency limit held at N us
+(bench/cpu_latency.py: no core idles in a state slower to leave), to show what deep idle states cost.
 Microseconds throughout. A benchmark, not a test: it prints numbers (and writes them as JSON).
 """
 
@@ -164,12 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pause-ms", type=float, default=5.0, help="the sender's pause between messages")
     parser.add_argument("--samples", type=int, default=200, help="samples per figure")
+    parser.add_argument("--cpu-latency-us", type=int, help="hold the host's wake-up latency limit at this "
+                        "many microseconds throughout (bench/cpu_latency.py; needs root)")
     parser.add_argument("--out", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    # The wake measurement forks: before any torch op has started threads in this process.
-    wake = {mode: measure_wake(mode, args.pause_ms / 1e3, args.samples) for mode in ("block", "poll", "pinned")}
-    ops = measure_ops(args.samples)
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here.parent), str(here)]
+    from cpu_latency import held_cpu_latency, idle_states
+
+    with held_cpu_latency(args.cpu_latency_us) as held:
+        print(f"wake-up latency limit {held}; cpu0 idle states: "
+              + ", ".join(f"{s['name']} ({s['latency_us']} us)" for s in idle_states()))
+        # The wake measurement forks: before any torch op has started threads in this process.
+        wake = {mode: measure_wake(mode, args.pause_ms / 1e3, args.samples) for mode in ("block", "poll", "pinned")}
+        ops = measure_ops(args.samples)
     print(f"one op, microseconds (median): warm loop, after a {COLD_PAUSE_S * 1e3:.0f} ms sleep, after as long "
           "spinning")
     for name, figures in ops.items():
@@ -180,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  receiver {mode:7s} round trip {figures['round_trip_us']:8.1f} (p90 "
               f"{figures['round_trip_p90_us']:8.1f}), of which its work {figures['receiver_work_us']:8.1f}")
     if args.out is not None:
-        args.out.write_text(json.dumps({"pause_ms": args.pause_ms, "samples": args.samples, "ops": ops,
-                                        "wake": wake}, indent=1))
+        args.out.write_text(json.dumps({"pause_ms": args.pause_ms, "samples": args.samples, "cpu_latency": held,
+                                        "idle_states": idle_states(), "ops": ops, "wake": wake}, indent=1))
     return 0
 
 
