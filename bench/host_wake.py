@@ -17,7 +17,7 @@ the dev machine). Two measurements say why, and what would help:
          blocking with both processes pinned to one core each.
 
 With --cpu-latency-us N both run with the host's wake-up latency limit held at N us
-(bench/cpu_latency.py: no core idles in a state slower to leave), to show what deep idle states cost.
+(tandem/cpu_wake.py: no core idles in a state slower to leave), to show what deep idle states cost.
 Microseconds throughout. A benchmark, not a test: it prints numbers (and writes them as JSON).
 """
 
@@ -167,16 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-ms", type=float, default=5.0, help="the sender's pause between messages")
     parser.add_argument("--samples", type=int, default=200, help="samples per figure")
     parser.add_argument("--cpu-latency-us", type=int, help="hold the host's wake-up latency limit at this "
-                        "many microseconds throughout (bench/cpu_latency.py; needs root)")
+                        "many microseconds throughout (tandem/cpu_wake.py; needs root)")
     parser.add_argument("--out", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here.parent), str(here)]
-    from cpu_latency import held_cpu_latency, idle_states
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tandem.cpu_wake import held_wake_latency, idle_states
 
-    with held_cpu_latency(args.cpu_latency_us) as held:
+    with held_wake_latency(args.cpu_latency_us) as held:
         print(f"wake-up latency limit {held}; cpu0 idle states: "
-              + ", ".join(f"{s['name']} ({s['latency_us']} us)" for s in idle_states()))
+              + ", ".join(f"{name} ({latency} us)" for name, latency in idle_states()))
         # The wake measurement forks: before any torch op has started threads in this process.
         wake = {mode: measure_wake(mode, args.pause_ms / 1e3, args.samples) for mode in ("block", "poll", "pinned")}
         ops = measure_ops(args.samples)
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{figures['round_trip_p90_us']:8.1f}), of which its work {figures['receiver_work_us']:8.1f}")
     if args.out is not None:
         args.out.write_text(json.dumps({"pause_ms": args.pause_ms, "samples": args.samples, "cpu_latency": held,
-                                        "idle_states": idle_states(), "ops": ops, "wake": wake}, indent=1))
+                                        "idle_states": dict(idle_states()), "ops": ops, "wake": wake}, indent=1))
     return 0
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 from gateway.restarts import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartPolicy
 from tandem import telemetry
+from tandem.cpu_wake import held_wake_latency
 from tandem.host_threads import default_threads
 from tandem.tls import ClientTLS, ServerTLS
 
@@ -147,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the gateway's step streams to the target and drafts on gRPC. By default the services "
                         "also serve them on Unix sockets in a private temporary directory (tandem/lane.py), which "
                         "skips gRPC's threads on each message of a round")
+    p.add_argument("--cpu-wake-latency-us", type=int, metavar="US", default=None,
+                   help="hold the host's CPU wake-up latency limit (Linux PM QoS, /dev/cpu_dma_latency) at US "
+                        "microseconds while serving: cores stay out of deeper idle states, whose wake-ups flush "
+                        "caches and slow every hop of a speculative round (tandem/cpu_wake.py). 0 keeps them "
+                        "polling. Costs power; needs root, else a warning and the host's setting. Default: the "
+                        "host's setting")
     p.add_argument("--log-dir", metavar="DIR", default=None,
                    help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
@@ -222,6 +229,8 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise ServeError(f"{flag} must be a port number (1-65535), got {value}")
     if args.port == args.grpc_port:
         raise ServeError("--port and --grpc-port must differ")
+    if args.cpu_wake_latency_us is not None and args.cpu_wake_latency_us < 0:
+        raise ServeError(f"--cpu-wake-latency-us must be 0 or more, got {args.cpu_wake_latency_us}")
     if args.draft_gpus is not None:
         gpus = draft_gpus(args.draft_gpus)
         if (args.device or _default_device()) != "cuda":
@@ -770,4 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     except ServeError as exc:
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         return 2
-    return run(args, plan)
+    with held_wake_latency(args.cpu_wake_latency_us) as held:  # for the whole serve; it lapses as we exit
+        if args.cpu_wake_latency_us is not None:
+            _say(f"CPU wake-up latency limit {held}" + ("" if held.startswith("held") else
+                                                        " (serving with the host's setting)"))
+        return run(args, plan)
