@@ -121,7 +121,7 @@ def test_a_growths_inputs_after_calls_of_other_sizes_and_depths_are_those_a_fres
     from draft_service.device_tree import BatchTreeGrowth, GrowthShape
 
     target, draft = pair
-    model = Eagle3Draft(draft, target, attention_backend=backend)
+    model = Eagle3Draft(draft, target, attention_backend=backend, device=DEVICE)
     kv = DraftEngine(model, num_blocks=32, block_size=4).kv
     shape = GrowthShape(batch=4, budget=DraftBudget(4, 3, 9))
     kept = BatchTreeGrowth(model, kv, shape, capture=False)
