@@ -125,7 +125,7 @@ def test_a_growths_inputs_after_calls_of_other_sizes_and_depths_are_those_a_fres
     kv = DraftEngine(model, num_blocks=32, block_size=4).kv
     shape = GrowthShape(batch=4, budget=DraftBudget(4, 3, 9))
     kept = BatchTreeGrowth(model, kv, shape, capture=False)
-    h = [torch.randn(model.cfg.hidden_size) for _ in range(4)]
+    h = [torch.randn(model.cfg.hidden_size, device=model.device) for _ in range(4)]
     calls = [([7, 9], [1, 2], None), ([8, 10], [2, 1], [2, 4]), ([9, 11], [0, 3], None), ([5], [3], [3]),
              ([12, 13, 14, 15], [0, 1, 2, 3], None), ([6, 7], [2, 1], None), ([3, 4], [2, 1], [1, 1]),
              ([4, 5], [2, 1], [1, 1]), ([5, 6], [2, 1], None)]
