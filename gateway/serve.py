@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold the host's CPU wake-up latency limit (Linux PM QoS, /dev/cpu_dma_latency) at US "
                         "microseconds while serving: cores stay out of deeper idle states, whose wake-ups flush "
                         "caches and slow every hop of a speculative round (tandem/cpu_wake.py). 0 keeps them "
-                        "polling. Costs power; needs root, else a warning and the host's setting. Default: the "
-                        "host's setting")
+                        "polling. For bare-metal hosts with deep idle states (a VM's are its hypervisor's: no "
+                        "effect there). Costs power; needs root, else a warning and the host's setting. Default: "
+                        "the host's setting")
     p.add_argument("--log-dir", metavar="DIR", default=None,
                    help="where each process writes its log (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",

@@ -3,9 +3,10 @@
 While a process keeps /dev/cpu_dma_latency open with a value written, the kernel keeps every core out of
 idle states whose exit latency is above it (0: poll only). Deep idle states power a core down and flush its
 caches, so the first host work after a wait runs cold, and a speculative round is about 25 hops, each after
-a wait: on an H100 host a torch op took 82-164 us after a 20 ms sleep against 1.6-6.9 us warm, and on the
-dev machine holding the limit at 0 cut those ops 3-4x (bench/host_wake.py --cpu-latency-us 0;
-BENCHMARKS.md, the sixty-third session). Latency-tuned hosts do the same (tuned's latency-performance
+a wait. On the dev machine holding the limit at 0 cut a torch op's first run after a 20 ms sleep 3-5x
+(bench/host_wake.py --cpu-latency-us 0); on the H100 device host, a VM that lists no idle states, it
+changed nothing (its cold ops are the thread's own: BENCHMARKS.md, the sixty-third session). So it is for
+bare-metal hosts whose cores idle deeply, as latency-tuned hosts are set (tuned's latency-performance
 profile). It costs power: the cores no longer sleep deeply, so it is something a deployment asks for.
 Needs root, or write access to the device; the limit lapses when the file is closed (the process exits).
 """
