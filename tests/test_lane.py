@@ -195,3 +195,55 @@ def test_a_send_to_a_client_that_stopped_reading_gives_up_and_ends_the_stream(tm
 
 def test_a_grpc_context_offers_no_direct_sender():
     assert direct_sender(object()) is None
+
+
+def test_spinning_reads_bring_the_same_frames_whether_they_come_within_the_spin_after_it_or_in_pieces():
+    import socket
+
+    from tandem.lane import MESSAGE, read_frame, write_frame
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        write_frame(theirs, MESSAGE, b"ready")  # there before the read: the first poll takes it
+        assert read_frame(ours, spin_s=0.05) == (MESSAGE, b"ready")
+        # The header in two pieces, the second after the spin gave up: the read blocks for the rest.
+        header_and_payload = b"\x01" + (6).to_bytes(4, "little") + b"pieces"
+        theirs.sendall(header_and_payload[:2])
+        later = threading.Timer(0.05, lambda: theirs.sendall(header_and_payload[2:]))
+        later.start()
+        assert read_frame(ours, spin_s=0.001) == (MESSAGE, b"pieces")
+        # Nothing within the spin: it blocks, and takes the frame sent later.
+        later = threading.Timer(0.05, lambda: write_frame(theirs, MESSAGE, b"late"))
+        later.start()
+        assert read_frame(ours, spin_s=0.001) == (MESSAGE, b"late")
+        theirs.shutdown(socket.SHUT_WR)
+        assert read_frame(ours, spin_s=0.05) is None  # the end of the stream, seen while polling
+
+
+def test_a_spinning_lane_serves_calls_and_a_cancel_still_ends_a_waiting_reply(lane, monkeypatch):
+    from tandem import lane as lane_module
+
+    spun = []
+    spin_read = lane_module._spin_read
+    monkeypatch.setattr(lane_module, "_spin_read", lambda *args: spun.append(args[2]) or spin_read(*args))
+    monkeypatch.setenv("TANDEM_LANE_SPIN_US", "200000")  # polls longer than the cancel below takes to come
+    lane.spin_s = 0.2
+    stream = open_stream(lane)
+    for steps in (2, 5):
+        stream.send(call(steps))
+        assert stream.reply().step_index == steps
+    assert spun.count(0.2) >= 4  # both ends polled: the server for each call, the client for each reply
+    threading.Timer(0.05, stream.cancel).start()
+    with pytest.raises(LaneError) as err:
+        stream.reply()
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+
+
+@pytest.mark.parametrize("raw,seconds", [("", 0.0), ("250", 0.00025), ("0", 0.0), ("-5", 0.0), ("lots", 0.0),
+                                         ("2e6", 0.0)])
+def test_the_spin_comes_from_the_environment_and_a_bad_value_means_none(monkeypatch, caplog, raw, seconds):
+    from tandem.lane import spin_from_env
+
+    monkeypatch.setenv("TANDEM_LANE_SPIN_US", raw)
+    assert spin_from_env() == pytest.approx(seconds)
+    assert ("TANDEM_LANE_SPIN_US" in caplog.text) == (raw in ("-5", "lots", "2e6"))
