@@ -8,13 +8,16 @@ loop (the push's store: about 0.25 ms served on the H200's host against about 0.
 the dev machine). Two measurements say why, and what would help:
 
   ops    one host op (Python, numpy, torch on the CPU, a protobuf parse) timed in a warm loop, after
-         a 20 ms sleep, and after 20 ms spent spinning on the same thread: a cold op that spinning
-         keeps warm is the core's idle state (C-states, frequency); one that stays cold is caches
-         evicted by other work.
+         a 20 ms sleep, after 20 ms spent spinning on the same thread, and after the sleep then 0.3 ms
+         of spinning: a cold op that spinning keeps warm is the core's idle state (C-states, frequency)
+         or the thread's being descheduled; one that stays cold is caches evicted by other work. The
+         last column says whether spinning only at a wait's end (tandem/lane.py's spinning reads) is
+         enough.
   wake   two processes on a Unix socket pair (as the step lane's): every pause-ms one sends 64 bytes,
          the other runs a fixed piece of host work (twenty small torch ops) and answers. The round trip
-         and the work's own time, medians, with the receiver blocking in recv, busy-polling recv, and
-         blocking with both processes pinned to one core each.
+         and the work's own time, medians, with the receiver blocking in recv, busy-polling recv,
+         blocking with both processes pinned to one core each, and sleeping until 0.3 ms before the
+         message is due, then polling ("tail").
 
 With --cpu-latency-us N both run with the host's wake-up latency limit held at N us
 (tandem/cpu_wake.py: no core idles in a state slower to leave), to show what deep idle states cost.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import socket
 import statistics
 import struct
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 COLD_PAUSE_S = 0.02
+TAIL_SPIN_S = 0.0003  # a spin at a wait's end only
 REPLY = struct.Struct("<d")  # the receiver's work time, seconds
 
 
@@ -86,6 +91,8 @@ def measure_ops(samples: int) -> dict[str, dict[str, float]]:
             "warm_us": time_op(fn, 10 * samples, None),
             "after_sleep_us": time_op(fn, samples // 4, lambda: time.sleep(COLD_PAUSE_S)),
             "after_spin_us": time_op(fn, samples // 4, lambda: _spin(COLD_PAUSE_S)),
+            "after_sleep_then_spin_us": time_op(fn, samples // 4,
+                                                lambda: (time.sleep(COLD_PAUSE_S), _spin(TAIL_SPIN_S))),
         }
     return result
 
@@ -116,12 +123,15 @@ def _recv(conn: socket.socket, size: int, poll: bool) -> bytes:
     return data
 
 
-def _receiver(conn: socket.socket, poll: bool, core: int | None) -> None:
+def _receiver(conn: socket.socket, poll: bool, core: int | None, sleep_s: float = 0.0) -> None:
+    """sleep_s: after each answer, sleep that long (woken early by a message) before polling."""
     if core is not None:
         os.sched_setaffinity(0, {core})
     _work()
     try:
         while True:
+            if sleep_s > 0:
+                select.select([conn], [], [], sleep_s)
             _recv(conn, 64, poll)
             t0 = time.perf_counter()
             _work()
@@ -131,14 +141,15 @@ def _receiver(conn: socket.socket, poll: bool, core: int | None) -> None:
 
 
 def measure_wake(mode: str, pause_s: float, samples: int) -> dict[str, float]:
-    poll = mode == "poll"
+    poll = mode in ("poll", "tail")
     cores = sorted(os.sched_getaffinity(0))
     pinned = mode == "pinned" and len(cores) >= 2
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
         ours.close()
-        _receiver(theirs, poll, cores[1] if pinned else None)
+        # "tail": the next message is due pause_s after this answer reached the sender; poll for its last 0.3 ms.
+        _receiver(theirs, poll, cores[1] if pinned else None, pause_s - TAIL_SPIN_S if mode == "tail" else 0.0)
         os._exit(0)
     theirs.close()
     before = os.sched_getaffinity(0)
@@ -177,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wake-up latency limit {held}; cpu0 idle states: "
               + ", ".join(f"{name} ({latency} us)" for name, latency in idle_states()))
         # The wake measurement forks: before any torch op has started threads in this process.
-        wake = {mode: measure_wake(mode, args.pause_ms / 1e3, args.samples) for mode in ("block", "poll", "pinned")}
+        wake = {mode: measure_wake(mode, args.pause_ms / 1e3, args.samples)
+                for mode in ("block", "poll", "pinned", "tail")}
         ops = measure_ops(args.samples)
     print(f"one op, microseconds (median): warm loop, after a {COLD_PAUSE_S * 1e3:.0f} ms sleep, after as long "
-          "spinning")
+          f"spinning, after the sleep then {TAIL_SPIN_S * 1e3:g} ms spinning")
     for name, figures in ops.items():
         print(f"  {name:36s} {figures['warm_us']:8.2f} {figures['after_sleep_us']:8.2f} "
-              f"{figures['after_spin_us']:8.2f}")
+              f"{figures['after_spin_us']:8.2f} {figures['after_sleep_then_spin_us']:8.2f}")
     print(f"a message every {args.pause_ms:g} ms, answered after twenty small torch ops; microseconds (median)")
     for mode, figures in wake.items():
         print(f"  receiver {mode:7s} round trip {figures['round_trip_us']:8.1f} (p90 "

@@ -23,8 +23,10 @@ environment, the stream reads (a server's next call, a client's next reply) poll
 to N microseconds before they block. On the H100's host a polling receiver's round trip was 101 us
 against 241 blocking, and a thread that had spun ran host ops 3-10x faster than one woken from a
 sleep (bench/host_wake.py; BENCHMARKS.md, the sixty-third session); a round's hops all wake from
-sleeps today. The cost: a core per spinning thread, and the GIL taken between polls, which other
-threads of that process wait for (up to the 5 ms switch interval at worst).
+sleeps today. The cost: a core per spinning thread, and the GIL taken between polls, which slows
+whatever else the process runs meanwhile (on the dev machine another thread's twenty small torch
+ops took twice as long beside a polling thread), and a spin only at a wait's end kept nothing warm
+there (bench/results/gpu_2026-12-07_session63/predictions.md, call 4's addendum).
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ def new_token() -> str:
 
 
 def _spin_read(conn: socket.socket, size: int, spin_s: float) -> bytes | None:
-    """Up to `size` bytes polled for for at most spin_s seconds (b"" at the end of the stream); None
-    when nothing came (the caller then blocks). Only for a blocking socket: one with a timeout would
-    wait for readiness inside each poll."""
+    """Up to `size` bytes, polling for at most spin_s seconds (b"" at the end of the stream); None when
+    nothing came (the caller then blocks). Only for a blocking socket: one with a timeout would wait
+    for readiness inside each poll."""
     deadline = time.perf_counter() + spin_s
     while True:
         try:
