@@ -16,8 +16,10 @@ the dev machine). Two measurements say why, and what would help:
   wake   two processes on a Unix socket pair (as the step lane's): every pause-ms one sends 64 bytes,
          the other runs a fixed piece of host work (twenty small torch ops) and answers. The round trip
          and the work's own time, medians, with the receiver blocking in recv, busy-polling recv,
-         blocking with both processes pinned to one core each, and sleeping until 0.3 ms before the
-         message is due, then polling ("tail").
+         blocking with both processes pinned to one core each, sleeping until 0.3 ms before the
+         message is due, then polling ("tail"), and spinning in C without the GIL ("c-spin",
+         tandem/spin_wait.py, as the lanes' spinning reads do). The sender waits for the answer as the
+         receiver waits for the message.
 
 With --cpu-latency-us N both run with the host's wake-up latency limit held at N us
 (tandem/cpu_wake.py: no core idles in a state slower to leave), to show what deep idle states cost.
@@ -107,10 +109,14 @@ def _work() -> None:
         torch.tensor([i, i + 1], dtype=torch.int64)
 
 
-def _recv(conn: socket.socket, size: int, poll: bool) -> bytes:
+def _recv(conn: socket.socket, size: int, poll: bool, waiter=None) -> bytes:
     data = b""
     while len(data) < size:
-        if poll:
+        if waiter is not None:
+            if waiter(conn.fileno(), 0.05) <= 0:
+                continue
+            chunk = conn.recv(size - len(data))
+        elif poll:
             try:
                 chunk = conn.recv(size - len(data), socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -123,7 +129,7 @@ def _recv(conn: socket.socket, size: int, poll: bool) -> bytes:
     return data
 
 
-def _receiver(conn: socket.socket, poll: bool, core: int | None, sleep_s: float = 0.0) -> None:
+def _receiver(conn: socket.socket, poll: bool, core: int | None, sleep_s: float = 0.0, waiter=None) -> None:
     """sleep_s: after each answer, sleep that long (woken early by a message) before polling."""
     if core is not None:
         os.sched_setaffinity(0, {core})
@@ -132,7 +138,7 @@ def _receiver(conn: socket.socket, poll: bool, core: int | None, sleep_s: float 
         while True:
             if sleep_s > 0:
                 select.select([conn], [], [], sleep_s)
-            _recv(conn, 64, poll)
+            _recv(conn, 64, poll, waiter)
             t0 = time.perf_counter()
             _work()
             conn.sendall(REPLY.pack(time.perf_counter() - t0))
@@ -142,6 +148,13 @@ def _receiver(conn: socket.socket, poll: bool, core: int | None, sleep_s: float 
 
 def measure_wake(mode: str, pause_s: float, samples: int) -> dict[str, float]:
     poll = mode in ("poll", "tail")
+    waiter = None
+    if mode == "c-spin":
+        from tandem.spin_wait import native_waiter
+
+        waiter = native_waiter()  # built here, before the fork
+        if waiter is None:
+            return {"round_trip_us": float("nan"), "round_trip_p90_us": float("nan"), "receiver_work_us": float("nan")}
     cores = sorted(os.sched_getaffinity(0))
     pinned = mode == "pinned" and len(cores) >= 2
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -149,7 +162,8 @@ def measure_wake(mode: str, pause_s: float, samples: int) -> dict[str, float]:
     if pid == 0:
         ours.close()
         # "tail": the next message is due pause_s after this answer reached the sender; poll for its last 0.3 ms.
-        _receiver(theirs, poll, cores[1] if pinned else None, pause_s - TAIL_SPIN_S if mode == "tail" else 0.0)
+        _receiver(theirs, poll, cores[1] if pinned else None, pause_s - TAIL_SPIN_S if mode == "tail" else 0.0,
+                  waiter)
         os._exit(0)
     theirs.close()
     before = os.sched_getaffinity(0)
@@ -161,7 +175,7 @@ def measure_wake(mode: str, pause_s: float, samples: int) -> dict[str, float]:
             time.sleep(pause_s)
             t0 = time.perf_counter_ns()
             ours.sendall(bytes(64))
-            (work_s,) = REPLY.unpack(_recv(ours, REPLY.size, poll))
+            (work_s,) = REPLY.unpack(_recv(ours, REPLY.size, poll, waiter))
             if i >= 5:
                 trips.append((time.perf_counter_ns() - t0) / 1e3)
                 works.append(work_s * 1e6)
@@ -189,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{name} ({latency} us)" for name, latency in idle_states()))
         # The wake measurement forks: before any torch op has started threads in this process.
         wake = {mode: measure_wake(mode, args.pause_ms / 1e3, args.samples)
-                for mode in ("block", "poll", "pinned", "tail")}
+                for mode in ("block", "poll", "pinned", "tail", "c-spin")}
         ops = measure_ops(args.samples)
     print(f"one op, microseconds (median): warm loop, after a {COLD_PAUSE_S * 1e3:.0f} ms sleep, after as long "
           f"spinning, after the sleep then {TAIL_SPIN_S * 1e3:g} ms spinning")

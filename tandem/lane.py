@@ -23,10 +23,11 @@ environment, the stream reads (a server's next call, a client's next reply) poll
 to N microseconds before they block. On the H100's host a polling receiver's round trip was 101 us
 against 241 blocking, and a thread that had spun ran host ops 3-10x faster than one woken from a
 sleep (bench/host_wake.py; BENCHMARKS.md, the sixty-third session); a round's hops all wake from
-sleeps today. The cost: a core per spinning thread, and the GIL taken between polls, which slows
-whatever else the process runs meanwhile (on the dev machine another thread's twenty small torch
-ops took twice as long beside a polling thread), and a spin only at a wait's end kept nothing warm
-there (bench/results/gpu_2026-12-07_session63/predictions.md, call 4's addendum).
+sleeps today. The cost: a core per spinning thread. The spin runs in C without the GIL
+(tandem/spin_wait.py): polling from Python took the GIL between polls, and another thread's twenty
+small torch ops then took twice as long on the dev machine. TANDEM_LANE_SPIN_NATIVE=0 polls from
+Python all the same (to measure the difference); so does a host where the C helper cannot be built.
+A spin only at a wait's end kept nothing warm there (bench/results/gpu_2026-12-07_session63/).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class LaneRefused(OSError):
 
 
 SPIN_ENV = "TANDEM_LANE_SPIN_US"
+NATIVE_SPIN_ENV = "TANDEM_LANE_SPIN_NATIVE"
 
 
 def spin_from_env() -> float:
@@ -98,10 +100,29 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def _spin_read(conn: socket.socket, size: int, spin_s: float) -> bytes | None:
-    """Up to `size` bytes, polling for at most spin_s seconds (b"" at the end of the stream); None when
-    nothing came (the caller then blocks). Only for a blocking socket: one with a timeout would wait
-    for readiness inside each poll."""
+def spin_waiter() -> Callable[[int, float], int] | None:
+    """The C spin of tandem/spin_wait.py, unless TANDEM_LANE_SPIN_NATIVE=0 or it cannot be built (None:
+    poll from Python)."""
+    if os.environ.get(NATIVE_SPIN_ENV, "").strip() == "0":
+        return None
+    from tandem.spin_wait import native_waiter
+
+    return native_waiter()
+
+
+def _spin_read(conn: socket.socket, size: int, spin_s: float,
+               waiter: Callable[[int, float], int] | None = None) -> bytes | None:
+    """Up to `size` bytes, spinning for at most spin_s seconds (b"" at the end of the stream); None when
+    nothing came (the caller then blocks). `waiter`: tandem/spin_wait.py's, which spins without the GIL;
+    None polls from Python. Only for a blocking socket: one with a timeout would wait for readiness
+    inside each poll."""
+    if waiter is not None:
+        if waiter(conn.fileno(), spin_s) == 0:
+            return None
+        try:  # readable, or hung up (b""), or an error the read raises
+            return conn.recv(size, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
     deadline = time.perf_counter() + spin_s
     while True:
         try:
@@ -111,13 +132,15 @@ def _spin_read(conn: socket.socket, size: int, spin_s: float) -> bytes | None:
                 return None
 
 
-def _read_exactly(conn: socket.socket, size: int, spin_s: float = 0.0) -> bytes | None:
-    """size bytes, or None at the end of the stream; spin_s: poll that long for the first bytes."""
+def _read_exactly(conn: socket.socket, size: int, spin_s: float = 0.0,
+                  waiter: Callable[[int, float], int] | None = None) -> bytes | None:
+    """size bytes, or None at the end of the stream; spin_s: spin that long for the first bytes (with
+    `waiter`, as _spin_read)."""
     if size == 0:
         return b""
     parts, got = [], 0
     if spin_s > 0 and conn.gettimeout() is None:
-        first = _spin_read(conn, size, spin_s)
+        first = _spin_read(conn, size, spin_s, waiter)
         if first == b"":
             return None
         if first is not None:
@@ -132,10 +155,11 @@ def _read_exactly(conn: socket.socket, size: int, spin_s: float = 0.0) -> bytes 
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def read_frame(conn: socket.socket, limit: int = MAX_FRAME_BYTES, spin_s: float = 0.0) -> tuple[int, bytes] | None:
-    """(kind, payload), or None when the peer closed (or shut down) the socket. spin_s: poll that
-    long for the frame's start before blocking (the module's docstring)."""
-    head = _read_exactly(conn, _HEADER.size, spin_s)
+def read_frame(conn: socket.socket, limit: int = MAX_FRAME_BYTES, spin_s: float = 0.0,
+               waiter: Callable[[int, float], int] | None = None) -> tuple[int, bytes] | None:
+    """(kind, payload), or None when the peer closed (or shut down) the socket. spin_s: spin that
+    long for the frame's start before blocking (the module's docstring), with `waiter` where given."""
+    head = _read_exactly(conn, _HEADER.size, spin_s, waiter)
     if head is None:
         return None
     kind, size = _HEADER.unpack(head)
@@ -263,6 +287,7 @@ class LaneServer:
         self.token = token or new_token()
         self.methods = dict(methods)
         self.spin_s = spin_from_env() if spin_s is None else spin_s  # a stream's wait for its next call
+        self.waiter = spin_waiter() if self.spin_s > 0 else None
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -330,7 +355,7 @@ class LaneServer:
         try:
             method = self._welcome(conn)
             if method is not None:
-                self._run(conn, method, self.spin_s)
+                self._run(conn, method, self.spin_s, self.waiter)
         except (OSError, LaneError) as exc:  # the client went away mid-frame, or sent too much
             log.debug("lane stream ended: %s", exc)
         finally:
@@ -339,9 +364,10 @@ class LaneServer:
             conn.close()
 
     @staticmethod
-    def _run(conn: socket.socket, method: LaneMethod, spin_s: float = 0.0) -> None:
+    def _run(conn: socket.socket, method: LaneMethod, spin_s: float = 0.0,
+             waiter: Callable[[int, float], int] | None = None) -> None:
         def requests() -> Iterator[Message]:
-            while (frame := read_frame(conn, spin_s=spin_s)) is not None and frame[0] == MESSAGE:
+            while (frame := read_frame(conn, spin_s=spin_s, waiter=waiter)) is not None and frame[0] == MESSAGE:
                 yield method.request_type.FromString(frame[1])
 
         context = _LaneContext(conn)
@@ -400,6 +426,7 @@ class LaneStream:
                  spin_s: float | None = None):
         self._reply_type = reply_type
         self._spin_s = spin_from_env() if spin_s is None else spin_s  # the wait for each reply
+        self._waiter = spin_waiter() if self._spin_s > 0 else None
         self._cancelled = False
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -429,7 +456,7 @@ class LaneStream:
         if self._send_failed is not None:
             raise self._send_failed
         try:
-            frame = read_frame(self._conn, spin_s=self._spin_s)
+            frame = read_frame(self._conn, spin_s=self._spin_s, waiter=self._waiter)
         except OSError as exc:
             raise self._broken(exc) from None
         if frame is None:

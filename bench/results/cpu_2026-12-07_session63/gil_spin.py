@@ -3,8 +3,9 @@
     python bench/results/cpu_2026-12-07_session63/gil_spin.py [NAP_S] [SWITCH_INTERVAL_S]
 
 Thread B answers a message every 5 ms after twenty small torch ops (a push's store, say); thread A
-meanwhile blocks on a socket of its own ("blocking"), polls it without pause ("polling"), or waits on it
-in NAP_S naps (select with a timeout, "napping"). The round trip to B and B's work, medians, microseconds.
+meanwhile blocks on a socket of its own ("blocking"), polls it without pause ("polling"), waits on it
+in NAP_S naps (select with a timeout, "napping"), or spins in C without the GIL (tandem/spin_wait.py,
+"c-spin"). The round trip to B and B's work, medians, microseconds.
 A throwaway probe of the sixty-third session (BENCHMARKS.md), kept with its log.
 """
 
@@ -17,6 +18,9 @@ import time
 
 import torch
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+from tandem.spin_wait import native_waiter  # noqa: E402
+
 
 def work() -> None:
     rows = torch.zeros(16, 64)
@@ -28,7 +32,10 @@ def work() -> None:
 def other_thread(conn: socket.socket, mode: str, nap_s: float, stop: threading.Event) -> None:
     conn.settimeout(0.05 if mode == "blocking" else None)
     while not stop.is_set():
-        if mode == "napping":
+        if mode == "c-spin":
+            if native_waiter()(conn.fileno(), 0.02) > 0:
+                conn.recv(64)
+        elif mode == "napping":
             if select.select([conn], [], [], nap_s)[0]:
                 conn.recv(64)
         elif mode == "polling":
@@ -83,7 +90,7 @@ def main() -> None:
     nap_s = float(sys.argv[1]) if len(sys.argv) > 1 else 50e-6
     if len(sys.argv) > 2:
         sys.setswitchinterval(float(sys.argv[2]))
-    for mode in ("blocking", "polling", "napping") * 2:
+    for mode in ("blocking", "polling", "napping", "c-spin") * 2:
         trip, busy, p90 = run(mode, nap_s)
         print(f"other thread {mode:8s}: round trip {trip:7.1f} (p90 {p90:7.1f}), work {busy:6.1f}")
 

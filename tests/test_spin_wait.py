@@ -1,0 +1,94 @@
+"""The C spin that lane reads wait in: it sees data, a timeout and a hang-up as a read would, it lets
+the process's other threads run while it spins, and where it cannot be built the lanes poll from
+Python instead."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+from tandem import lane, spin_wait
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(spin_wait.CACHE_ENV, str(tmp_path / "cache"))
+    spin_wait.native_waiter.cache_clear()
+    yield tmp_path / "cache"
+    spin_wait.native_waiter.cache_clear()
+
+
+def compiler_here() -> bool:
+    return shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+
+def test_the_waiter_sees_data_a_timeout_and_a_hang_up(fresh_cache):
+    waiter = spin_wait.native_waiter()
+    if not compiler_here():
+        assert waiter is None
+        return
+    assert waiter is not None and list(fresh_cache.glob("spin_wait-*.so"))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        t0 = time.perf_counter()
+        assert waiter(ours.fileno(), 0.03) == 0
+        assert time.perf_counter() - t0 >= 0.03
+        threading.Timer(0.02, lambda: theirs.sendall(b"x")).start()
+        assert waiter(ours.fileno(), 2.0) == 1 and ours.recv(1) == b"x"
+        theirs.shutdown(socket.SHUT_WR)
+        assert waiter(ours.fileno(), 2.0) == 1 and ours.recv(1) == b""  # the read then sees the end
+
+
+def test_the_process_runs_on_while_a_thread_spins(fresh_cache):
+    waiter = spin_wait.native_waiter()
+    if waiter is None:
+        assert not compiler_here()
+        return
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        spinning = threading.Thread(target=waiter, args=(ours.fileno(), 1.0))
+        spinning.start()
+        time.sleep(0.01)
+        total = sum(range(200_000))  # Python work: needs the GIL, which a held one would keep for a second
+        assert spinning.is_alive(), "the Python work waited for the spin to end: the spin held the GIL"
+        assert total == 199_999 * 200_000 // 2
+        theirs.sendall(b"x")
+        spinning.join(5)
+        assert not spinning.is_alive()
+
+
+def test_no_compiler_means_no_waiter_and_a_warning(fresh_cache, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(fresh_cache / "no-such-cc"))
+    with caplog.at_level(logging.WARNING, logger="tandem.spin_wait"):
+        assert spin_wait.native_waiter() is None
+    assert "poll from Python" in caplog.text
+
+
+def test_lanes_take_the_c_spin_unless_told_not_to(fresh_cache, monkeypatch, tmp_path):
+    monkeypatch.setenv(lane.SPIN_ENV, "1000")
+    server = lane.LaneServer(tmp_path / "lane.sock", {})
+    assert server.spin_s == pytest.approx(0.001)
+    assert (server.waiter is not None) == compiler_here()
+    monkeypatch.setenv(lane.NATIVE_SPIN_ENV, "0")
+    assert lane.LaneServer(tmp_path / "lane.sock", {}).waiter is None
+    monkeypatch.delenv(lane.SPIN_ENV)
+    assert lane.LaneServer(tmp_path / "lane.sock", {}).waiter is None  # no spin asked: nothing built
+
+
+def test_a_read_that_spins_in_c_brings_whole_frames_and_the_end_of_the_stream(fresh_cache):
+    waiter = spin_wait.native_waiter()
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        lane.write_frame(theirs, lane.MESSAGE, b"ready")
+        assert lane.read_frame(ours, spin_s=0.05, waiter=waiter) == (lane.MESSAGE, b"ready")
+        threading.Timer(0.05, lambda: lane.write_frame(theirs, lane.MESSAGE, b"late")).start()
+        assert lane.read_frame(ours, spin_s=0.001, waiter=waiter) == (lane.MESSAGE, b"late")  # then blocks
+        threading.Timer(0.02, lambda: lane.write_frame(theirs, lane.MESSAGE, b"soon")).start()
+        assert lane.read_frame(ours, spin_s=1.0, waiter=waiter) == (lane.MESSAGE, b"soon")  # within the spin
+        theirs.shutdown(socket.SHUT_WR)
+        assert lane.read_frame(ours, spin_s=1.0, waiter=waiter) is None
