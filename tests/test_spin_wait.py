@@ -92,3 +92,35 @@ def test_a_read_that_spins_in_c_brings_whole_frames_and_the_end_of_the_stream(fr
         assert lane.read_frame(ours, spin_s=1.0, waiter=waiter) == (lane.MESSAGE, b"soon")  # within the spin
         theirs.shutdown(socket.SHUT_WR)
         assert lane.read_frame(ours, spin_s=1.0, waiter=waiter) is None
+
+
+def test_a_lane_whose_ends_spin_in_c_serves_calls_and_ends_on_a_cancel_or_a_stop(fresh_cache, monkeypatch, tmp_path):
+    import grpc
+
+    from tandem.v1 import target_pb2
+
+    def echo(calls, context):
+        for call in calls:
+            yield target_pb2.StepReply(step_index=call.step.grant_steps)
+
+    monkeypatch.setenv(lane.SPIN_ENV, "500000")  # each wait spins half a second before it would block
+    server = lane.LaneServer(tmp_path / "lane.sock", {"StepStream": lane.LaneMethod(echo, target_pb2.StepCall)})
+    server.start()
+    try:
+        stream = lane.LaneStream(server.path, server.token, "StepStream", target_pb2.StepReply)
+        for steps in (3, 4):
+            stream.send(target_pb2.StepCall(step=target_pb2.PackedStep(grant_steps=steps)))
+            assert stream.reply().step_index == steps
+        threading.Timer(0.05, stream.cancel).start()
+        t0 = time.perf_counter()
+        with pytest.raises(lane.LaneError) as err:
+            stream.reply()  # spinning when the cancel comes
+        assert err.value.code() == grpc.StatusCode.CANCELLED and time.perf_counter() - t0 < 0.4
+        other = lane.LaneStream(server.path, server.token, "StepStream", target_pb2.StepReply)
+        threading.Timer(0.05, server.stop).start()
+        t0 = time.perf_counter()
+        with pytest.raises(StopIteration):
+            other.reply()  # the server's end went away while both ends spun
+        assert time.perf_counter() - t0 < 0.4
+    finally:
+        server.stop()
