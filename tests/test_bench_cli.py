@@ -344,14 +344,11 @@ def test_a_level_of_several_lengths_reads_faster_while_every_client_is_busy_than
     each 5 ms, however many there are): with lengths from 4 to 76 tokens the last requests run alone, so the level
     as a whole reads slower than its span with every client busy, which --steady reports."""
     import asyncio
-    import importlib.util
 
     from tandem.bench import run_level
-    from tests.services import REPO
+    from tests.bench_scripts import load_bench_script
 
-    spec = importlib.util.spec_from_file_location("rest_stream", REPO / "bench" / "rest_stream.py")
-    rest_stream = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rest_stream)
+    rest_stream = load_bench_script("rest_stream")
     server, port = rest_stream.start_server(token_delay=0.005, timeout=60)
     try:
         level = asyncio.run(run_level(f"http://127.0.0.1:{port}", ["hi"], "never", 4, 8, 40, spread=0.9, steady=True))

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from draft_service.engine import DraftEngine
@@ -13,13 +9,10 @@ from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel
+from tests.bench_scripts import load_bench_script
 from tests.tiny_draft import make_tiny_eagle3
 
-# bench/ is scripts, not a package: load the script as a module.
-_spec = importlib.util.spec_from_file_location(
-    "draft_catchup", Path(__file__).resolve().parent.parent / "bench" / "draft_catchup.py")
-draft_catchup = sys.modules["draft_catchup"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(draft_catchup)
+draft_catchup = load_bench_script("draft_catchup")
 
 
 @pytest.mark.parametrize("mode", ["exact", "tokens"])

@@ -3,20 +3,18 @@ speculative round is the time from one mark of its critical path to the next."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench_scripts import load_bench_script
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("round_timeline", REPO / "bench" / "round_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("round_timeline")
 
 
 def write_round(files: dict[str, list[str]], start_us: int, gap_us: int) -> None:

@@ -4,17 +4,14 @@ bodies each way HTTP/1.1 allows, and against the OpenAI-compatible app over the 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
 from tandem.sse_client import HTTPStatusError, post_events
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load_bench_script
 
 
 async def serve_once(reply: list[bytes], seen: list[bytes]) -> tuple[asyncio.Server, int]:
@@ -111,9 +108,7 @@ def test_a_refused_connection_and_a_non_http_url_raise_clear_errors():
 def test_a_completion_streamed_by_the_openai_app_reads_as_its_chunks_and_done():
     """The OpenAI-compatible app over the test suite's fake engine, under uvicorn (bench/rest_stream.py's server):
     the text chunks, the usage chunk and [DONE], as `tandem bench` reads them."""
-    spec = importlib.util.spec_from_file_location("rest_stream", REPO / "bench" / "rest_stream.py")
-    rest_stream = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rest_stream)
+    rest_stream = load_bench_script("rest_stream")
     server, port = rest_stream.start_server(token_delay=0.001, timeout=60)
     try:
         got: list[bytes] = []

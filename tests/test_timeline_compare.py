@@ -3,20 +3,16 @@ first arm's, with gaps a run lacks shown as missing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.bench_scripts import load_bench_script
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("timeline_compare", REPO / "bench" / "timeline_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("timeline_compare")
 
 
 def summary(path: Path, gaps: dict[str, float], plain: float) -> Path:
