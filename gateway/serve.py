@@ -54,6 +54,7 @@ from gateway.restarts import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartPoli
 from tandem import telemetry
 from tandem.cpu_wake import held_wake_latency
 from tandem.host_threads import default_threads
+from tandem.lane import SPIN_ENV
 from tandem.tls import ClientTLS, ServerTLS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +64,12 @@ DEMO_TARGET_NAME = "target"
 DEMO_DRAFT_NAME = "draft"
 # How a child tandem service is started; tests swap in stand-ins.
 TANDEM = [sys.executable, "-m", "tandem.cli"]
+# The lanes' reads spin this long on a GPU host by default: 20 ms covers every wait of a round at one request
+# (BENCHMARKS.md, the sixty-fourth session: the H100's round 0.8 ms shorter with it). Spinning threads take
+# cores: a host with fewer than MIN_SPIN_CORES blocks instead.
+DEFAULT_LANE_SPIN_US = 20_000
+MIN_SPIN_CORES = 8
+MAX_LANE_SPIN_US = 1_000_000
 
 GATEWAY_STOP_GRACE_S = 45.0  # the gateway drains running requests (its --drain-seconds, 30 by default)
 SERVICE_STOP_GRACE_S = 15.0
@@ -148,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the gateway's step streams to the target and drafts on gRPC. By default the services "
                         "also serve them on Unix sockets in a private temporary directory (tandem/lane.py), which "
                         "skips gRPC's threads on each message of a round")
+    p.add_argument("--lane-spin-us", type=int, metavar="US", default=None,
+                   help="the step lanes' reads (each service's wait for its next call, the gateway's for each "
+                        "reply, a draft's for the target's features) spin up to US microseconds before they block: "
+                        "a thread woken from a sleep runs its next hop cold, and a round has five such waits. The "
+                        "spin runs in C without the GIL (tandem/spin_wait.py) and takes a core per waiting thread "
+                        "while it lasts. 0 blocks at once. Default: "
+                        f"{DEFAULT_LANE_SPIN_US} with --device cuda on a host of {MIN_SPIN_CORES} or more cores "
+                        f"(else 0), unless {SPIN_ENV} is set")
     p.add_argument("--cpu-wake-latency-us", type=int, metavar="US", default=None,
                    help="hold the host's CPU wake-up latency limit (Linux PM QoS, /dev/cpu_dma_latency) at US "
                         "microseconds while serving: cores stay out of deeper idle states, whose wake-ups flush "
@@ -182,6 +197,7 @@ class Plan:
     device: str
     log_dir: Path
     lane_dir: Path | None = None  # the services' step lanes (sockets), None: gRPC only
+    lane_spin_us: int | None = None  # what the children's lane reads spin (None: as the environment says)
     public_tls: ServerTLS | None = None  # the gateway's REST and gRPC
     service_tls: ServerTLS | None = None  # the target's and drafts' gRPC (mutual: client_ca is set)
     gateway_tls: ClientTLS | None = None  # the gateway's (and our probes') side towards the services
@@ -230,6 +246,10 @@ def resolve(args: argparse.Namespace) -> Plan:
             raise ServeError(f"{flag} must be a port number (1-65535), got {value}")
     if args.port == args.grpc_port:
         raise ServeError("--port and --grpc-port must differ")
+    if args.lane_spin_us is not None and not 0 <= args.lane_spin_us <= MAX_LANE_SPIN_US:
+        raise ServeError(f"--lane-spin-us must be from 0 to {MAX_LANE_SPIN_US}, got {args.lane_spin_us}")
+    if args.lane_spin_us and args.no_step_lane:
+        raise ServeError("--lane-spin-us spins the step lanes' reads: it does nothing with --no-step-lane")
     if args.cpu_wake_latency_us is not None and args.cpu_wake_latency_us < 0:
         raise ServeError(f"--cpu-wake-latency-us must be 0 or more, got {args.cpu_wake_latency_us}")
     if args.draft_gpus is not None:
@@ -262,9 +282,24 @@ def resolve(args: argparse.Namespace) -> Plan:
     public_tls, service_tls, gateway_tls = resolve_tls(args)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tandem-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    device = args.device or _default_device()
     return Plan(model=model.resolve(), draft=draft.resolve() if draft else None,
-                device=args.device or _default_device(), log_dir=log_dir.resolve(), public_tls=public_tls,
-                service_tls=service_tls, gateway_tls=gateway_tls)
+                device=device, log_dir=log_dir.resolve(), public_tls=public_tls,
+                service_tls=service_tls, gateway_tls=gateway_tls,
+                lane_spin_us=None if args.no_step_lane else lane_spin_us(args.lane_spin_us, device))
+
+
+def lane_spin_us(flag: int | None, device: str, cores: int | None = None) -> int | None:
+    """What the children's lane reads spin, in microseconds: the flag's value; without it, none where the
+    environment sets TANDEM_LANE_SPIN_US (the children inherit it), else the default on a GPU host with
+    cores to spare (the model's own work runs on the host's cores on a CPU, and a spinning thread would
+    take one from it)."""
+    if flag is not None:
+        return flag
+    if os.environ.get(SPIN_ENV, "").strip():
+        return None
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return DEFAULT_LANE_SPIN_US if device == "cuda" and cores >= MIN_SPIN_CORES else 0
 
 
 def draft_gpus(text: str) -> list[int]:
@@ -699,6 +734,16 @@ class Supervisor:
                     c.kill()
 
 
+def lane_reads(plan: Plan) -> str:
+    """How the lanes' reads wait, for the ready message."""
+    if plan.lane_dir is None:
+        return ""
+    spin = plan.lane_spin_us
+    if spin is None:
+        return f" (reads spin as {SPIN_ENV} says)"
+    return f" (reads spin up to {spin} us, then block)" if spin else " (reads block)"
+
+
 def run(args: argparse.Namespace, plan: Plan) -> int:
     if not args.no_step_lane:  # short (a socket's path has a limit of about 100 bytes) and private (0700)
         plan.lane_dir = Path(tempfile.mkdtemp(prefix="tandem-lane-"))
@@ -714,8 +759,9 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         ports = iter(free_ports(2 * (1 + replicas)))
         port, metrics_port = next(ports), next(ports)
         threads = default_threads(plan.device)
+        spin = {} if plan.lane_spin_us is None else {SPIN_ENV: str(plan.lane_spin_us)}
         target = sup.start("target", target_command(args, plan, plan.log_dir / "target.port", metrics_port, port),
-                           metrics_port, threads=threads)
+                           metrics_port, spin, threads=threads)
         # Drafts take features from the target there (target_command sets no --host).
         target_address = None if args.features_through_gateway else f"127.0.0.1:{port}"
         drafts = []
@@ -726,7 +772,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                 port, metrics_port = next(ports), next(ports)
                 drafts.append(sup.start(name, draft_command(args, plan, plan.log_dir / f"{name}.port", metrics_port,
                                                             port, target_address), metrics_port,
-                                        draft_env(args, i), threads))
+                                        {**draft_env(args, i), **spin}, threads))
         else:
             _say("no draft: serving without speculation")
         for child in [target, *drafts]:
@@ -736,7 +782,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
             _say(f"{child.name} ready on {child.address} ({time.monotonic() - started:.1f} s)")
         _say(f"starting gateway on {args.host}:{args.port} (REST) and {args.host}:{args.grpc_port} (gRPC)")
         sup.start("gateway", gateway_command(args, plan, target.address, [d.address for d in drafts]),
-                  threads=threads)
+                  env=spin, threads=threads)
         local = _local(args.host)
         scheme = "https" if plan.public_tls else "http"
         sup.wait_for("gateway", lambda: http_ok(f"{scheme}://{local}:{args.port}/health")
@@ -750,7 +796,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
                  *[f"  {c.name + ' metrics':<13}  http://127.0.0.1:{c.metrics_port}/metrics"
                    for c in [target, *drafts]],
                  f"  speculation    {args.speculation}" + ("" if drafts else " (no draft: never)"),
-                 f"  step lanes     {plan.lane_dir or 'off (gRPC)'}",
+                 f"  step lanes     {plan.lane_dir or 'off (gRPC)'}{lane_reads(plan)}",
                  f"  logs           {plan.log_dir}",
                  "Press Ctrl-C to stop."]
         print("tandem serve: " + "\n".join(lines), flush=True)

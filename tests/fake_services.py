@@ -49,6 +49,7 @@ def main() -> int:
     name = Path(args.port_file).stem if args.port_file else command
     record(name, "argv", [command, *argv])
     record(name, "pid", os.getpid())
+    record(name, "lane_spin", os.environ.get("TANDEM_LANE_SPIN_US"))
     print(f"fake {name} starting", flush=True)
     if os.environ.get("FAKE_DIE_AT_START") == name:
         print(f"fake {name} cannot start", flush=True)

@@ -140,6 +140,23 @@ def test_child_command_lines(dirs, tmp_path):
         "--target", "127.0.0.1:9200"]
 
 
+def test_lane_reads_spin_by_default_only_on_a_gpu_host_with_cores_to_spare(dirs, monkeypatch, capsys):
+    monkeypatch.delenv("TANDEM_LANE_SPIN_US", raising=False)
+    assert serve.lane_spin_us(None, "cuda", cores=16) == serve.DEFAULT_LANE_SPIN_US > 0
+    assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES - 1) == 0
+    assert serve.lane_spin_us(None, "cpu", cores=64) == 0
+    assert serve.lane_spin_us(700, "cpu", cores=2) == 700 and serve.lane_spin_us(0, "cuda", cores=64) == 0
+    # Set in the environment, it is left for the children to inherit.
+    monkeypatch.setenv("TANDEM_LANE_SPIN_US", "300")
+    assert serve.lane_spin_us(None, "cuda", cores=64) is None
+    assert serve.lane_spin_us(0, "cuda", cores=64) == 0
+    model, _ = dirs
+    for bad, why in ((["--lane-spin-us", "-1"], "from 0 to"), (["--lane-spin-us", "2000000"], "from 0 to"),
+                     (["--lane-spin-us", "10", "--no-step-lane"], "does nothing with --no-step-lane")):
+        assert serve.main(["--model", str(model), *bad]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_draft_replicas_take_the_listed_gpus_in_turn(dirs, monkeypatch, capsys):
     model, draft = dirs
     args = serve.build_parser().parse_args(["--model", str(model), "--draft", str(draft), "--device", "cuda",
@@ -209,7 +226,7 @@ def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_pat
     port, grpc_port = serve.free_ports(2)
     s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
                                 "--port", str(port), "--grpc-port", str(grpc_port), "--api-key", "k",
-                                "--speculation", "always"])
+                                "--speculation", "always", "--lane-spin-us", "500"])
     ready = s.wait_ready()
     assert f"http://127.0.0.1:{port}/v1" in ready and f"127.0.0.1:{grpc_port}" in ready
     names = ["target", "draft0", "draft1", "gateway"]
@@ -229,6 +246,9 @@ def test_serve_starts_everything_then_stops_it_in_order_on_sigterm(dirs, tmp_pat
     assert gw[gw.index("--draft") + 1] == f"127.0.0.1:{ports['draft0']},127.0.0.1:{ports['draft1']}"
     assert gw[gw.index("--speculation") + 1] == "always" and gw[gw.index("--api-key") + 1] == "k"
     assert gw[gw.index("--port") + 1] == str(port) and gw[gw.index("--grpc-port") + 1] == str(grpc_port)
+    # Every child's lane reads spin as the flag says, and the ready message says so.
+    assert {n: s.read(n, "lane_spin") for n in names} == dict.fromkeys(names, "500")
+    assert "reads spin up to 500 us, then block" in ready
 
     s.proc.send_signal(signal.SIGTERM)
     code, err = s.finish()
