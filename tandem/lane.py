@@ -18,16 +18,17 @@ on gRPC, and a client that cannot reach the socket uses the gRPC stream instead.
 Errors: a handler's context.abort(code, details) reaches the client as a LaneError, a
 grpc.RpcError with that code, and ends the stream, as gRPC would end it.
 
-Spinning reads (an experiment, off by default): with TANDEM_LANE_SPIN_US=N in a service's
-environment, the stream reads (a server's next call, a client's next reply) poll the socket for up
-to N microseconds before they block. On the H100's host a polling receiver's round trip was 101 us
-against 241 blocking, and a thread that had spun ran host ops 3-10x faster than one woken from a
-sleep (bench/host_wake.py; BENCHMARKS.md, the sixty-third session); a round's hops all wake from
-sleeps today. The cost: a core per spinning thread. The spin runs in C without the GIL
-(tandem/spin_wait.py): polling from Python took the GIL between polls, and another thread's twenty
-small torch ops then took twice as long on the dev machine. TANDEM_LANE_SPIN_NATIVE=0 polls from
-Python all the same (to measure the difference); so does a host where the C helper cannot be built.
-A spin only at a wait's end kept nothing warm there (bench/results/gpu_2026-12-07_session63/).
+Spinning reads: with TANDEM_LANE_SPIN_US=N in a service's environment (`tandem serve --lane-spin-us`
+sets it for its children: 20,000 on a GPU host of 8 or more cores by default), the stream reads (a
+server's next call, a client's next reply) poll the socket for up to N microseconds before they block.
+On the H100's host a polling receiver's round trip was 101-135 us against 241-301 blocking, and a thread
+that had spun ran host ops 3-10x faster than one woken from a sleep (bench/host_wake.py); served, the
+spin took a round at one request from 11.7 to 10.9 ms (BENCHMARKS.md, the sixty-fourth session). The
+cost: a core per spinning thread. The spin runs in C without the GIL (tandem/spin_wait.py): polling from
+Python took the GIL between polls, and another thread's twenty small torch ops then took twice as long
+on the dev machine. TANDEM_LANE_SPIN_NATIVE=0 polls from Python all the same (to measure the
+difference); where the C helper cannot be built (no `cc`), reads block. A spin only at a wait's end kept
+nothing warm (bench/results/gpu_2026-12-07_session63/).
 """
 
 from __future__ import annotations
@@ -100,14 +101,23 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def spin_waiter() -> Callable[[int, float], int] | None:
-    """The C spin of tandem/spin_wait.py, unless TANDEM_LANE_SPIN_NATIVE=0 or it cannot be built (None:
-    poll from Python)."""
+def spin_setup(spin_s: float) -> tuple[float, Callable[[int, float], int] | None]:
+    """(what a read spins, the waiter it spins in) for a wanted spin of spin_s seconds: the C spin of
+    tandem/spin_wait.py; with TANDEM_LANE_SPIN_NATIVE=0 polling from Python (None); where the C spin
+    cannot be built, no spin at all (0: reads block), since polling from Python holds the GIL between polls
+    and slows every other thread of the process (the module's docstring)."""
+    if spin_s <= 0:
+        return 0.0, None
     if os.environ.get(NATIVE_SPIN_ENV, "").strip() == "0":
-        return None
+        return spin_s, None
     from tandem.spin_wait import native_waiter
 
-    return native_waiter()
+    waiter = native_waiter()
+    if waiter is None:
+        log.warning("lane reads block instead of spinning: the C spin is not available (%s=0 polls from Python)",
+                    NATIVE_SPIN_ENV)
+        return 0.0, None
+    return spin_s, waiter
 
 
 def _spin_read(conn: socket.socket, size: int, spin_s: float,
@@ -286,8 +296,8 @@ class LaneServer:
         self.path = str(path)
         self.token = token or new_token()
         self.methods = dict(methods)
-        self.spin_s = spin_from_env() if spin_s is None else spin_s  # a stream's wait for its next call
-        self.waiter = spin_waiter() if self.spin_s > 0 else None
+        # a stream's wait for its next call
+        self.spin_s, self.waiter = spin_setup(spin_from_env() if spin_s is None else spin_s)
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -425,8 +435,7 @@ class LaneStream:
     def __init__(self, path: str, token: str, method: str, reply_type: type[Message], connect_timeout: float = 2.0,
                  spin_s: float | None = None):
         self._reply_type = reply_type
-        self._spin_s = spin_from_env() if spin_s is None else spin_s  # the wait for each reply
-        self._waiter = spin_waiter() if self._spin_s > 0 else None
+        self._spin_s, self._waiter = spin_setup(spin_from_env() if spin_s is None else spin_s)  # each reply's wait
         self._cancelled = False
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

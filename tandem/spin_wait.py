@@ -6,7 +6,7 @@ from Python keeps the poller hot but takes the GIL between polls, and another th
 ran its twenty small torch ops in twice the time (bench/results/cpu_2026-12-07_session63/gil_spin.py). Here the
 loop is C's: a ctypes call releases the GIL for its whole length, so the waiting thread stays on its core and
 the others run as if it slept. The source is below; it is built once per host with the C compiler (as Triton
-builds its launchers) into a cache directory, and where that fails callers poll from Python instead.
+builds its launchers) into a cache directory; where that fails, the lanes' reads block (tandem/lane.py).
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ def native_waiter() -> Callable[[int, float], int] | None:
             _build(target)
         lib = ctypes.CDLL(str(target))  # CDLL, not PyDLL: each call releases the GIL
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("spinning waits poll from Python (they hold the GIL between polls): the C helper could not "
-                    "be built or loaded: %s", exc)
+        log.warning("the C spin (tandem/spin_wait.py) could not be built or loaded: %s", exc)
         return None
     wait = lib.tandem_wait_readable
     wait.argtypes = [ctypes.c_int, ctypes.c_longlong]
