@@ -1,0 +1,1 @@
+export NCCL_NVLS_ENABLE=0 PYTHONPATH=. D=$OUT; ls /tmp/tandem-scale 2>&1 | head -3; TANDEM_LANE_SPIN_US=0 OUT=$D/t DEADLINE_S=95 TIMELINE_CONCURRENCY=1 TIMELINE_TRACKS=scale TIMELINE_TAG=c1_0b bash bench/h200_hot_path.sh timeline > $D/t_0b.log 2>&1; grep "  round  \|plain steps in\|== \|    1     1" $D/t_0b.log
