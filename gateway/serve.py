@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "reply, a draft's for the target's features) spin up to US microseconds before they block: "
                         "a thread woken from a sleep runs its next hop cold, and a round has five such waits. The "
                         "spin runs in C without the GIL (tandem/spin_wait.py) and takes a core per waiting thread "
-                        "while it lasts. 0 blocks at once. Default: "
+                        "while it lasts (up to 2 + 3 per draft replica threads wait so; an idle serve spins once, "
+                        "then blocks). 0 blocks at once. Default: "
                         f"{DEFAULT_LANE_SPIN_US} with --device cuda on a host of {MIN_SPIN_CORES} or more cores "
                         f"(else 0), unless {SPIN_ENV} is set")
     p.add_argument("--cpu-wake-latency-us", type=int, metavar="US", default=None,
@@ -298,7 +299,8 @@ def lane_spin_us(flag: int | None, device: str, cores: int | None = None) -> int
         return flag
     if os.environ.get(SPIN_ENV, "").strip():
         return None
-    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if cores is None:  # the cores this process may run on (all of the machine's where that is not known)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return DEFAULT_LANE_SPIN_US if device == "cuda" and cores >= MIN_SPIN_CORES else 0
 
 
