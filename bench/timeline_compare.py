@@ -2,27 +2,52 @@
 
     python bench/timeline_compare.py --arm blocking=off_1.json,off_2.json --arm spin=spin_1.json,spin_2.json
 
-Each arm is one or more runs (`timeline_TRACK_TAG.json`, which `bash bench/h200_hot_path.sh timeline`
-writes). The table gives every gap's median in each run, in the order the arms' runs were named, then
-each later arm's mean less the first arm's: the table the sessions' A/Bs report. Rows: the gaps of
-the round's critical path and beside it, the whole round, and the plain steps in grants (microseconds
-between replies). A gap a run lacks (a mark its code does not make) shows as "-". A benchmark tool,
-not a test.
+Each arm is one or more runs: `timeline_TRACK_TAG.json`, which `bash bench/h200_hot_path.sh timeline`
+writes, or, where that did not come back, any other file holding one summary as round_timeline.py prints
+it (the stage's log in a device call's output). The table gives every gap's median in each run, in the
+order the arms' runs were named, then each later arm's mean less the first arm's: the table the sessions'
+A/Bs report. Rows: the gaps of the round's critical path and beside it, the whole round, and the plain
+steps in grants (microseconds between replies). A gap a run lacks (a mark its code does not make) shows
+as "-". A benchmark tool, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 
 PLAIN = "plain steps in grants"
+# A printed summary's lines: "  median (p10, p90)  gap  what it is", and "plain steps in grants: N us between ..."
+PRINTED_GAP = re.compile(r"^\s*([\d.]+) \(\s*[\d.]+,\s*[\d.]+\)\s+(\S+)")
+PRINTED_PLAIN = re.compile(r"^plain steps in grants: ([\d.]+) us between replies")
+
+
+def read_printed(text: str) -> dict[str, float]:
+    """gap -> median us from a log holding one summary as round_timeline.py prints it."""
+    medians: dict[str, float] = {}
+    for line in text.splitlines():
+        if found := PRINTED_GAP.match(line):
+            if found.group(2) in medians:
+                raise ValueError(f"{found.group(2)} appears twice: the log holds several runs' summaries")
+            medians[found.group(2)] = float(found.group(1))
+        elif found := PRINTED_PLAIN.match(line):
+            medians[PLAIN] = float(found.group(1))
+    if not medians:
+        raise ValueError("no summary printed by round_timeline.py in it")
+    return medians
 
 
 def read_run(path: Path) -> dict[str, float]:
     """gap -> median us of one run's summary, with the plain steps' gap under PLAIN."""
+    if path.suffix != ".json":
+        try:
+            return read_printed(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     summary = json.loads(path.read_text())
     medians = {gap["gap"]: float(gap["median_us"]) for gap in summary.get("gaps", [])}
     plain = summary.get("plain_step_us") or {}
@@ -62,7 +87,8 @@ def table(arms: list[tuple[str, list[dict[str, float]]]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm", type=parse_arm, action="append", required=True, metavar="NAME=FILE[,FILE...]",
-                        help="an arm and its runs' JSON summaries; the first arm is the baseline")
+                        help="an arm and its runs' JSON summaries (or logs with the printed summary); the first "
+                             "arm is the baseline")
     args = parser.parse_args(argv)
     try:
         arms = [(name, [read_run(path) for path in paths]) for name, paths in args.arm]

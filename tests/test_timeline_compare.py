@@ -43,3 +43,31 @@ def test_a_bad_arm_or_an_unreadable_summary_is_an_error_not_a_trace(tmp_path, ca
     with pytest.raises(SystemExit) as exit_:
         tool.main(["--arm", "no-files"])
     assert exit_.value.code == 2
+
+
+def test_a_log_with_the_printed_summary_reads_as_its_json_would(tmp_path, capsys):
+    tool = load_tool()
+    log = tmp_path / "c1_0_1.log"
+    log.write_text("""== timeline_scale_c1_0_1: rc=0 in 55 s
+    1     1     285.6      291.9      13ms   11.7ms   18.3ms    3.69
+278 speculative rounds of 427; microseconds, median (p10, p90)
+      168.0 (   141.6,    213.8)  gw.round                           gateway: apply reports, schedule
+      493.0 (   413.0,    645.9)  target.engine.start->target.engine.launched target engine: validate, pack
+    11710.9 ( 11355.6,  12329.8)  round                              the whole round
+plain steps in grants: 5993.7 us between replies (5876.8, 6121.3), 901 steps
+""")
+    as_json = summary(tmp_path / "b.json", {"gw.round": 150, "round": 11000}, 6000)
+    assert tool.main(["--arm", f"log={log}", "--arm", f"json={as_json}"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["gw.round"] == ["168", "150", "-18"]
+    assert rows["target.engine.start->target.engine.launched"] == ["493", "-", "-"]
+    assert rows["round"] == ["11711", "11000", "-711"]
+    assert rows["plain"] == ["steps", "in", "grants", "5994", "6000", "+6"]
+    # A log of two runs' summaries, or of none, is refused rather than read wrong.
+    twice = tmp_path / "twice.log"
+    twice.write_text(log.read_text() * 2)
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing here\n")
+    for bad, why in ((twice, "appears twice"), (empty, "no summary")):
+        assert tool.main(["--arm", f"x={bad}"]) == 2
+        assert why in capsys.readouterr().err
