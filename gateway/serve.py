@@ -52,6 +52,7 @@ from pathlib import Path
 
 from gateway.restarts import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartPolicy
 from tandem import telemetry
+from tandem.cpu_quota import usable_cores
 from tandem.cpu_wake import held_wake_latency
 from tandem.host_threads import default_threads
 from tandem.lane import SPIN_ENV
@@ -66,7 +67,7 @@ DEMO_DRAFT_NAME = "draft"
 TANDEM = [sys.executable, "-m", "tandem.cli"]
 # The lanes' reads spin this long on a GPU host by default: 20 ms covers every wait of a round at one request
 # (BENCHMARKS.md, the sixty-fourth session: the H100's round 0.8 ms shorter with it). Spinning threads take
-# cores: a host with fewer than MIN_SPIN_CORES blocks instead.
+# cores: where fewer than MIN_SPIN_CORES are usable (tandem/cpu_quota.py: a container's quota counts) reads block.
 DEFAULT_LANE_SPIN_US = 20_000
 MIN_SPIN_CORES = 8
 MAX_LANE_SPIN_US = 1_000_000
@@ -162,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "spin runs in C without the GIL (tandem/spin_wait.py) and takes a core per waiting thread "
                         "while it lasts (up to 2 + 3 per draft replica threads wait so; an idle serve spins once, "
                         "then blocks). 0 blocks at once. Default: "
-                        f"{DEFAULT_LANE_SPIN_US} with --device cuda on a host of {MIN_SPIN_CORES} or more cores "
-                        f"(else 0), unless {SPIN_ENV} is set")
+                        f"{DEFAULT_LANE_SPIN_US} with --device cuda where {MIN_SPIN_CORES} or more cores are usable "
+                        f"(the CPU affinity, cut to a container's CPU quota), else 0; unless {SPIN_ENV} is set")
     p.add_argument("--cpu-wake-latency-us", type=int, metavar="US", default=None,
                    help="hold the host's CPU wake-up latency limit (Linux PM QoS, /dev/cpu_dma_latency) at US "
                         "microseconds while serving: cores stay out of deeper idle states, whose wake-ups flush "
@@ -299,8 +300,8 @@ def lane_spin_us(flag: int | None, device: str, cores: int | None = None) -> int
         return flag
     if os.environ.get(SPIN_ENV, "").strip():
         return None
-    if cores is None:  # the cores this process may run on (all of the machine's where that is not known)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores is None:  # its affinity and its container's CPU quota, which spinning threads would exhaust
+        cores = usable_cores()
     return DEFAULT_LANE_SPIN_US if device == "cuda" and cores >= MIN_SPIN_CORES else 0
 
 

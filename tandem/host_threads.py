@@ -15,14 +15,16 @@ import os
 
 import torch
 
+from tandem.cpu_quota import usable_cores
+
 log = logging.getLogger(__name__)
 
 
 def default_threads(device: str, cpus: int | None = None) -> int:
     """The threads a service on `device` starts with when OMP_NUM_THREADS is unset: one on a GPU; on the CPU,
     where the model itself runs on these threads, a third of the cores (three processes share them)."""
-    cpus = os.cpu_count() if cpus is None else cpus
-    return 1 if device == "cuda" else max(1, (cpus or 1) // 3)
+    cpus = usable_cores() if cpus is None else cpus  # a container's CPU quota counts (tandem/cpu_quota.py)
+    return 1 if device == "cuda" else max(1, cpus // 3)
 
 
 def limit_for_gpu(device: str) -> bool:

@@ -17,6 +17,11 @@ def test_a_gpu_service_gets_one_thread_and_a_cpu_service_a_third_of_the_cores():
     assert host_threads.default_threads("cpu", cpus=2) == 1  # never none
 
 
+def test_the_cpu_default_counts_the_usable_cores(monkeypatch):
+    monkeypatch.setattr(host_threads, "usable_cores", lambda: 6)  # e.g. a container's quota on a larger host
+    assert host_threads.default_threads("cpu") == 2
+
+
 def test_a_gpu_service_started_on_its_own_drops_to_one_thread(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
@@ -37,7 +42,7 @@ def test_an_explicit_omp_num_threads_wins_over_the_gpu_default(monkeypatch):
 
 def test_serve_starts_its_children_with_the_threads_of_their_device_unless_told(monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # a GPU host's cores: the two defaults differ
+    monkeypatch.setattr(host_threads, "usable_cores", lambda: 16)  # a GPU host's cores: the two defaults differ
     gpu = serve.Child("target", ["--help"], tmp_path, threads=host_threads.default_threads("cuda"))
     cpu = serve.Child("draft0", ["--help"], tmp_path)
     try:

@@ -146,6 +146,11 @@ def test_lane_reads_spin_by_default_only_on_a_gpu_host_with_cores_to_spare(dirs,
     assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES - 1) == 0
     assert serve.lane_spin_us(None, "cpu", cores=64) == 0
     assert serve.lane_spin_us(700, "cpu", cores=2) == 700 and serve.lane_spin_us(0, "cuda", cores=64) == 0
+    # The cores counted are the usable ones: a container's CPU quota of 4 on a 64-core host blocks.
+    monkeypatch.setattr(serve, "usable_cores", lambda: 4)
+    assert serve.lane_spin_us(None, "cuda") == 0
+    monkeypatch.setattr(serve, "usable_cores", lambda: 16)
+    assert serve.lane_spin_us(None, "cuda") == serve.DEFAULT_LANE_SPIN_US
     # Set in the environment, it is left for the children to inherit.
     monkeypatch.setenv("TANDEM_LANE_SPIN_US", "300")
     assert serve.lane_spin_us(None, "cuda", cores=64) is None
