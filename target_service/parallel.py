@@ -15,6 +15,11 @@ so no rank waits on the host between granted steps. The loop's decisions follow
 from the tokens, which every rank computes alike, except whether to stop early
 (an interrupt, known to rank 0 only): each time rank 0's loop asks, its answer
 goes to every rank as a one-byte message, and their loops ask at the same points.
+
+The other ranks' wait for rank 0's next message spins first where the step lanes' reads spin
+(TANDEM_LANE_SPIN_US, which `tandem serve` sets; tandem/lane.py): a rank woken from a sleep runs its
+step's host work cold (on an H100's host 3-10x slower, bench/host_wake.py), and every rank's first
+all-reduce of the step waits for the last one to launch.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from kernels.l2_prefetch import WeightPrefetch
 from kernels.tree_attention import warm_up
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.gc_pauses import GcWatch
+from tandem.lane import spin_from_env, spin_setup
 from tandem.layers import DTYPES
 from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
@@ -153,8 +159,30 @@ def _send(obj: dict, pipes: list[Connection], packed: bytes = b"") -> None:
 _GO_ON, _STOP = b"\x00", b"\x01"
 
 
-def _recv(pipe: Connection) -> tuple[dict, bytes]:
-    raw = pipe.recv_bytes()
+@dataclass(frozen=True)
+class PipeWait:
+    """How a rank waits for rank 0's next message: spinning in C for up to `seconds` first (tandem/spin_wait.py,
+    without the GIL) where `waiter` is set, then blocking."""
+
+    seconds: float = 0.0
+    waiter: Callable[[int, float], int] | None = None
+
+    @classmethod
+    def from_env(cls) -> PipeWait:
+        seconds, waiter = spin_setup(spin_from_env())
+        return cls(seconds, waiter) if waiter is not None else cls()
+
+    def recv(self, pipe: Connection) -> bytes:
+        if self.waiter is not None:
+            self.waiter(pipe.fileno(), self.seconds)  # readable, or the spin ran out: the read then blocks
+        return pipe.recv_bytes()
+
+
+BLOCKING = PipeWait()
+
+
+def _recv(pipe: Connection, wait: PipeWait = BLOCKING) -> tuple[dict, bytes]:
+    raw = wait.recv(pipe)
     if len(raw) == 1:
         raise RuntimeError("tensor-parallel ranks out of step: a grant's answer arrived where a command was due")
     (n,) = _HEADER.unpack_from(raw)
@@ -162,10 +190,10 @@ def _recv(pipe: Connection) -> tuple[dict, bytes]:
     return json.loads(raw[at: at + n]), raw[at + n:]
 
 
-def _answers_from(pipe: Connection) -> Callable[[], bool]:
+def _answers_from(pipe: Connection, wait: PipeWait = BLOCKING) -> Callable[[], bool]:
     """A worker's side of a grant's "stop early?": rank 0's next answer."""
     def interrupted() -> bool:
-        raw = pipe.recv_bytes()
+        raw = wait.recv(pipe)
         if raw not in (_GO_ON, _STOP):
             raise RuntimeError("tensor-parallel ranks out of step: a command arrived where a grant's answer "
                                "was due")
@@ -173,12 +201,13 @@ def _answers_from(pipe: Connection) -> Callable[[], bool]:
     return interrupted
 
 
-def _run_grant(engine: TargetEngine, packed: bytes, commands: Connection, layers: tuple[int, ...]) -> None:
+def _run_grant(engine: TargetEngine, packed: bytes, commands: Connection, layers: tuple[int, ...],
+               wait: PipeWait = BLOCKING) -> None:
     call = target_pb2.PackedStep()
     call.ParseFromString(packed)
     batch = batch_from_proto(call.items)
     for _ in engine.grant(batch, GrantStops.from_proto(call.stops, batch.size), call.grant_steps,
-                          _answers_from(commands), layers):
+                          _answers_from(commands, wait), layers):
         pass
 
 
@@ -213,10 +242,11 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: 
     group = _init_group(rank, world, rendezvous, spec.device)
     engine = build_engine(spec, ParallelSpec(rank, world))
     collections.ready()
+    wait = PipeWait.from_env()
     dist.barrier(group=group)
     while True:
         try:
-            cmd, packed = _recv(commands)
+            cmd, packed = _recv(commands, wait)
         except EOFError:  # rank 0 is gone
             break
         if cmd["op"] == "stop":
@@ -227,7 +257,7 @@ def _worker(rank: int, world: int, rendezvous: str, spec: EngineSpec, commands: 
                 items.ParseFromString(packed)
                 engine.run(batch_from_proto(items), tuple(cmd["layers"]))
             elif cmd["op"] == "grant":
-                _run_grant(engine, packed, commands, tuple(cmd["layers"]))
+                _run_grant(engine, packed, commands, tuple(cmd["layers"]), wait)
             elif cmd["op"] == "release":
                 engine.release(cmd["ids"])
         except (InvalidArgument, ResourceExhausted):

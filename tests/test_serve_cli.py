@@ -144,6 +144,9 @@ def test_lane_reads_spin_by_default_only_on_a_gpu_host_with_cores_to_spare(dirs,
     monkeypatch.delenv("TANDEM_LANE_SPIN_US", raising=False)
     assert serve.lane_spin_us(None, "cuda", cores=16) == serve.DEFAULT_LANE_SPIN_US > 0
     assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES - 1) == 0
+    # A TP target's other ranks spin too: a core each.
+    assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES, tp=2) == 0
+    assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES + 7, tp=8) == serve.DEFAULT_LANE_SPIN_US
     assert serve.lane_spin_us(None, "cpu", cores=64) == 0
     assert serve.lane_spin_us(700, "cpu", cores=2) == 700 and serve.lane_spin_us(0, "cuda", cores=64) == 0
     # The cores counted are the usable ones: a container's CPU quota of 4 on a 64-core host blocks.

@@ -135,3 +135,26 @@ def test_a_lane_whose_ends_spin_in_c_serves_calls_and_ends_on_a_cancel_or_a_stop
         assert time.perf_counter() - t0 < 0.4
     finally:
         server.stop()
+
+
+def test_a_tensor_parallel_rank_spins_for_rank_0s_messages_and_still_sees_its_end(fresh_cache, monkeypatch):
+    import multiprocessing as mp
+
+    from target_service.parallel import BLOCKING, PipeWait
+
+    monkeypatch.setenv(lane.SPIN_ENV, "50000")
+    wait = PipeWait.from_env()
+    assert (wait.waiter is not None) == compiler_here() and wait.seconds == (0.05 if compiler_here() else 0.0)
+    monkeypatch.setenv(lane.SPIN_ENV, "0")
+    assert PipeWait.from_env() == BLOCKING
+    ours, theirs = mp.Pipe(duplex=False)
+    with ours, theirs:
+        theirs.send_bytes(b"ready")
+        assert wait.recv(ours) == b"ready"
+        threading.Timer(0.01, lambda: theirs.send_bytes(b"soon")).start()
+        assert wait.recv(ours) == b"soon"  # within the spin
+        threading.Timer(0.2, lambda: theirs.send_bytes(b"late")).start()
+        assert wait.recv(ours) == b"late"  # after it: the read blocked
+        theirs.close()
+        with pytest.raises(EOFError):  # rank 0 gone: the worker's loop ends on this
+            wait.recv(ours)

@@ -7,10 +7,12 @@ subprocess's timeout) or die (the next command fails)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,12 +81,14 @@ print(json.dumps(out))
 """
 
 
-def test_a_grant_at_tp2_runs_on_every_rank_and_stops_early_in_step_with_tp1(tiny_llama):
+@pytest.mark.parametrize("spin_us", ["0", "3000"])
+def test_a_grant_at_tp2_runs_on_every_rank_and_stops_early_in_step_with_tp1(tiny_llama, spin_us):
     """Whole, interrupted after two steps, and abandoned by its caller after one: the tokens, the
-    sequences' lengths after each and the steps that follow are TP=1's, float32."""
+    sequences' lengths after each and the steps that follow are TP=1's, float32; with the other ranks'
+    waits for rank 0 blocking, and spinning first (TANDEM_LANE_SPIN_US, as `tandem serve` sets it on a GPU)."""
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
     out = subprocess.run([sys.executable, "-c", SCENARIO, str(tiny_llama("gqa")), device], capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
+                         text=True, timeout=300, cwd=REPO, env={**os.environ, "TANDEM_LANE_SPIN_US": spin_us})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     tp1, tp2 = got["1"], got["2"]
