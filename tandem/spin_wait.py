@@ -52,9 +52,12 @@ CACHE_ENV = "TANDEM_CACHE_DIR"
 
 
 def cache_dir() -> Path:
-    """Where built helpers are kept: $TANDEM_CACHE_DIR, else ~/.cache/tandem."""
+    """Where built helpers are kept: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
     configured = os.environ.get(CACHE_ENV)
-    return Path(configured) if configured else Path.home() / ".cache" / "tandem"
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tandem"
 
 
 def _build(target: Path) -> None:

@@ -149,3 +149,18 @@ def test_the_variant_argument_picks_cpu_or_gpu_torch_and_the_overlays_use_the_ma
             assert repo == "tandem-serve" and tag in ("cpu", "gpu"), f"{name}: {c.container['image']}"
             gpus = int(c.container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
             assert tag == ("gpu" if name.startswith("gpu") else "cpu") and (gpus == 0 or tag == "gpu"), name
+
+
+def test_the_gpu_image_builds_the_lanes_c_spin_where_the_services_look_for_it(dockerfile):
+    """The spin's helper is built at image build time (the pods' root filesystem is read-only), into the
+    directory the services' TANDEM_CACHE_DIR names, before the image drops to its non-root user."""
+    envs = [i.value for i in dockerfile if i.name == "ENV"]
+    cache = [value.partition("=")[2] for value in envs if value.startswith("TANDEM_CACHE_DIR=")]
+    assert cache == ["/opt/tandem/native"]
+    build = [i for i in dockerfile if i.name == "RUN" and "native_waiter()" in i.value]
+    assert len(build) == 1 and '"$VARIANT" = gpu' in build[0].value
+    env_at = next(n for n, i in enumerate(dockerfile) if i.name == "ENV" and i.value.startswith("TANDEM_CACHE_DIR="))
+    user_at = max(n for n, i in enumerate(dockerfile) if i.name == "USER")
+    assert env_at < dockerfile.index(build[0]) < user_at
+    run = " ".join(i.value for i in dockerfile if i.name == "RUN")
+    assert "gcc" in run  # the gpu variant's compiler (Triton's too) builds it

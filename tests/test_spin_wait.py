@@ -158,3 +158,14 @@ def test_a_tensor_parallel_rank_spins_for_rank_0s_messages_and_still_sees_its_en
         theirs.close()
         with pytest.raises(EOFError):  # rank 0 gone: the worker's loop ends on this
             wait.recv(ours)
+
+
+def test_the_cache_is_tandem_cache_dir_else_under_xdg_cache_home_else_home(monkeypatch, tmp_path):
+    monkeypatch.setenv(spin_wait.CACHE_ENV, str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert spin_wait.cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv(spin_wait.CACHE_ENV)
+    assert spin_wait.cache_dir() == tmp_path / "xdg" / "tandem"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert spin_wait.cache_dir() == tmp_path / "home" / ".cache" / "tandem"
