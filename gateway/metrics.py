@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.policy import AuditArm, AuditRow
+from tandem.service_metrics import LaneSpinCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -127,6 +128,7 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        r.register(LaneSpinCollector())  # the gateway's own spinning reads (its waits for replies)
         self.requests_running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
         self.requests_waiting = Gauge("tandem_requests_waiting", "Requests queued for admission", registry=r)
         self.gate_load = Gauge("tandem_policy_gate_load", "Requests the load gate judged at the last plan: the "

@@ -97,6 +97,32 @@ def spin_from_env() -> float:
     return micros / 1e6
 
 
+class SpinStats:
+    """What this process's spinning reads did, for its metrics (tandem/service_metrics.py): reads whose data
+    came within the spin, reads that blocked after it, and the seconds spent spinning (a core's time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.caught = 0
+        self.blocked = 0
+        self.seconds = 0.0
+
+    def record(self, caught: bool, seconds: float) -> None:
+        with self._lock:
+            if caught:
+                self.caught += 1
+            else:
+                self.blocked += 1
+            self.seconds += seconds
+
+    def snapshot(self) -> tuple[int, int, float]:
+        with self._lock:
+            return self.caught, self.blocked, self.seconds
+
+
+SPIN_STATS = SpinStats()
+
+
 def new_token() -> str:
     return secrets.token_hex(16)
 
@@ -126,20 +152,27 @@ def _spin_read(conn: socket.socket, size: int, spin_s: float,
     nothing came (the caller then blocks). `waiter`: tandem/spin_wait.py's, which spins without the GIL;
     None polls from Python. Only for a blocking socket: one with a timeout would wait for readiness
     inside each poll."""
+    start = time.perf_counter()
     if waiter is not None:
-        if waiter(conn.fileno(), spin_s) == 0:
+        ready = waiter(conn.fileno(), spin_s)
+        SPIN_STATS.record(ready != 0, time.perf_counter() - start)
+        if ready == 0:
             return None
         try:  # readable, or hung up (b""), or an error the read raises
             return conn.recv(size, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return None
-    deadline = time.perf_counter() + spin_s
+    deadline = start + spin_s
     while True:
         try:
-            return conn.recv(size, socket.MSG_DONTWAIT)
+            data = conn.recv(size, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            if time.perf_counter() >= deadline:
+            if (now := time.perf_counter()) >= deadline:
+                SPIN_STATS.record(False, now - start)
                 return None
+            continue
+        SPIN_STATS.record(True, time.perf_counter() - start)
+        return data
 
 
 def _read_exactly(conn: socket.socket, size: int, spin_s: float = 0.0,

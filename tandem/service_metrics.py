@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tandem.lane import SPIN_STATS
 
 # Step times from a fraction of a millisecond (an 8B decode on a GPU is ~4 ms) to a slow CPU prefill.
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
@@ -22,7 +24,25 @@ COUNT_BUCKETS = tuple(float(2 ** i) for i in range(13))  # 1 .. 4096: tokens or 
 def new_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
+    registry.register(LaneSpinCollector())
     return registry
+
+
+class LaneSpinCollector:
+    """This process's spinning lane reads (tandem/lane.py, `tandem serve --lane-spin-us`), read at each scrape:
+    how many found their message within the spin and how many blocked after it (a spin too short for the
+    waits it meets), and the seconds spent spinning (what the spin costs in CPU)."""
+
+    def collect(self) -> Iterator[Metric]:
+        caught, blocked, seconds = SPIN_STATS.snapshot()
+        reads = CounterMetricFamily("tandem_lane_spin_reads", "Lane reads that spun first, by whether their "
+                                    "message came within the spin ('data') or the read then blocked ('blocked')",
+                                    labels=["outcome"])
+        reads.add_metric(["data"], caught)
+        reads.add_metric(["blocked"], blocked)
+        yield reads
+        yield CounterMetricFamily("tandem_lane_spin_seconds", "Seconds lane reads spent spinning (a core each)",
+                                  value=seconds)
 
 
 class KvLoadLike(Protocol):

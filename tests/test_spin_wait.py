@@ -169,3 +169,34 @@ def test_the_cache_is_tandem_cache_dir_else_under_xdg_cache_home_else_home(monke
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert spin_wait.cache_dir() == tmp_path / "home" / ".cache" / "tandem"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_spinning_reads_are_counted_by_outcome_with_the_time_they_spun(fresh_cache, native, monkeypatch):
+    waiter = spin_wait.native_waiter() if native else None
+    if native and waiter is None:
+        assert not compiler_here()
+        return
+    monkeypatch.setattr(lane, "SPIN_STATS", lane.SpinStats())
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        caught, blocked, seconds = lane.SPIN_STATS.snapshot()
+        lane.write_frame(theirs, lane.MESSAGE, b"ready")
+        assert lane.read_frame(ours, spin_s=0.05, waiter=waiter) == (lane.MESSAGE, b"ready")
+        threading.Timer(0.05, lambda: lane.write_frame(theirs, lane.MESSAGE, b"late")).start()
+        assert lane.read_frame(ours, spin_s=0.005, waiter=waiter) == (lane.MESSAGE, b"late")
+        now = lane.SPIN_STATS.snapshot()
+    assert (now[0] - caught, now[1] - blocked) == (1, 1)
+    assert 0.005 <= now[2] - seconds < 0.05  # the blocked read's whole spin, and the caught one's moment
+
+
+def test_every_services_metrics_export_the_spin(fresh_cache):
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+    from tandem.service_metrics import new_registry
+
+    for registry in (new_registry(), GatewayMetrics().registry):  # the target's and draft's, the gateway's
+        text = generate_latest(registry).decode()
+        assert 'tandem_lane_spin_reads_total{outcome="data"}' in text
+        assert 'tandem_lane_spin_reads_total{outcome="blocked"}' in text and "tandem_lane_spin_seconds_total" in text
