@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "spin runs in C without the GIL (tandem/spin_wait.py) and takes a core per waiting thread "
                         "while it lasts (up to 2 + 3 per draft replica + N - 1 threads wait so; an idle serve spins "
                         "once, then blocks). 0 blocks at once. Default: "
-                        f"{DEFAULT_LANE_SPIN_US} with --device cuda where {MIN_SPIN_CORES} + N - 1 or more cores are "
-                        f"usable (the CPU affinity, cut to a container's CPU quota), else 0; unless {SPIN_ENV} is set")
+                        f"{DEFAULT_LANE_SPIN_US} with --device cuda where {MIN_SPIN_CORES} + 3 per draft replica past "
+                        "the first + N - 1 cores or more are usable (the CPU affinity, cut to a container's CPU "
+                        f"quota), else 0; unless {SPIN_ENV} is set")
     p.add_argument("--cpu-wake-latency-us", type=int, metavar="US", default=None,
                    help="hold the host's CPU wake-up latency limit (Linux PM QoS, /dev/cpu_dma_latency) at US "
                         "microseconds while serving: cores stay out of deeper idle states, whose wake-ups flush "
@@ -289,22 +290,27 @@ def resolve(args: argparse.Namespace) -> Plan:
     return Plan(model=model.resolve(), draft=draft.resolve() if draft else None,
                 device=device, log_dir=log_dir.resolve(), public_tls=public_tls,
                 service_tls=service_tls, gateway_tls=gateway_tls,
-                lane_spin_us=None if args.no_step_lane else lane_spin_us(args.lane_spin_us, device, tp=args.tp))
+                lane_spin_us=None if args.no_step_lane else lane_spin_us(
+                    args.lane_spin_us, device, tp=args.tp, replicas=args.draft_replicas if draft else 0))
 
 
-def lane_spin_us(flag: int | None, device: str, cores: int | None = None, tp: int = 1) -> int | None:
+def lane_spin_us(flag: int | None, device: str, cores: int | None = None, tp: int = 1,
+                 replicas: int = 1) -> int | None:
     """What the children's lane reads spin, in microseconds: the flag's value; without it, none where the
     environment sets TANDEM_LANE_SPIN_US (the children inherit it), else the default on a GPU host with
     cores to spare (the model's own work runs on the host's cores on a CPU, and a spinning thread would
-    take one from it): MIN_SPIN_CORES, and one more for each rank past the first of a --tp target, whose
-    wait for rank 0's next command spins too (target_service/parallel.py)."""
+    take one from it): MIN_SPIN_CORES for a target and one draft replica, three more for each further
+    replica (its stream, its feature subscription and the gateway's wait for it), and one more for each rank
+    past the first of a --tp target, whose wait for rank 0's next command spins too
+    (target_service/parallel.py)."""
     if flag is not None:
         return flag
     if os.environ.get(SPIN_ENV, "").strip():
         return None
     if cores is None:  # its affinity and its container's CPU quota, which spinning threads would exhaust
         cores = usable_cores()
-    return DEFAULT_LANE_SPIN_US if device == "cuda" and cores >= MIN_SPIN_CORES + tp - 1 else 0
+    needed = MIN_SPIN_CORES + 3 * max(replicas - 1, 0) + tp - 1
+    return DEFAULT_LANE_SPIN_US if device == "cuda" and cores >= needed else 0
 
 
 def draft_gpus(text: str) -> list[int]:

@@ -147,6 +147,9 @@ def test_lane_reads_spin_by_default_only_on_a_gpu_host_with_cores_to_spare(dirs,
     # A TP target's other ranks spin too: a core each.
     assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES, tp=2) == 0
     assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES + 7, tp=8) == serve.DEFAULT_LANE_SPIN_US
+    # So do each further draft replica's three waits.
+    assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES + 2, replicas=2) == 0
+    assert serve.lane_spin_us(None, "cuda", cores=serve.MIN_SPIN_CORES + 6, replicas=3) == serve.DEFAULT_LANE_SPIN_US
     assert serve.lane_spin_us(None, "cpu", cores=64) == 0
     assert serve.lane_spin_us(700, "cpu", cores=2) == 700 and serve.lane_spin_us(0, "cuda", cores=64) == 0
     # The cores counted are the usable ones: a container's CPU quota of 4 on a 64-core host blocks.
