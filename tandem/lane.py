@@ -19,7 +19,7 @@ Errors: a handler's context.abort(code, details) reaches the client as a LaneErr
 grpc.RpcError with that code, and ends the stream, as gRPC would end it.
 
 Spinning reads: with TANDEM_LANE_SPIN_US=N in a service's environment (`tandem serve --lane-spin-us`
-sets it for its children: 20,000 by default on a GPU serve with 8 or more usable cores), the stream reads (a
+sets it for its children: 20,000 by default on a GPU serve with the cores for it), the stream reads (a
 server's next call, a client's next reply) poll the socket for up to N microseconds before they block.
 On the H100's host a polling receiver's round trip was 101-135 us against 241-301 blocking, and a thread
 that had spun ran host ops 3-10x faster than one woken from a sleep (bench/host_wake.py); served, the
