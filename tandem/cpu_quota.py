@@ -74,11 +74,15 @@ def quota_cores(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> fl
     return min(found) if found else None
 
 
+def affinity_cores() -> int:
+    """The cores this process may run on (all the machine's where that is not known)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def usable_cores(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
-    """Cores this process may keep busy: its affinity (all the machine's where that is not known), cut to
-    its cgroup's quota, rounded down (a quota of 2.5 CPUs keeps two threads busy without throttling), at
-    least one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """Cores this process may keep busy: its affinity, cut to its cgroup's quota, rounded down (a quota of
+    2.5 CPUs keeps two threads busy without throttling), at least one."""
+    cores = affinity_cores()
     quota = quota_cores(root, proc_cgroup)
     if quota is not None:
         cores = min(cores, math.floor(quota))

@@ -127,11 +127,14 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def spin_setup(spin_s: float) -> tuple[float, Callable[[int, float], int] | None]:
-    """(what a read spins, the waiter it spins in) for a wanted spin of spin_s seconds: the C spin of
+def spin_setup(spin_s: float | None = None) -> tuple[float, Callable[[int, float], int] | None]:
+    """(what a read spins, the waiter it spins in) for a wanted spin of spin_s seconds (None: as
+    TANDEM_LANE_SPIN_US says, spin_from_env): the C spin of
     tandem/spin_wait.py; with TANDEM_LANE_SPIN_NATIVE=0 polling from Python (None); where the C spin
     cannot be built, no spin at all (0: reads block), since polling from Python holds the GIL between polls
     and slows every other thread of the process (the module's docstring)."""
+    if spin_s is None:
+        spin_s = spin_from_env()
     if spin_s <= 0:
         return 0.0, None
     if os.environ.get(NATIVE_SPIN_ENV, "").strip() == "0":
@@ -330,7 +333,7 @@ class LaneServer:
         self.token = token or new_token()
         self.methods = dict(methods)
         # a stream's wait for its next call
-        self.spin_s, self.waiter = spin_setup(spin_from_env() if spin_s is None else spin_s)
+        self.spin_s, self.waiter = spin_setup(spin_s)
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -468,7 +471,7 @@ class LaneStream:
     def __init__(self, path: str, token: str, method: str, reply_type: type[Message], connect_timeout: float = 2.0,
                  spin_s: float | None = None):
         self._reply_type = reply_type
-        self._spin_s, self._waiter = spin_setup(spin_from_env() if spin_s is None else spin_s)  # each reply's wait
+        self._spin_s, self._waiter = spin_setup(spin_s)  # each reply's wait
         self._cancelled = False
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

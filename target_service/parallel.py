@@ -47,7 +47,7 @@ from kernels.l2_prefetch import WeightPrefetch
 from kernels.tree_attention import warm_up
 from tandem.errors import InvalidArgument, ResourceExhausted
 from tandem.gc_pauses import GcWatch
-from tandem.lane import spin_from_env, spin_setup
+from tandem.lane import spin_setup
 from tandem.layers import DTYPES
 from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
@@ -169,7 +169,7 @@ class PipeWait:
 
     @classmethod
     def from_env(cls) -> PipeWait:
-        seconds, waiter = spin_setup(spin_from_env())
+        seconds, waiter = spin_setup()
         return cls(seconds, waiter) if waiter is not None else cls()
 
     def recv(self, pipe: Connection) -> bytes:

@@ -3,7 +3,6 @@ cuts the cores a service sizes its busy threads by; no quota, or nothing readabl
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from tandem import cpu_quota
@@ -14,10 +13,6 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def affinity() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def test_a_cgroup_v2_quota_counts_and_the_smallest_limit_up_the_tree_wins(tmp_path):
     proc = tmp_path / "cgroup"
     write(proc, "0::/kubepods/pod1/ctr\n")
@@ -26,7 +21,7 @@ def test_a_cgroup_v2_quota_counts_and_the_smallest_limit_up_the_tree_wins(tmp_pa
     write(root / "kubepods/pod1/cpu.max", "250000 100000\n")  # the pod's: 2.5 CPUs
     write(root / "kubepods/cpu.max", "800000 100000\n")
     assert cpu_quota.quota_cores(root, proc) == 2.5
-    assert cpu_quota.usable_cores(root, proc) == min(affinity(), 2)
+    assert cpu_quota.usable_cores(root, proc) == min(cpu_quota.affinity_cores(), 2)
 
 
 def test_a_cgroup_v1_quota_counts_and_minus_one_means_none(tmp_path):
@@ -39,7 +34,7 @@ def test_a_cgroup_v1_quota_counts_and_minus_one_means_none(tmp_path):
     assert cpu_quota.usable_cores(root, proc) == 1  # rounded down, and never none
     write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n")
     assert cpu_quota.quota_cores(root, proc) is None
-    assert cpu_quota.usable_cores(root, proc) == affinity()
+    assert cpu_quota.usable_cores(root, proc) == cpu_quota.affinity_cores()
 
 
 def test_nothing_readable_means_no_quota(tmp_path):
@@ -48,4 +43,4 @@ def test_nothing_readable_means_no_quota(tmp_path):
     write(proc, "0::/\n")
     write(tmp_path / "fs/cpu.max", "garbage\n")
     assert cpu_quota.quota_cores(tmp_path / "fs", proc) is None
-    assert cpu_quota.usable_cores(tmp_path / "none", tmp_path / "no-cgroup-file") == affinity()
+    assert cpu_quota.usable_cores(tmp_path / "none", tmp_path / "no-cgroup-file") == cpu_quota.affinity_cores()
