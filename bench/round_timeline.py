@@ -54,6 +54,14 @@ ASIDE = [
     # GPU, and what follows it. The served engines took 0.5-0.9 ms more than bench/engine_step.py and
     # bench/draft_step.py time the same shapes alone; these say whether host or GPU.
     ("target.engine.start", "target.engine.launched", "target engine: validate, pack, inputs in, graph launched"),
+    # The same span in three (the sixty-fifth session): served it took 0.5 ms at one request on the H100 against
+    # about 0.1 ms in bench/engine_step.py --phases, and these say which part.
+    ("target.engine.start", "target.engine.reserved", "target engine: validate, KV reserved"),
+    ("target.engine.reserved", "target.engine.packed", "target engine: bucket chosen, inputs packed on the host"),
+    ("target.engine.packed", "target.engine.launched", "target engine: inputs in, graphs launched"),
+    ("target.recv", "target.parsed", "target: the call's items parsed"),
+    ("gw.round", "gw.scheduled", "gateway: reports applied, the plan and its budgets made"),
+    ("draft.features.start", "draft.parsed", "draft: pushed features taken, items parsed"),
     ("target.engine.launched", "target.engine.synced", "target engine: until the GPU's results are in"),
     ("target.engine.synced", "target.engine.end", "target engine: results read, KV lengths, features"),
     ("draft.engine.start", "draft.catchup.end", "draft engine: ingest, catch-up"),

@@ -166,6 +166,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         timeline.mark("draft.features.start")
         ingest = self._with_features([ingest_from_proto(m) for m in request.ingest])
         items = [item_from_proto(m) for m in request.items]
+        timeline.mark("draft.parsed")
         with self._lock:
             t0 = time.perf_counter()
             captured_before = engine.graphs_captured

@@ -455,6 +455,7 @@ class GatewayCore:
         plan = self._schedule()
         if plan is None:
             return
+        timeline.mark("gw.scheduled")
         tracing.step_serves(plan.items)  # the step's span, linked to its requests' (tracing on only)
         t1 = time.perf_counter()
         phase["schedule"].observe(t1 - t0)

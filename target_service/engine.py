@@ -300,6 +300,7 @@ class TargetEngine:
             if batch.controls is not None:
                 for b in np.flatnonzero(batch.controls.needs_history & batch.create).tolist():
                     self.penalty_history.create(batch.request_ids[b])
+            timeline.mark("target.engine.reserved")
             results = self._execute(batch, layers)
         except Exception:
             for rid in created:
@@ -380,6 +381,7 @@ class TargetEngine:
         inputs = self._host_inputs(layout)
         on_host = graph is None and greedy_only and self.device.type == "cpu"  # _decide_eagerly's host walk
         prefix = self.pack(batch, updates, shape, block_m, inputs.arrays, decided_on_host=on_host)
+        timeline.mark("target.engine.packed")
         if graph is not None:
             graph.load_inputs(inputs.buffer)
             committed, out = graph.replay(greedy_only)

@@ -299,6 +299,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if call.release_request_ids:  # finished requests' release, riding on this step (before it)
                 self._release(engine, list(call.release_request_ids))
             batch = batch_from_proto(call.items)
+            timeline.mark("target.parsed")
             layers = tuple(call.feature_layers)
             if call.grant_steps <= 1:
                 sinks = _item_sinks(call, batch.size) if call.hold_features else None

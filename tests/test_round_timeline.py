@@ -60,3 +60,23 @@ def test_marks_go_to_a_file_per_process_only_when_the_timeline_is_on(tmp_path):
     [written] = list((tmp_path / "marks").glob("timeline-*.txt"))
     labels = [line.split()[1] for line in written.read_text().splitlines()]
     assert labels == ["gw.round", "gw.draft.send"]
+
+
+def test_the_target_engines_host_part_is_split_into_reserve_pack_and_launch(tmp_path):
+    tool = load_tool()
+    files: dict[str, list[str]] = {"gw": [], "draft": [], "target": []}
+    per_round = len(tool.PATH)
+    write_round(files, start_us=0, gap_us=1000)
+    start_us = 1000 * [label for label, _ in tool.PATH].index("target.engine.start")
+    for label, after_us in [("target.engine.reserved", 30), ("target.engine.packed", 110),
+                            ("target.engine.launched", 160)]:
+        files["target"].append(f"{(start_us + after_us) * 1000} {label}")
+    files["gw"].append(f"{per_round * 1000 * 1000} gw.round")
+    for name, lines in files.items():
+        (tmp_path / f"timeline-{name}.txt").write_text("\n".join(sorted(lines, key=lambda x: int(x.split()[0])))
+                                                        + "\n")
+    gaps = {row["gap"]: row["median_us"] for row in tool.summarise(tmp_path)["gaps"]}
+    assert gaps["target.engine.start->target.engine.reserved"] == 30
+    assert gaps["target.engine.reserved->target.engine.packed"] == 80
+    assert gaps["target.engine.packed->target.engine.launched"] == 50
+    assert gaps["target.engine.start->target.engine.launched"] == 160
