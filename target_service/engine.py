@@ -63,11 +63,29 @@ KEPT_INPUT_LAYOUTS = 32
 # Steps of up to this many items are validated on their columns read as Python numbers, larger ones by numpy
 # reductions: a reduction costs about a microsecond whatever its length, a Python comparison 30-50 ns.
 SMALL_STEP = 8
+# A verify step whose rows' features are at most this many bytes sends every row to the host in the results'
+# wait and keeps the committed ones there (committed_rows); larger ones move the committed rows to the front on
+# the device first and copy only those, after a second wait. On an H100 the device's way took 262 us of host
+# work to read a 1 x 8 verify step's results against 81 for a plain step's (BENCHMARKS.md, "The sixty-fifth
+# session"); 1 MiB is 42 rows of an 8B target's three layers (24 KiB a row in bf16). 0: always the device's way.
+FEATURE_PICK_BYTES = 1 << 20
 
 
 def asked_rows(batch: StepBatch) -> np.ndarray:
     """int64: the step rows (its nodes in batch order) of the items that asked for features."""
     return np.flatnonzero(np.repeat(batch.return_features, batch.num_nodes))
+
+
+def committed_rows(batch: StepBatch, num_accepted: np.ndarray, accepted_nodes: np.ndarray) -> np.ndarray:
+    """int64: the step rows a verify step committed for the items that asked for features, in row order:
+    each item's fixed chain, then its accepted nodes (node indices, parents before children)."""
+    starts = batch.starts
+    parts = []
+    for b in np.flatnonzero(batch.return_features).tolist():
+        start = int(starts[b])
+        parts.append(np.arange(start, start + int(batch.num_fixed[b])))
+        parts.append(start + accepted_nodes[b, : int(num_accepted[b])].astype(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 class HostInputs(NamedTuple):
@@ -504,7 +522,7 @@ class TargetEngine:
         else:
             host = self._out_buffer(out.numel()).view(out.shape)
             host.copy_(out, non_blocking=self._pinned)
-        feature_rows = None
+        feature_rows = every_row = None
         if layers and not batch.drafted_trees:
             # No drafted nodes: every row is committed, so the rows of the sequences that asked are known
             # here. They leave in the same wait as the results, gathered on the device where only some
@@ -518,6 +536,11 @@ class TargetEngine:
             asked = features[: len(rows)] if len(rows) == len(batch.tokens) else features.index_select(
                 0, to_device_queued(rows, self.device))
             feature_rows.copy_(asked, non_blocking=self._pinned)
+        elif layers and len(batch.tokens) * features.shape[1] * features.element_size() <= FEATURE_PICK_BYTES:
+            # Every row to the host in the results' wait; the committed ones are picked there, below.
+            every_row = torch.empty(len(batch.tokens), features.shape[1], dtype=features.dtype,
+                                    pin_memory=self._pinned)
+            every_row.copy_(features[: len(batch.tokens)], non_blocking=self._pinned)
         elif layers:
             # Committed rows of the sequences that asked, in row order, moved to the front on the device
             # by a stable sort of the mask: nothing waits for the GPU here (a boolean index counts its rows
@@ -555,7 +578,9 @@ class TargetEngine:
             results.top_ids = raw[:, at: at + M * top_k].reshape(B, M, top_k)
             results.top_logprobs = raw[:, at + M * top_k: at + 2 * M * top_k].view(np.float32).reshape(B, M, top_k)
             results.top_k = batch.top_logprobs
-        if layers and batch.drafted_trees:  # the first rows of `compacted`: each asking sequence's committed rows
+        if every_row is not None:
+            feature_rows = every_row[torch.from_numpy(committed_rows(batch, count, accepted))]
+        elif layers and batch.drafted_trees:  # the first rows of `compacted`: each asking sequence's committed rows
             n = int(committed_now[batch.return_features].sum())
             # A tensor of its own (torch's pinned-memory cache makes it cheap): a clone of a reused buffer
             # cost a host copy of every row, 7 MB at 64 x 8 nodes.

@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 import target_service.acceptance as acceptance
+import target_service.engine as engine_module
 from tandem.tree import validate_tree
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel
@@ -199,11 +200,14 @@ def test_seeded_sampling_is_reproducible_across_chunking(model):
     assert out_a == out_b
 
 
-def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_rejected_node(model):
+@pytest.mark.parametrize("pick_bytes", [0, 1 << 20], ids=["moved on the device", "picked on the host"])
+def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_rejected_node(model, pick_bytes,
+                                                                                              monkeypatch):
     """Features come back for the committed rows only, fixed first and then the accepted nodes in order,
     items that did not ask give none, and each row is the one a prefill of the committed tokens computes
     for that position (float32, CPU). A tree with siblings before each accepted node and a wrong child at
-    depth 3 makes row order and node order differ."""
+    depth 3 makes row order and node order differ. Both ways of taking the rows (engine.FEATURE_PICK_BYTES)."""
+    monkeypatch.setattr(engine_module, "FEATURE_PICK_BYTES", pick_bytes)
     ref = greedy_plain(new_engine(model), "ref", PROMPT, 8)
     engine = new_engine(model)
     first = engine.step([SequenceStep.chain("f", PROMPT, create=True)])[0].tokens[0]
