@@ -282,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --target (pushed features): compute the draft KV of the positions a step committed "
                         "as soon as the target pushes their features and tokens, on the subscription's thread, "
                         "instead of when the gateway's next call brings the same tokens; that call then drafts at "
-                        "once. Off by default: with blocking reads it took 0.22-0.38 ms off a 10 ms round at one request "
-                        "on an H200, but with the lanes' reads spinning (tandem serve's default on a GPU host) "
+                        "once. Off by default: with blocking reads it took 0.22-0.38 ms off a 10 ms round at one "
+                        "request on an H200, but with the lanes' reads spinning (tandem serve's default on a GPU host) "
                         "the gateway's call arrives before the push's catch-up ends, and on an H100 the round "
                         "was 0.11-0.66 ms longer at one request and 0.13 ms at 8 (BENCHMARKS.md, \"The "
                         "sixty-first session\" and \"The sixty-fifth session\")")
