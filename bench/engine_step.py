@@ -413,8 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature-pick-bytes", type=int, default=None, metavar="BYTES",
                     help="with --features: a verify step whose rows' features take at most BYTES sends every row "
                          "to the host and keeps the committed ones there; larger ones compact them on the device "
-                         "first (target_service.engine.FEATURE_PICK_BYTES; 0: always on the device; default: the "
-                         "engine's). TP=1 only")
+                         "first (target_service.engine.FEATURE_PICK_BYTES; 0: always on the device, the engine's "
+                         "default). TP=1 only")
     ap.add_argument("--prompt-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     metavar="N,...", help="also time a step in which a new request's prompt of N tokens joins "
                     "b - 1 decoding ones, with its features asked; with graphs, also with prompt chunks kept out "

@@ -67,8 +67,10 @@ SMALL_STEP = 8
 # wait and keeps the committed ones there (committed_rows); larger ones move the committed rows to the front on
 # the device first and copy only those, after a second wait. On an H100 the device's way took 262 us of host
 # work to read a 1 x 8 verify step's results against 81 for a plain step's (BENCHMARKS.md, "The sixty-fifth
-# session"); 1 MiB is 42 rows of an 8B target's three layers (24 KiB a row in bf16). 0: always the device's way.
-FEATURE_PICK_BYTES = 1 << 20
+# session"); 1 MiB would be 42 rows of an 8B target's three layers (24 KiB a row in bf16). 0 (the default): always
+# the device's way, until the host's way is timed on a GPU (bench/engine_step.py --feature-pick-bytes; on the dev
+# machine's CPU it read a tiny 1 x 4 verify step's results in 58 us against 86).
+FEATURE_PICK_BYTES = 0
 
 
 def asked_rows(batch: StepBatch) -> np.ndarray:
