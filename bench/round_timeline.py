@@ -55,7 +55,7 @@ ASIDE = [
     # bench/draft_step.py time the same shapes alone; these say whether host or GPU.
     ("target.engine.start", "target.engine.launched", "target engine: validate, pack, inputs in, graph launched"),
     # The same span in three (the sixty-fifth session): served it took 0.5 ms at one request on the H100 against
-    # about 0.1 ms in bench/engine_step.py --phases, and these say which part.
+    # about 0.2 ms in bench/engine_step.py --phases (1 x 8 nodes with features), and these say which part.
     ("target.engine.start", "target.engine.reserved", "target engine: validate, KV reserved"),
     ("target.engine.reserved", "target.engine.packed", "target engine: bucket chosen, inputs packed on the host"),
     ("target.engine.packed", "target.engine.launched", "target engine: inputs in, graphs launched"),

@@ -73,7 +73,7 @@ def test_the_target_engines_host_part_is_split_into_reserve_pack_and_launch(tmp_
         files["target"].append(f"{(start_us + after_us) * 1000} {label}")
     files["gw"].append(f"{per_round * 1000 * 1000} gw.round")
     for name, lines in files.items():
-        (tmp_path / f"timeline-{name}.txt").write_text("\n".join(sorted(lines, key=lambda x: int(x.split()[0])))
+        (tmp_path / f"timeline-{name}.txt").write_text("\n".join(sorted(lines, key=lambda line: int(line.split()[0])))
                                                         + "\n")
     gaps = {row["gap"]: row["median_us"] for row in tool.summarise(tmp_path)["gaps"]}
     assert gaps["target.engine.start->target.engine.reserved"] == 30
