@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -74,6 +75,25 @@ def test_bad_flags_are_errors_before_anything_starts(dirs, tmp_path, capsys):
     assert "--target-args: cannot split" in capsys.readouterr().err
 
 
+def listener_below_free_ports(low: int, high: int, count: int) -> socket.socket:
+    """A listener on a port of [low, high) whose next `count` ports are free now. The span lies below the
+    ephemeral range, so no other process's outgoing connection takes one of them meanwhile (a listener on
+    an ephemeral port had the CI's other test worker take ports of its span between two calls, 2026-12-07)."""
+    for _ in range(200):
+        port = random.randrange(low, high - count)
+        if all(serve.port_is_free("127.0.0.1", p) for p in range(port, port + count + 1)):
+            busy = socket.socket()
+            busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                busy.bind(("127.0.0.1", port))
+            except OSError:  # taken since
+                busy.close()
+                continue
+            busy.listen()
+            return busy
+    raise AssertionError(f"no {count + 1} free ports in a row in {low}-{high - 1}")
+
+
 def test_child_ports_are_distinct_free_ports_taken_in_turn_from_the_span_below_the_ephemeral_range(monkeypatch):
     monkeypatch.setattr(serve, "_next_port", {})
     monkeypatch.delenv(serve.CHILD_PORTS_ENV, raising=False)
@@ -81,10 +101,7 @@ def test_child_ports_are_distinct_free_ports_taken_in_turn_from_the_span_below_t
     assert (low, high) == (serve.CHILD_PORTS_LOW, max(serve.ephemeral_low(), low + 1024))
     assert all(low <= port < high for port in serve.free_ports(4))
     # A worker's share: ports in turn, a listener's port passed over, and none twice until the span wraps.
-    with socket.socket() as busy:
-        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
+    with listener_below_free_ports(low, high, 9) as busy:
         taken = busy.getsockname()[1]
         monkeypatch.setenv(serve.CHILD_PORTS_ENV, f"{taken}-{taken + 9}")
         first = serve.free_ports(3)
