@@ -39,7 +39,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import target_service.engine as engine_module  # noqa: E402
 from bench.call_clock import CallClock  # noqa: E402
 from bench.served_pause import wait_as_served  # noqa: E402
 from kernels.l2_prefetch import WeightPrefetch  # noqa: E402
@@ -413,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature-pick-bytes", type=int, default=None, metavar="BYTES",
                     help="with --features: a verify step whose rows' features take at most BYTES sends every row "
                          "to the host and keeps the committed ones there; larger ones compact them on the device "
-                         "first (target_service.engine.FEATURE_PICK_BYTES; 0: always on the device, the engine's "
-                         "default). TP=1 only")
+                         "first (tandem target --feature-pick-kib in bytes; default the engine's, "
+                         "target_service.engine.FEATURE_PICK_BYTES; 0: always on the device). TP=1 only")
     ap.add_argument("--prompt-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     metavar="N,...", help="also time a step in which a new request's prompt of N tokens joins "
                     "b - 1 decoding ones, with its features asked; with graphs, also with prompt chunks kept out "
@@ -439,7 +438,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.feature_pick_bytes is not None:
         if args.feature_pick_bytes < 0 or args.tp > 1:
             ap.error("--feature-pick-bytes must be >= 0, and is timed at TP=1")
-        engine_module.FEATURE_PICK_BYTES = args.feature_pick_bytes
     if args.l2_prefetch_mb and (args.tp > 1 or args.tiny):
         ap.error("--l2-prefetch-mb is timed at TP=1 on CUDA")
     if args.tp > 1 and (args.matmul or args.attention or args.attention_rows is not None):
@@ -498,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 engine.shutdown()
         else:
-            engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs)
+            pick = {} if args.feature_pick_bytes is None else {"feature_pick_bytes": args.feature_pick_bytes}
+            engine = TargetEngine(model, num_blocks=blocks, block_size=16, max_model_len=4096, graphs=graphs, **pick)
             if engine.graphs is not None:
                 print(f"captured {len(engine.graphs.keys)} graphs in {engine.graphs.capture_all():.1f} s",
                       flush=True)

@@ -65,12 +65,11 @@ KEPT_INPUT_LAYOUTS = 32
 SMALL_STEP = 8
 # A verify step whose rows' features are at most this many bytes sends every row to the host in the results'
 # wait and keeps the committed ones there (committed_rows); larger ones move the committed rows to the front on
-# the device first and copy only those, after a second wait. On an H100 the device's way took 262 us of host
-# work to read a 1 x 8 verify step's results against 81 for a plain step's (BENCHMARKS.md, "The sixty-fifth
-# session"); 1 MiB would be 42 rows of an 8B target's three layers (24 KiB a row in bf16). 0 (the default): always
-# the device's way, until the host's way is timed on a GPU (bench/engine_step.py --feature-pick-bytes; on the dev
-# machine's CPU it read a tiny 1 x 4 verify step's results in 58 us against 86).
-FEATURE_PICK_BYTES = 0
+# the device first and copy only those, after a second wait. On an H100 (8B shapes, bf16, 24 KiB a row) reading a
+# 1 x 8 verify step's results took 190 us of host work with 1 MiB and 175 with 4 MiB, against 288 the device's way,
+# and 228 against 311 at 8 x 8 (64 rows, 1.5 MiB), whole steps no slower (BENCHMARKS.md, "The sixty-sixth
+# session"). 4 MiB holds 170 such rows, 85 of a 70B target's (48 KiB a row). `tandem target --feature-pick-kib`.
+FEATURE_PICK_BYTES = 4 << 20
 
 
 def asked_rows(batch: StepBatch) -> np.ndarray:
@@ -126,8 +125,11 @@ def batch_of_items(items: list[SequenceStep]) -> StepBatch:
 class TargetEngine:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  max_model_len: int | None = None, graphs: GraphConfig | None = None,
-                 max_seqs: int | None = None):
+                 max_seqs: int | None = None, feature_pick_bytes: int = FEATURE_PICK_BYTES):
+        if feature_pick_bytes < 0:
+            raise ValueError(f"feature_pick_bytes must be >= 0, got {feature_pick_bytes}")
         self.model = model
+        self.feature_pick_bytes = feature_pick_bytes  # see FEATURE_PICK_BYTES
         self.kv = model.new_kv_cache(num_blocks, block_size)
         self.max_model_len = min(max_model_len or model.cfg.max_position, model.cfg.max_position)
         self.table = self.kv.keep_block_table(max_seqs or min(num_blocks, MAX_SEQS), self.max_model_len)
@@ -538,7 +540,7 @@ class TargetEngine:
             asked = features[: len(rows)] if len(rows) == len(batch.tokens) else features.index_select(
                 0, to_device_queued(rows, self.device))
             feature_rows.copy_(asked, non_blocking=self._pinned)
-        elif layers and len(batch.tokens) * features.shape[1] * features.element_size() <= FEATURE_PICK_BYTES:
+        elif layers and len(batch.tokens) * features.shape[1] * features.element_size() <= self.feature_pick_bytes:
             # Every row to the host in the results' wait; the committed ones are picked there, below.
             every_row = torch.empty(len(batch.tokens), features.shape[1], dtype=features.dtype,
                                     pin_memory=self._pinned)

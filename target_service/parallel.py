@@ -53,7 +53,7 @@ from tandem.logging_setup import setup_logging
 from tandem.model_config import load_llama_config
 from tandem.v1 import target_pb2
 from target_service.cuda_graphs import GraphConfig
-from target_service.engine import TargetEngine, batch_of_items
+from target_service.engine import FEATURE_PICK_BYTES, TargetEngine, batch_of_items
 from target_service.grant import GrantStep
 from target_service.model import LlamaModel, ParallelSpec, check_tp
 from target_service.random_model import RandomInit, random_llama_model
@@ -83,6 +83,7 @@ class EngineSpec:
     graph_ragged_warm_rows: int = 64  # GraphConfig.ragged_warm_rows: those captured at start-up (0: none)
     batch_invariant: bool = False  # --deterministic: kernels whose rows do not depend on the step
     l2_prefetch_mb: int = 0  # on CUDA, ask L2 for up to this many MiB of each GEMM's weight ahead of it (0: off)
+    feature_pick_bytes: int = FEATURE_PICK_BYTES  # TargetEngine's: verify steps this small pick features on the host
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -93,6 +94,8 @@ class EngineSpec:
             raise ValueError("--block-size must be positive")
         if self.l2_prefetch_mb < 0:
             raise ValueError(f"--l2-prefetch-mb must be >= 0, got {self.l2_prefetch_mb}")
+        if self.feature_pick_bytes < 0:
+            raise ValueError(f"feature_pick_bytes must be >= 0, got {self.feature_pick_bytes}")
 
 
 def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
@@ -123,7 +126,8 @@ def build_engine(spec: EngineSpec, tp: ParallelSpec) -> TargetEngine:
         # runs the same step sequence rank 0 broadcasts.
         graphs = GraphConfig(max_batch=spec.graph_max_batch, max_chain_rows=spec.graph_chain_rows,
                              ragged_rows=spec.graph_ragged_rows, ragged_warm_rows=spec.graph_ragged_warm_rows)
-    engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs)
+    engine = TargetEngine(model, num_blocks, spec.block_size, spec.max_model_len, graphs=graphs,
+                          feature_pick_bytes=spec.feature_pick_bytes)
     if engine.graphs is not None:
         log.info("capturing %d CUDA graphs (batch up to %d) and %d ragged ones", len(engine.graphs.keys),
                  spec.graph_max_batch, len(graphs.warm_ragged_buckets()))

@@ -29,7 +29,7 @@ from tandem.service_metrics import serve_metrics
 from tandem.tensors import array_from_proto, tensor_to_proto
 from tandem.tls import SERVICE_CA_HELP, add_server_tls_arguments, service_credentials
 from tandem.v1 import target_pb2, target_pb2_grpc
-from target_service.engine import batch_of_items
+from target_service.engine import FEATURE_PICK_BYTES, batch_of_items
 from target_service.feature_sinks import (
     CommittedRows,
     FeatureSinks,
@@ -453,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA (Hopper or later), ask the L2 cache for up to MIB MiB of each GEMM's weight on a "
                    "side stream while the kernels before that GEMM run; output unchanged, only its time "
                    "(default 0: off, not yet measured on a GPU)")
+    p.add_argument("--feature-pick-kib", type=int, default=FEATURE_PICK_BYTES >> 10, metavar="KIB",
+                   help="a verify step whose rows' features (what the drafts are fed) take at most KIB KiB sends "
+                   "every row to the host with its results and keeps the committed ones there; a larger one moves "
+                   f"the committed rows together on the GPU first and copies those, after a second wait (default "
+                   f"{FEATURE_PICK_BYTES >> 10}: on an H100 about 100 us less host work for a 1 x 8 verify step of an "
+                   "8B target; 0: always on the GPU)")
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a token's logits "
                    "do not depend on what else is in the step (other requests, a drafted tree around it), so "
                    "greedy output with speculation is bitwise the output without it, in bf16 too; needs CUDA "
@@ -486,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --graph-ragged-warm-rows must be >= 0")
     if args.l2_prefetch_mb < 0:
         raise SystemExit("error: --l2-prefetch-mb must be >= 0")
+    if args.feature_pick_kib < 0:
+        raise SystemExit("error: --feature-pick-kib must be >= 0")
     host_threads.limit_for_gpu(args.device)
     pacing = pacing_from_args(args.emulate_step_cost)
     telemetry.setup_tracing("target", args.otlp_endpoint)  # before ServiceHost: it installs the interceptor
@@ -497,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                       graph_max_batch=args.graph_max_batch, graph_chain_rows=args.graph_chain_rows,
                       graph_ragged_rows=args.graph_ragged_rows,
                       graph_ragged_warm_rows=args.graph_ragged_warm_rows, l2_prefetch_mb=args.l2_prefetch_mb,
-                      batch_invariant=args.deterministic)
+                      batch_invariant=args.deterministic, feature_pick_bytes=args.feature_pick_kib << 10)
     if args.max_held_features < 1:
         raise SystemExit("error: --max-held-features must be >= 1")
     servicer = TargetServicer(Path(args.model).resolve(), pacing, None, args.max_held_features)

@@ -10,7 +10,6 @@ import torch
 from scipy.stats import chi2_contingency
 
 import target_service.acceptance as acceptance
-import target_service.engine as engine_module
 from tandem.tree import validate_tree
 from target_service.engine import TargetEngine
 from target_service.model import LlamaModel
@@ -201,15 +200,14 @@ def test_seeded_sampling_is_reproducible_across_chunking(model):
 
 
 @pytest.mark.parametrize("pick_bytes", [0, 1 << 20], ids=["moved on the device", "picked on the host"])
-def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_rejected_node(model, pick_bytes,
-                                                                                              monkeypatch):
+def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_rejected_node(model, pick_bytes):
     """Features come back for the committed rows only, fixed first and then the accepted nodes in order,
     items that did not ask give none, and each row is the one a prefill of the committed tokens computes
     for that position (float32, CPU). A tree with siblings before each accepted node and a wrong child at
-    depth 3 makes row order and node order differ. Both ways of taking the rows (engine.FEATURE_PICK_BYTES)."""
-    monkeypatch.setattr(engine_module, "FEATURE_PICK_BYTES", pick_bytes)
+    depth 3 makes row order and node order differ. Both ways of taking the rows (TargetEngine.feature_pick_bytes)."""
     ref = greedy_plain(new_engine(model), "ref", PROMPT, 8)
     engine = new_engine(model)
+    engine.feature_pick_bytes = pick_bytes
     first = engine.step([SequenceStep.chain("f", PROMPT, create=True)])[0].tokens[0]
     engine.step([SequenceStep.chain("quiet", [1, 2, 3], create=True)])
     path = list(ref[1:6])
@@ -229,6 +227,24 @@ def test_a_verify_steps_features_are_those_of_its_committed_positions_and_of_no_
     [whole] = fresh.step([SequenceStep.chain("f", committed + verify.tokens[-1:], create=True, return_features=True)])
     torch.testing.assert_close(verify.features, whole.features[len(PROMPT): len(committed)], atol=1e-5, rtol=0)
     torch.testing.assert_close(plain_step.features, whole.features[len(committed):], atol=1e-5, rtol=0)
+
+
+def test_the_feature_pick_threshold_comes_from_the_targets_flag_and_a_negative_one_is_refused(tiny_llama):
+    """`tandem target --feature-pick-kib` reaches the engine through EngineSpec; below zero it is refused at
+    each layer with a message, not a stack trace."""
+    from target_service.model import ParallelSpec
+    from target_service.parallel import EngineSpec, build_engine
+    from target_service.server import main
+
+    engine = build_engine(EngineSpec(model_dir=str(tiny_llama("gqa")), num_blocks=8, block_size=4,
+                                     feature_pick_bytes=123 << 10), ParallelSpec())
+    assert engine.feature_pick_bytes == 123 << 10
+    with pytest.raises(ValueError, match="feature_pick_bytes must be >= 0"):
+        EngineSpec(model_dir="m", feature_pick_bytes=-1)
+    with pytest.raises(ValueError, match="feature_pick_bytes must be >= 0"):
+        TargetEngine(engine.model, num_blocks=8, feature_pick_bytes=-1)
+    with pytest.raises(SystemExit, match="error: --feature-pick-kib must be >= 0"):
+        main(["--model", "no-such-model", "--port", "0", "--feature-pick-kib", "-1"])
 
 
 def test_negative_token_ids_and_top_logprobs_out_of_range_are_refused_by_name(model):
