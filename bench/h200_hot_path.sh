@@ -65,6 +65,7 @@
 #            TANDEM_TIMELINE marks), scale track at 0.8 then demo track in bf16 (TIMELINE_TRACKS, TIMELINE_CONCURRENCY,
 #            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before;
 #            TIMELINE_TAG=T names the runs timeline_TRACK_T, as for a second run with DRAFT_EXTRA flags)
+#            TIMELINE_TARGET_ARGS adds flags to the scale track's target (TIMELINE_TARGET_ARGS="--feature-pick-kib 0")
 #   lane     after only: the step streams on same-host lanes (tandem/lane.py; `tandem serve`'s default) against
 #            gRPC (--no-step-lane), alternated LANE_REPEATS="1 2" times: `never` and `always` at LANE_CONCURRENCY
 #            (default 1,8) with each process's hop marks (bench/round_timeline.py), scale track at 0.8 then demo
@@ -422,6 +423,7 @@ for stage in "$@"; do
       for track in ${TIMELINE_TRACKS:-scale demo}; do
         if [[ $track == scale ]]; then
           need_scale scale_track $scale && scale_serve $scale 0.8 && flags=("${serve[@]}")
+          if [[ -n ${TIMELINE_TARGET_ARGS:-} ]]; then with_target_args "$TIMELINE_TARGET_ARGS"; flags=("${joined[@]}"); fi
         else
           flags=(--device cuda --dtype bfloat16)
         fi
