@@ -510,6 +510,7 @@ class GatewayCore:
         sched.held_steps += 1
         self._dormancy = sched
         plan.budgets = self._budgets(plan)
+        plan.expected_accepted = self._expected_accepted(plan)
         self._track_quiet(plan)
         if log.isEnabledFor(logging.DEBUG):
             spec = [f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in plan.budgets.values() if not b.empty]
@@ -660,6 +661,25 @@ class GatewayCore:
             if not budget.empty and budget.steps > room:
                 budgets[rid] = budget.cut(room) if room >= 1 else NO_SPEC
         return budgets
+
+    def _expected_accepted(self, plan: StepPlan) -> dict[str, float]:
+        """Per request given a tree, the drafted tokens the acceptance book expects it to accept (its own figures
+        blended in, as search_budgets prices an option): what the load gate sets a tree step's measured tokens
+        against (LoadGate.expected_weight). Empty while the book's evidence is thin: its figure is then mostly
+        its prior, which is optimistic on purpose."""
+        if self.book.evidence_is_thin():
+            return {}
+        explored = self.cfg.policy.explored_options()
+        expected = {}
+        for it in plan.items:
+            req = it.request
+            budget = plan.budgets.get(req.request_id, NO_SPEC)
+            if budget.empty:
+                continue
+            chain = None if budget in explored else self.book.chain_expected(budget.steps, req.acceptance.levels)
+            expected[req.request_id] = (chain if chain is not None
+                                        else self.book.expected(budget, req.acceptance.mean(budget)))
+        return expected
 
     # When `auto` stops speculating (under load, or wherever trees do not pay), feeding
     # every request's features to the draft would cost target output, gateway work and
@@ -1264,8 +1284,11 @@ class GatewayCore:
             if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up
                 sched.wake_cost[0] += seconds
                 sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
+            # A tree step's expected tokens: a token each, and what each tree was expected to accept.
+            expected = (seqs + sum(plan.expected_accepted[rid] for rid in outcome.trees)
+                        if outcome.trees and all(rid in plan.expected_accepted for rid in outcome.trees) else None)
             verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load,
-                                        lightest=self._lighter_step(plan, outcome, seconds))
+                                        lightest=self._lighter_step(plan, outcome, seconds), expected=expected)
                        if arm_step and not self._ramp(plan, outcome, seqs, gate_load) else None)
             if verdict is not None:
                 overturned = bool(self.gate.overturned)

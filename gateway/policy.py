@@ -733,6 +733,11 @@ class Arm:
     # 420, and a re-probe judged on its one recorded step ended on a step of 2 tokens: auto decoded plainly
     # at 0.82-0.91 of `always`.
     tokens_per_seq: float = 0.0
+    # What the acceptance book expected of the same steps, averaged as tokens_per_seq is (a step whose
+    # expectation is not known counts as expecting what it committed), and how many sequences' tokens the
+    # window holds: the goodput judges tokens_per_seq shrunk towards the expectation (judged_tokens).
+    expected_per_seq: float = 0.0
+    measured_seqs: float = 0.0
     seq_rate: float = 0.0  # sequences stepped per second of step wall time (decayed mean): the cost side
     since: int = 0  # steps of this bucket since the arm was last measured
     predicted: float | None = None  # what the cost model predicted for this arm (decayed mean), for the audit
@@ -752,7 +757,18 @@ class Arm:
     def forget(self) -> None:
         """Drops what the arm measured (the audit's running sums and predictions stay)."""
         self.goodput = self.seconds = self.tokens_per_seq = self.seq_rate = 0.0
+        self.expected_per_seq = self.measured_seqs = 0.0
         self.samples = self.since = 0
+
+    def judged_tokens(self, expected_weight: float) -> float:
+        """Committed tokens a sequence a step as the gate judges them: see LoadGate.expected_weight."""
+        return shrunk(self.tokens_per_seq, self.expected_per_seq, self.measured_seqs, expected_weight)
+
+
+def shrunk(measured: float, expected: float, measured_weight: float, expected_weight: float) -> float:
+    """`measured` pulled towards `expected` as a weighted mean: how far to trust a mean of few draws."""
+    total = measured_weight + expected_weight
+    return measured if total <= 0 else (measured_weight * measured + expected_weight * expected) / total
 
 
 class AuditArm(enum.StrEnum):
@@ -936,6 +952,8 @@ class Probe(NamedTuple):
     # (LoadGate.close_probe_steps).
     committed: float = 0.0
     seconds: float = 0.0
+    expected: float = 0.0  # ... what the acceptance book expected them to commit (see LoadGate.expected_weight)
+    sequences: float = 0.0  # ... and the sequences they carried
     lengthened: bool = False
     joins: int = 0  # tree steps it drafted that carried a joining prompt's chunk (never recorded: LoadGate._answer)
 
@@ -1037,6 +1055,17 @@ class LoadGate:
     # 32 requests finished that probe against the warm-up's figure (plain: its own steps then read 4,787), and
     # `auto` decoded plainly where `always` delivered 1.02x `never` (0.96 of it).
     idle_forget_seconds: float = 5.0
+    # A tree step's committed tokens are drawn: at one sequence and forced acceptance 0.6 a 5/4/8 tree
+    # accepts 0-5 drafted tokens (mean 1.38, standard deviation 1.57), so six or eight recorded steps put
+    # trees' goodput anywhere within +-25% of its mean. Where the caller gives a step's expected tokens (the
+    # acceptance book's figures for its trees, which hold every tree verified), an arm's tokens a sequence
+    # are judged as their mean over the measured sequences shrunk towards that expectation, which weighs
+    # as this many sequences: 6 steps of one sequence weigh 6 / 22, 6 steps of 16 weigh 96 / 112. The step
+    # time, what the gate is there to measure, is not shrunk. On an H100 (scale track, 0.6, one request,
+    # 2026-12-07) the first probes of trees read 159, 147 and 139 tok/s on 6-8 steps, predicted 238-258,
+    # against plain's 160; trees came back after 360 of a level's 1,000 steps and measured 195-225 tok/s
+    # from then on, and auto read 0.75-0.77 of `always`. 0: judged on the measured tokens alone.
+    expected_weight: float = 16.0
     clock: Callable[[], float] = time.monotonic
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
     _probing: dict[int, Probe] = field(default_factory=dict)  # bucket -> the probe under way
@@ -1359,10 +1388,11 @@ class LoadGate:
                                    + max(0.0, tail_seconds - tail_committed / trees.goodput))
 
     def record(self, seqs: int, spec: bool, committed: int, seconds: float, load: int | None = None,
-               lightest: Callable[[int], float] | None = None) -> bool | None:
+               lightest: Callable[[int], float] | None = None, expected: float | None = None) -> bool | None:
         """Records a decode step of `seqs` sequences at `load` (requests in the gateway, the bucket judged;
         default seqs); returns the new verdict (speculate?) when this step ended a probe or, outside one,
-        overturned the standing verdict (see _overturned).
+        overturned the standing verdict (see _overturned). `expected`: the tokens the acceptance book expected
+        the step to commit (None: not known; see expected_weight).
 
         `lightest(n)`: what the step would have taken with its first n sequences alone (the cost model's
         figure for that shape, scaled by what the step measured). A step heavier than its bucket's lightest
@@ -1376,8 +1406,9 @@ class LoadGate:
         b = batch_bucket(seqs if load is None else load)
         lo = 1 << (b - 1)
         delivered = committed, seconds  # what the step really did: the audit's running sums
+        expected = committed if expected is None else expected
         if lightest is not None and seqs > lo:
-            committed, seconds, seqs = committed * lo / seqs, lightest(lo), lo
+            committed, expected, seconds, seqs = committed * lo / seqs, expected * lo / seqs, lightest(lo), lo
             if seconds <= 0:
                 return None
         if 2 * seqs < lo:
@@ -1413,9 +1444,12 @@ class LoadGate:
         if recorded:
             weight = 1.0 / min(this.samples + 1, TOKENS_WINDOW)
             this.tokens_per_seq += weight * (committed / seqs - this.tokens_per_seq)
+            this.expected_per_seq += weight * (expected / seqs - this.expected_per_seq)
+            this.measured_seqs = min(this.samples + 1, TOKENS_WINDOW) * seqs
             this.seq_rate = seqs / seconds if this.samples == 0 else 0.7 * this.seq_rate + 0.3 * seqs / seconds
-            rate = this.tokens_per_seq * seqs / seconds  # this step's cost at the arm's usual tokens (see Arm)
-            this.goodput = this.tokens_per_seq * this.seq_rate
+            tokens = this.judged_tokens(self.expected_weight)
+            rate = tokens * seqs / seconds  # this step's cost at the arm's usual tokens (see Arm)
+            this.goodput = tokens * this.seq_rate
             this.seconds = seconds if this.samples == 0 else 0.7 * this.seconds + 0.3 * seconds
             this.samples += 1
             this.since = 0
@@ -1424,9 +1458,12 @@ class LoadGate:
             return self._overturned(b, spec) if recorded else None
         first_probe = not probe.reprobe and not probe.second
         if recorded:
-            probe = probe._replace(committed=probe.committed + committed, seconds=probe.seconds + seconds)
-            if self.close_probe_steps and first_probe:
-                this.goodput = probe.committed / probe.seconds  # see close_probe_steps
+            probe = probe._replace(committed=probe.committed + committed, seconds=probe.seconds + seconds,
+                                   expected=probe.expected + expected, sequences=probe.sequences + seqs)
+            if self.close_probe_steps and first_probe:  # see close_probe_steps, and expected_weight
+                tokens = shrunk(probe.committed / probe.sequences, probe.expected / probe.sequences, probe.sequences,
+                                self.expected_weight)
+                this.goodput = tokens * probe.sequences / probe.seconds
         # Clearly losing on fresh figures settles it early (judging on the stale figure that started
         # the probe would end every probe at once, and re-probe on every step): a re-probe after one
         # recorded step, a first probe after `clear_steps` in a row.

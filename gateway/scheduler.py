@@ -43,6 +43,9 @@ class StepPlan:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     budgets: dict[str, DraftBudget] = field(default_factory=dict)  # filled by the policy
+    # Per request given a tree, the drafted tokens the acceptance book expected it to accept, as the policy
+    # priced it (filled by the policy; empty while the book holds too few trees: LoadGate.expected_weight).
+    expected_accepted: dict[str, float] = field(default_factory=dict)
     # A replica captured a graph for a shape new to it while drafting this plan's trees: the
     # round took tens of milliseconds more than the next of its kind will (filled by the draft phase).
     draft_captured: bool = False

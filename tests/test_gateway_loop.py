@@ -938,7 +938,7 @@ def test_a_plain_grant_ends_at_the_step_on_which_the_load_gate_chooses_trees(tok
     recorded: list[int] = []  # granted steps given to the gate, per grant
     verdict_at: dict[int, bool] = {}  # the grant's n-th recorded step -> the verdict it ends a probe with
 
-    def record(seqs, spec, committed, seconds, load=None, lightest=None):
+    def record(seqs, spec, committed, seconds, load=None, lightest=None, expected=None):
         if target.grants:
             while len(recorded) < target.grants:
                 recorded.append(0)
@@ -1053,11 +1053,11 @@ def test_auto_measures_the_plain_arm_as_plain_decoding_runs_without_feeding_the_
     fed_when_sampled: list[bool] = []
     real_record = core.gate.record
 
-    def record(seqs, spec, committed, seconds, load=None, lightest=None):
+    def record(seqs, spec, committed, seconds, load=None, lightest=None, expected=None):
         bucket = batch_bucket(seqs if load is None else load)
         plain = core.gate.arms.get((bucket, False))
         before = plain.samples if plain else 0
-        verdict = real_record(seqs, spec, committed, seconds, load=load, lightest=lightest)
+        verdict = real_record(seqs, spec, committed, seconds, load=load, lightest=lightest, expected=expected)
         if not spec and core.gate.arms[(bucket, False)].samples > before:
             fed_when_sampled.append(any(it.return_features for it in target.steps[-1]))
         return verdict
@@ -1069,6 +1069,47 @@ def test_auto_measures_the_plain_arm_as_plain_decoding_runs_without_feeding_the_
     assert target.grants > 0
     for i, out in enumerate(outs):
         assert tokens_of(out) == expected([1 + i, 2, 3], 120)
+
+
+def test_the_gate_is_given_a_tree_steps_expected_tokens_from_the_book_and_a_plain_steps_none(tokenizer):
+    """Issue 14: the load gate judges a tree step's drawn tokens against what the acceptance book expected of
+    its trees (LoadGate.expected_weight): each recorded tree step comes with a token a sequence plus the book's
+    figure for each tree, as the policy priced it when planning; plain steps, and tree steps while the book's
+    evidence is thin (its figure is then mostly the prior), come with none."""
+    core, _, _ = new_core(tokenizer, mode="auto")
+    core.costs = CostModel(target_base=1e-2, target_per_token=1e-6, draft_base=1e-4, draft_per_level=1e-5)
+    explored = core.cfg.policy.explored_options()
+    planned: list[dict[str, float] | None] = []  # per plan: the book's figure for each tree, or None
+    budgets_of = core._budgets
+
+    def budgets(plan):
+        out = budgets_of(plan)
+        by_id = {it.request.request_id: it.request for it in plan.items}
+        trees = {rid: budget for rid, budget in out.items() if not budget.empty}
+        # An explored option by its figure, a depth option (a chain) by the levels of main paths.
+        figures = {rid: core.book.expected(budget, by_id[rid].acceptance.mean(budget)) if budget in explored
+                   else core.book.chain_expected(budget.steps, by_id[rid].acceptance.levels)
+                   for rid, budget in trees.items()}
+        planned.append(None if core.book.evidence_is_thin() else figures)
+        return out
+
+    given: list[tuple[bool, int, float | None, dict[str, float] | None]] = []
+    real_record = core.gate.record
+
+    def record(seqs, spec, committed, seconds, load=None, lightest=None, expected=None):
+        given.append((spec, seqs, expected, planned[-1]))
+        return real_record(seqs, spec, committed, seconds, load=load, lightest=lightest, expected=expected)
+
+    core._budgets, core.gate.record = budgets, record
+    outs = [submit(core, f"r{i}", [4 + i, 5, 6], max_tokens=80) for i in range(2)]
+    run_until_idle(core)
+    assert all(tokens_of(out) == expected([4 + i, 5, 6], 80) for i, out in enumerate(outs))
+    assert all(told is None for spec, _, told, _ in given if not spec)
+    checked = [(seqs, told, figures) for spec, seqs, told, figures in given if spec and figures is not None]
+    assert len(checked) >= 4, given
+    for seqs, told, figures in checked:
+        assert told == pytest.approx(seqs + sum(figures.values()))
+    assert any(spec and told is None for spec, _, told, _ in given[:4]), "the thin book's first trees"
 
 
 def test_auto_prices_plain_decoding_from_steps_that_run_as_plain_decoding_runs(tokenizer):
@@ -1375,7 +1416,7 @@ def test_the_gate_is_told_what_a_heavier_step_would_take_with_its_buckets_lighte
     checked = {True: 0, False: 0}
     real_record = core.gate.record
 
-    def record(seqs, spec, committed, seconds, load=None, lightest=None):
+    def record(seqs, spec, committed, seconds, load=None, lightest=None, expected=None):
         if seqs == 3 and lightest is not None:
             trees = [b for b in plans[-1].budgets.values() if not b.empty]
             first_two = [plans[-1].budgets.get(it.request.request_id) for it in plans[-1].items[:2]]
@@ -1384,7 +1425,7 @@ def test_the_gate_is_told_what_a_heavier_step_would_take_with_its_buckets_lighte
             two = core.costs.step_time(2 + sum(b.max_nodes for b in first_two), 2, first_two)
             assert lightest(2) == pytest.approx(seconds * two / whole)
             checked[spec] += 1
-        return real_record(seqs, spec, committed, seconds, load=load, lightest=lightest)
+        return real_record(seqs, spec, committed, seconds, load=load, lightest=lightest, expected=expected)
 
     core.gate.record = record
     outs = [submit(core, f"r{i}", [4 + i, 5, 6], max_tokens=60) for i in range(3)]
