@@ -113,6 +113,9 @@ class CoreConfig:
     # Recorded steps by which a close first probe of trees is lengthened, judged on its mean (LoadGate's
     # close_probe_steps; 0: off). 16 by default: measured on the H200 (BENCHMARKS.md, "Common draws").
     gate_close_probe_steps: int = 16
+    # Sequences' worth of weight the acceptance book's expectation of a tree step's tokens carries against the
+    # tokens measured (LoadGate.expected_weight, see there for why; 0: the measured tokens alone).
+    gate_expected_weight: float = LoadGate.expected_weight
     # Sequences from which the load gate measures the arms and decides (LoadGate.min_batch, see there for why
     # 1); below it the cost model's figures alone decide.
     gate_min_batch: int = LoadGate.min_batch
@@ -135,6 +138,8 @@ class CoreConfig:
             raise ValueError(f"max queue must be >= 1, got {self.max_queue}")
         if self.gate_close_probe_steps < 0:
             raise ValueError(f"gate close-probe steps must be >= 0, got {self.gate_close_probe_steps}")
+        if not self.gate_expected_weight >= 0:
+            raise ValueError(f"gate expected weight must be >= 0, got {self.gate_expected_weight}")
         if self.gate_min_batch < 1:
             raise ValueError(f"gate min batch must be >= 1, got {self.gate_min_batch}")
         if self.gate_load_hold_plans < 1:
@@ -205,7 +210,8 @@ class GatewayCore:
                               on_back=self._refresh_draft_usage)
         self.costs = CostModel()
         self.book = AcceptanceBook()
-        self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch)
+        self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch,
+                             expected_weight=cfg.gate_expected_weight)
         self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans, seconds=cfg.gate_load_hold_seconds,
                                    quiet_seconds=cfg.gate_load_quiet_hold_seconds)
         self.metrics.watch_policy(self.gate.audit, self.gate.prompts.seconds_per_token)

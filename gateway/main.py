@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoding, run N more tree steps and judge the probe on the mean of all its steps, not "
                         "on a decayed mean of its last few (a tree step's accepted tokens vary a lot). 0 = off; "
                         "default 16 (measured on the H200: BENCHMARKS.md, \"Common draws\")")
+    p.add_argument("--gate-expected-weight", type=float, default=LoadGate.expected_weight, metavar="SEQS",
+                   help="judge the tokens a tree step commits, a draw, as their measured mean pulled towards what "
+                        "the acceptance book expected of the same trees, the expectation weighing as SEQS "
+                        "sequences' tokens (six steps of one sequence weigh 6 / 22 at 16); the step's time is "
+                        f"measured as it is. 0 = the measured tokens alone; default {LoadGate.expected_weight:g} "
+                        "(on an H100 at one request and acceptance 0.6 the gate's first probes of trees read "
+                        "139-159 tok/s on 6-8 steps where trees ran at 195-225: BENCHMARKS.md, \"The sixty-sixth "
+                        "session\")")
     p.add_argument("--gate-min-batch", type=int, default=LoadGate.min_batch, metavar="N",
                    help="sequences from which the load gate measures speculation against plain decoding and "
                         "decides between them; below N the cost model's predictions alone decide. "
@@ -191,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --target-wait must be >= 0 seconds")
     if args.gate_close_probe_steps < 0:
         raise SystemExit("error: --gate-close-probe-steps must be >= 0")
+    if not args.gate_expected_weight >= 0:  # (a NaN fails it too)
+        raise SystemExit("error: --gate-expected-weight must be >= 0")
     if args.gate_min_batch < 1:
         raise SystemExit("error: --gate-min-batch must be at least 1")
     if args.gate_load_hold_plans < 1:
@@ -234,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue, max_model_len=args.max_model_len, profile=not args.no_profile,
         profile_context=args.profile_context,
         grant_steps=args.grant_steps, fed_grants=args.fed_grants, target_wait_s=args.target_wait,
-        gate_close_probe_steps=args.gate_close_probe_steps, gate_min_batch=args.gate_min_batch,
+        gate_close_probe_steps=args.gate_close_probe_steps, gate_expected_weight=args.gate_expected_weight,
+        gate_min_batch=args.gate_min_batch,
         gate_load_hold_plans=args.gate_load_hold_plans, gate_load_hold_seconds=args.gate_load_hold_seconds,
         gate_load_quiet_hold_seconds=args.gate_load_quiet_hold_seconds)
     core = GatewayCore(target, drafts, tokenizer, cfg, args.served_model_name or info.model_name)

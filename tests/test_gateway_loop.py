@@ -1112,6 +1112,13 @@ def test_the_gate_is_given_a_tree_steps_expected_tokens_from_the_book_and_a_plai
     assert any(spec and told is None for spec, _, told, _ in given[:4]), "the thin book's first trees"
 
 
+def test_the_cores_load_gate_takes_the_configured_expected_weight(tokenizer):
+    target = FakeTarget()
+    cfg = CoreConfig(policy=PolicyConfig("auto"), scheduler=SchedulerConfig(block_size=target.block_size),
+                     profile=False, gate_expected_weight=3.5)
+    assert GatewayCore(target, [FakeDraft("d")], tokenizer, cfg, "fake").gate.expected_weight == 3.5
+
+
 def test_auto_prices_plain_decoding_from_steps_that_run_as_plain_decoding_runs(tokenizer):
     """Issue 14: the cost model's correction for plain steps, like the gate's plain figure, comes
     from steps as `never` runs them (granted, feeding nothing), not from the plain steps a request

@@ -1300,6 +1300,25 @@ def test_the_gate_min_batch_flag_reaches_the_load_gate_and_a_bad_value_is_refuse
     assert gate.allow_spec(1, lambda: False) is True  # below it the figures alone decide
 
 
+def test_the_gate_expected_weight_flag_reaches_the_load_gate_and_a_bad_value_is_refused():
+    """--gate-expected-weight sets how many sequences' worth the book's expectation of a tree step's tokens
+    weighs (default LoadGate's, 16); 0 judges the measured tokens alone; below 0, or not a number, is refused
+    with a message."""
+    from gateway.core import CoreConfig
+    from gateway.main import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["--target", "t:1"]).gate_expected_weight == LoadGate.expected_weight == 16.0
+    assert CoreConfig().gate_expected_weight == LoadGate.expected_weight
+    assert parser.parse_args(["--target", "t:1", "--gate-expected-weight", "0"]).gate_expected_weight == 0.0
+    assert "--gate-expected-weight SEQS" in " ".join(parser.format_help().split())
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="gate expected weight must be >= 0"):
+            CoreConfig(gate_expected_weight=bad)
+    with pytest.raises(SystemExit, match="error: --gate-expected-weight must be >= 0"):
+        main(["--target", "127.0.0.1:1", "--gate-expected-weight", "-2"])
+
+
 def test_a_held_load_counts_a_rise_at_once_and_a_fall_only_once_it_has_lasted_the_hold():
     """HeldLoad: the gate judges the most requests the gateway held in the last `plans` plans, so a
     request's end and its client's next request do not flip a load's verdict for a plan or two."""
