@@ -1063,8 +1063,10 @@ class LoadGate:
     # as this many sequences: 6 steps of one sequence weigh 6 / 22, 6 steps of 16 weigh 96 / 112. The step
     # time, what the gate is there to measure, is not shrunk. On an H100 (scale track, 0.6, one request,
     # 2026-12-07) the first probes of trees read 159, 147 and 139 tok/s on 6-8 steps, predicted 238-258,
-    # against plain's 160; trees came back after 360 of a level's 1,000 steps and measured 195-225 tok/s
-    # from then on, and auto read 0.75-0.77 of `always`. 0: judged on the measured tokens alone.
+    # against plain's 160; trees came back after 289-337 plain steps, over half of a level's 512 tokens, and
+    # measured 195-225 tok/s from then on: auto read 0.75-0.77 of `always`. On the dev machine's CPU (demo pair
+    # forced to 0.6, GPU-like costs emulated) 16 against 0 read 1.08-1.29 a round against 0.83-1.24 at one
+    # request. 0: judged on the measured tokens alone.
     expected_weight: float = 16.0
     clock: Callable[[], float] = time.monotonic
     arms: dict[tuple[int, bool], Arm] = field(default_factory=dict)
