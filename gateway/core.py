@@ -186,6 +186,14 @@ def _step_kind(outcome: StepOutcome, decode: bool) -> str:
     return "fed" if outcome.fed_draft else "plain"
 
 
+def _expected_tokens(plan: StepPlan, outcome: StepOutcome, seqs: int) -> float | None:
+    """A tree step's expected tokens for the load gate: a token a sequence, and what each tree was expected
+    to accept (plan.expected_accepted); None for a plain step, or where a tree has no figure."""
+    if not outcome.trees or any(rid not in plan.expected_accepted for rid in outcome.trees):
+        return None
+    return seqs + sum(plan.expected_accepted[rid] for rid in outcome.trees)
+
+
 def _other_work(plan: StepPlan, cands: list[Candidate]) -> tuple[int, int]:
     """(tokens, sequences) of the plan's items that are not among `cands`."""
     keys = {c.key for c in cands}
@@ -673,8 +681,8 @@ class GatewayCore:
         blended in, as search_budgets prices an option): what the load gate sets a tree step's measured tokens
         against (LoadGate.expected_weight). Empty while the book's evidence is thin: its figure is then mostly
         its prior, which is optimistic on purpose."""
-        if self.book.evidence_is_thin():
-            return {}
+        if self.book.evidence_is_thin() or not any(self._mode(it.request) == SpecMode.AUTO for it in plan.items):
+            return {}  # (the gate records only steps that hold auto requests: none for `always` alone)
         explored = self.cfg.policy.explored_options()
         expected = {}
         for it in plan.items:
@@ -1290,11 +1298,9 @@ class GatewayCore:
             if sched.spell_start and sched.quiet - sched.spell_start < self.QUIET_STEPS:  # awake after a wake-up
                 sched.wake_cost[0] += seconds
                 sched.wake_cost[1] += committed / seqs * self.costs.step_time(seqs, seqs, [])
-            # A tree step's expected tokens: a token each, and what each tree was expected to accept.
-            expected = (seqs + sum(plan.expected_accepted[rid] for rid in outcome.trees)
-                        if outcome.trees and all(rid in plan.expected_accepted for rid in outcome.trees) else None)
             verdict = (self.gate.record(seqs, bool(outcome.trees), committed, seconds, load=gate_load,
-                                        lightest=self._lighter_step(plan, outcome, seconds), expected=expected)
+                                        lightest=self._lighter_step(plan, outcome, seconds),
+                                        expected=_expected_tokens(plan, outcome, seqs))
                        if arm_step and not self._ramp(plan, outcome, seqs, gate_load) else None)
             if verdict is not None:
                 overturned = bool(self.gate.overturned)
