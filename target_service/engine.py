@@ -66,10 +66,10 @@ SMALL_STEP = 8
 # A verify step whose rows' features are at most this many bytes sends every row to the host in the results'
 # wait and keeps the committed ones there (committed_rows); larger ones move the committed rows to the front on
 # the device first and copy only those, after a second wait. On an H100 (8B shapes, bf16, 24 KiB a row) reading a
-# 1 x 8 verify step's results took 190 us of host work with 1 MiB and 175 with 4 MiB, against 288 the device's way,
-# and 228 against 311 at 8 x 8 (64 rows, 1.5 MiB), whole steps no slower (BENCHMARKS.md, "The sixty-sixth
-# session"). 4 MiB holds 170 such rows, 85 of a 70B target's (48 KiB a row). `tandem target --feature-pick-kib`.
-FEATURE_PICK_BYTES = 4 << 20
+# 1 x 8 verify step's results took 175 us of host work with 4 MiB against 288 the device's way (BENCHMARKS.md, "The
+# sixty-sixth session"), but served at one request the round was not shorter in both of two alternated pairs (the
+# rule set before the run; "The sixty-seventh session"): off by default, `tandem target --feature-pick-kib`.
+FEATURE_PICK_BYTES = 0
 
 
 def asked_rows(batch: StepBatch) -> np.ndarray:
