@@ -66,6 +66,8 @@
 #            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before;
 #            TIMELINE_TAG=T names the runs timeline_TRACK_T, as for a second run with DRAFT_EXTRA flags)
 #            TIMELINE_TARGET_ARGS adds flags to the scale track's target (TIMELINE_TARGET_ARGS="--feature-pick-kib 0")
+#            TIMELINE_MODES (default never,always): the modes the serve runs, the last one's rounds timed;
+#            TIMELINE_GATEWAY_ARGS adds the scale track's gateway flags (TIMELINE_GATEWAY_ARGS="--profile-context 1088")
 #   lane     after only: the step streams on same-host lanes (tandem/lane.py; `tandem serve`'s default) against
 #            gRPC (--no-step-lane), alternated LANE_REPEATS="1 2" times: `never` and `always` at LANE_CONCURRENCY
 #            (default 1,8) with each process's hop marks (bench/round_timeline.py), scale track at 0.8 then demo
@@ -420,10 +422,14 @@ for stage in "$@"; do
     timeline)  # after only: a speculative round at one request hop by hop: `never` then `always` on a serve whose
                # processes mark their hops (TANDEM_TIMELINE, tandem/timeline.py), read by bench/round_timeline.py,
                # beside bench/round_breakdown.py; scale track (0.8) then demo track (bf16), TIMELINE_TRACKS picks
+      # TIMELINE_MODES=never,auto times auto's rounds instead of `always`'s (the marks of every speculative round
+      # of the serve are read together, so one serve holds one speculating mode).
+      timeline_modes=${TIMELINE_MODES:-never,always}
       for track in ${TIMELINE_TRACKS:-scale demo}; do
         if [[ $track == scale ]]; then
           need_scale scale_track $scale && scale_serve $scale 0.8 && flags=("${serve[@]}")
           if [[ -n ${TIMELINE_TARGET_ARGS:-} ]]; then with_target_args "$TIMELINE_TARGET_ARGS"; flags=("${joined[@]}"); fi
+          if [[ -n ${TIMELINE_GATEWAY_ARGS:-} ]]; then flags+=("--gateway-args=$TIMELINE_GATEWAY_ARGS"); fi
         else
           flags=(--device cuda --dtype bfloat16)
         fi
@@ -432,9 +438,10 @@ for stage in "$@"; do
           marks=$OUT/$name/marks
           run "$name" $tree 400 env SERVE_PORT=8450 TANDEM_TIMELINE="$marks" \
             BENCH_ARGS="${TIMELINE_BENCH_ARGS:---requests-per-slot 8}" bash "$root/bench/serve_and_bench.sh" \
-            "$OUT/$name" "${TIMELINE_CONCURRENCY:-1}" never,always 128 "${flags[@]}"
+            "$OUT/$name" "${TIMELINE_CONCURRENCY:-1}" "$timeline_modes" 128 "${flags[@]}"
           python3 bench/round_timeline.py "$marks" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
-          python3 bench/round_breakdown.py "$OUT/$name" always --since never > "$OUT/${name}_breakdown.txt" 2>&1
+          python3 bench/round_breakdown.py "$OUT/$name" "${timeline_modes##*,}" --since never \
+            > "$OUT/${name}_breakdown.txt" 2>&1
           cat "$OUT/$name.txt"
         done
       done ;;
