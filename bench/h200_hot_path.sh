@@ -65,7 +65,7 @@
 #            TANDEM_TIMELINE marks), scale track at 0.8 then demo track in bf16 (TIMELINE_TRACKS, TIMELINE_CONCURRENCY,
 #            TIMELINE_BENCH_ARGS override; TIMELINE_TREES="before after" runs .before/ first, as timeline_TRACK_before;
 #            TIMELINE_TAG=T names the runs timeline_TRACK_T, as for a second run with DRAFT_EXTRA flags)
-#            TIMELINE_TARGET_ARGS adds flags to the scale track's target (TIMELINE_TARGET_ARGS="--feature-pick-kib 0")
+#            TIMELINE_TARGET_ARGS adds flags to the scale track's target (TIMELINE_TARGET_ARGS="--feature-pick-kib 4096")
 #            TIMELINE_MODES (default never,always): the modes the serve runs, the last one's rounds timed;
 #            TIMELINE_GATEWAY_ARGS adds the scale track's gateway flags (TIMELINE_GATEWAY_ARGS="--profile-context 1088")
 #   lane     after only: the step streams on same-host lanes (tandem/lane.py; `tandem serve`'s default) against
