@@ -33,6 +33,7 @@ with status 1.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import random
 import shlex
@@ -46,7 +47,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -395,8 +396,9 @@ def child_port_span() -> tuple[int, int]:
     return CHILD_PORTS_LOW, max(ephemeral_low(), CHILD_PORTS_LOW + 1024)
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 now, for the children's gRPC and metrics (see CHILD_PORTS_ENV)."""
+def free_ports(n: int, avoid: Collection[int] = ()) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now, for the children's gRPC and metrics (see CHILD_PORTS_ENV), none
+    of `avoid`: the ports the gateway binds, which stay free until it starts, after the other children."""
     low, high = span = child_port_span()
     size = high - low
     port = _next_port.get(span)
@@ -404,7 +406,7 @@ def free_ports(n: int) -> list[int]:
         port = low + random.randrange(size)
     ports: list[int] = []
     for _ in range(size):
-        if port_is_free("127.0.0.1", port):
+        if port not in avoid and port_is_free("127.0.0.1", port):
             ports.append(port)
             if len(ports) == n:
                 break
@@ -626,7 +628,7 @@ def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2, context=context) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):  # the last: a server that speaks no HTTP/1
         return False
 
 
@@ -767,7 +769,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         # Each service gets a gRPC port of its own, kept across restarts, and serves its own
         # Prometheus metrics on another (the gateway's are on REST /metrics).
         replicas = args.draft_replicas if plan.draft is not None else 0
-        ports = iter(free_ports(2 * (1 + replicas)))
+        ports = iter(free_ports(2 * (1 + replicas), avoid={args.port, args.grpc_port}))
         port, metrics_port = next(ports), next(ports)
         threads = default_threads(plan.device)
         spin = {} if plan.lane_spin_us is None else {SPIN_ENV: str(plan.lane_spin_us)}

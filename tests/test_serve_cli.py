@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,44 @@ def test_child_ports_are_distinct_free_ports_taken_in_turn_from_the_span_below_t
     monkeypatch.setenv(serve.CHILD_PORTS_ENV, f"{taken}-{taken + 2}")
     with pytest.raises(OSError, match="fewer than 4 free ports"):
         serve.free_ports(4)
+
+
+def test_a_health_check_answered_in_no_http_of_its_own_is_not_ok():
+    """serve's readiness check on a port where a gRPC server (HTTP/2) answers: not ready, no exception."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x05\x00\x00\x40\x00")  # a SETTINGS frame
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        assert serve.http_ok(f"http://127.0.0.1:{server.getsockname()[1]}/health") is False
+        thread.join(timeout=5)
+
+
+def test_serve_gives_no_child_the_gateways_own_ports_though_they_are_free_until_it_starts(dirs, tmp_path):
+    """The gateway starts last: until then its REST and gRPC ports are free, and the children's ports, taken from
+    the same span, must pass over them. Here the span holds exactly the gateway's two and the six the children
+    need."""
+    model, draft = dirs
+    low, high = serve.child_port_span()
+    with listener_below_free_ports(low, high, 8) as busy:
+        first = busy.getsockname()[1] + 1
+    port, grpc_port = first, first + 1
+    s = ServeProcess(tmp_path, ["--model", str(model), "--draft", str(draft), "--draft-replicas", "2",
+                                "--port", str(port), "--grpc-port", str(grpc_port)],
+                     **{serve.CHILD_PORTS_ENV: f"{first}-{first + 7}"})
+    s.wait_ready()
+    taken = [int((tmp_path / "logs" / f"{n}.port").read_text()) for n in ("target", "draft0", "draft1")]
+    assert not {port, grpc_port} & set(taken)
+    s.proc.send_signal(signal.SIGTERM)
+    code, err = s.finish()
+    assert code == 0, err
 
 
 def test_a_bad_child_port_span_is_an_error_before_anything_starts(dirs, monkeypatch, capsys):
