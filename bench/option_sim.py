@@ -20,6 +20,7 @@ expected rate, and the share of steps that drafted each option.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -90,19 +91,47 @@ def draw(rng: random.Random, acceptance: float, most: int) -> int:
     return run
 
 
-def expected_rate(table: dict[str, float], option: DraftBudget, acceptance: float) -> float:
-    """An option's expected committed tokens a sequence a second, every request drafting it."""
-    accepted = sum(acceptance ** k for k in range(1, option.steps + 1))
-    return (1 + accepted) / (table[label(option)] / 1e3)
+def expected_rate(table: dict[str, float], option: DraftBudget, acceptance: float, spread: float = 0.0) -> float:
+    """An option's expected committed tokens a sequence a second, every request drafting it (with `spread`: over
+    requests of equal length whose acceptance is uniform within acceptance +- spread, clipped as simulate clips it,
+    so the harmonic mean of their rates)."""
+    rates = [(1 + sum(a ** k for k in range(1, option.steps + 1))) / (table[label(option)] / 1e3)
+             for a in acceptance_grid(acceptance, spread)]
+    return len(rates) / sum(1 / rate for rate in rates)
 
 
-def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: int) -> tuple[float, dict[str, int]]:
-    """auto's committed tokens over seconds for `steps` steps of `seqs` requests, and the steps by option drafted."""
+def acceptance_grid(acceptance: float, spread: float) -> list[float]:
+    """Requests' acceptances, uniform within acceptance +- spread and clipped as simulate clips them."""
+    if not spread:
+        return [acceptance]
+    return [min(0.99, max(0.01, acceptance + spread * (2 * (k + 0.5) / 100 - 1))) for k in range(100)]
+
+
+def oracle_rate(table: dict[str, float], options: tuple[DraftBudget, ...], acceptance: float, spread: float) -> float:
+    """At one request: tokens a second were each request given the best of plain decoding and every option for its
+    own acceptance (requests of equal length: the harmonic mean of their best rates)."""
+    best = [max([1e3 / table["plain"], *(expected_rate(table, o, a) for o in options)])
+            for a in acceptance_grid(acceptance, spread)]
+    return len(best) / sum(1 / rate for rate in best)
+
+
+def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: int, *, own_weight: float = 2.0,
+             request_tokens: int = 0, spread: float = 0.0) -> tuple[float, dict[str, int]]:
+    """auto's committed tokens over seconds for `steps` steps of `seqs` requests, and the steps by option drafted.
+    own_weight: AcceptanceBook.own_weight. request_tokens: a request ends once it has committed this many tokens
+    and a new one takes its slot, with no figures of its own (0: requests never end). spread: each request's
+    acceptance is drawn uniformly within `acceptance` +- spread (0: every request's is `acceptance`)."""
     rng = random.Random(seed)
     table = STEP_MS[seqs]
     costs = TableCosts(table, seqs)
-    book = AcceptanceBook()
+    book = AcceptanceBook(own_weight=own_weight)
+
+    def own_acceptance() -> float:
+        return min(0.99, max(0.01, acceptance + spread * (2 * rng.random() - 1)))
+
     owns = [AcceptanceStats() for _ in range(seqs)]
+    rates = [own_acceptance() for _ in range(seqs)]
+    made = [0] * seqs  # tokens each slot's request has committed
     explored = cfg.explored_options()
     committed, seconds, drafted = 0, 0.0, {}
     for _ in range(steps):
@@ -115,6 +144,7 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
         if not trees:
             seconds += table["plain"] / 1e3
             committed += seqs
+            made = [n + 1 for n in made]
             for own in owns:
                 own.fade(0.85)
             drafted["plain"] = drafted.get("plain", 0) + 1
@@ -125,10 +155,12 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
         option = max((b for _, b in trees), key=lambda b: table[label(b)])
         seconds += step_seconds(table, option, len(trees), seqs)
         committed += seqs - len(trees)
+        made = [n + 1 for n in made]
         for i, budget in trees:
-            run = draw(rng, acceptance, max(o.steps for o in cfg.auto_options()))
+            run = draw(rng, rates[i], max(o.steps for o in cfg.auto_options()))
             accepted = min(run, budget.steps)
             committed += 1 + accepted
+            made[i] += accepted
             path = MainPath(budget.steps, accepted)
             own = owns[i]
             book.record(budget, accepted)
@@ -141,6 +173,9 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
             for chain, chain_accepted in chains:
                 own.record(chain, chain_accepted)
             own.age([budget, *(chain for chain, _ in chains)])
+        for i in range(seqs):
+            if request_tokens and made[i] >= request_tokens:
+                owns[i], rates[i], made[i] = AcceptanceStats(), own_acceptance(), 0
     return committed / seconds, drafted
 
 
@@ -151,38 +186,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--margins", default="0,0.05,0.15,0.3,1")
     ap.add_argument("--acceptance", type=float, default=0.8)
+    ap.add_argument("--own-weights", default="2",
+                    help="AcceptanceBook.own_weight values to compare, separated by commas (default 2)")
+    ap.add_argument("--request-tokens", type=int, default=0,
+                    help="a request ends after this many committed tokens and a fresh one takes its slot (0: never)")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="each request's acceptance is uniform within --acceptance +- this (default 0: all alike)")
     args = ap.parse_args(argv)
     try:
         loads = [int(x) for x in args.requests.split(",")]
         margins = [float(x) for x in args.margins.split(",")]
+        own_weights = [float(x) for x in args.own_weights.split(",")]
     except ValueError:
-        ap.error("--requests takes request counts and --margins shares, separated by commas")
+        ap.error("--requests takes request counts, --margins shares and --own-weights weights, separated by commas")
     if unknown := [n for n in loads if n not in STEP_MS]:
         ap.error(f"no step costs for {unknown} requests (known: {sorted(STEP_MS)})")
     if not 0 < args.acceptance < 1 or args.steps < 1 or args.seeds < 1:
         ap.error("--acceptance must be in (0, 1), --steps and --seeds at least 1")
+    if args.request_tokens < 0 or not 0 <= args.spread < 1 or min(own_weights) < 0:
+        ap.error("--request-tokens, --spread and --own-weights must be at least 0, --spread below 1")
     if any(not 0 <= m <= 1 for m in margins):
         ap.error("--margins must be in [0, 1] (PolicyConfig.option_margin)")
     base = PolicyConfig()
     for n in loads:
         table = STEP_MS[n]
-        rates = {label(o): expected_rate(table, o, args.acceptance) for o in base.auto_options()}
+        rates = {label(o): expected_rate(table, o, args.acceptance, args.spread) for o in base.auto_options()}
         best = max(rates, key=rates.get)
+        oracle = oracle_rate(table, base.auto_options(), args.acceptance, args.spread) if n == 1 else None
         print(f"{n} requests: expected tok/s a sequence by option: "
-              + ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items()) + f" (best {best})")
-        for margin in margins:
+              + ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items()) + f" (best {best})"
+              + ("" if oracle is None else f"; each request's best, plain included: {oracle:.0f}"))
+        for margin, own_weight in itertools.product(margins, own_weights):
             cfg = replace(base, option_margin=margin)
             shares, drafted = [], {}
             for seed in range(args.seeds):
-                rate, counts = simulate(cfg, n, args.steps, args.acceptance, seed)
+                rate, counts = simulate(cfg, n, args.steps, args.acceptance, seed, own_weight=own_weight,
+                                        request_tokens=args.request_tokens, spread=args.spread)
                 shares.append(rate / n / rates[best])
                 for name, count in counts.items():
                     drafted[name] = drafted.get(name, 0) + count
             total = sum(drafted.values())
             mix = ", ".join(f"{name} {100 * count / total:.0f}%"
                             for name, count in sorted(drafted.items(), key=lambda item: -item[1]))
-            print(f"  margin {margin:4.2f}: auto / best option mean {statistics.mean(shares):.3f}, "
-                  f"min {min(shares):.3f}; steps: {mix}", flush=True)
+            mean = statistics.mean(shares)
+            against_oracle = "" if oracle is None else f", / each request's best {mean * rates[best] / oracle:.3f}"
+            print(f"  margin {margin:4.2f}, own weight {own_weight:4.1f}: auto / best option mean "
+                  f"{mean:.3f}, min {min(shares):.3f}{against_oracle}; steps: {mix}", flush=True)
     return 0
 
 

@@ -381,6 +381,9 @@ class AcceptanceBook:
     # weigh as much as the prior.
     prior_share: float = 0.5
     prior_weight: float = 2.0
+    # A request's own figures (its trees' acceptance per budget, its main paths' per level) are blended with
+    # the book's as if the book's were this many of the request's trees (paths).
+    own_weight: float = 2.0
     # Once auto stops speculating nothing refreshes these figures (nor the cost model's
     # ratio for steps with trees), so a few unlucky trees (the first steps after a prompt
     # are the hardest to guess) would rule speculation out for the life of the server.
@@ -407,6 +410,8 @@ class AcceptanceBook:
     def __post_init__(self) -> None:
         if self.prior_weight < 1.0:  # optimistic's ln N must not be negative
             raise ValueError(f"prior_weight must be at least 1, got {self.prior_weight}")
+        if self.own_weight < 0.0:
+            raise ValueError(f"own_weight must be at least 0, got {self.own_weight}")
 
     def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
@@ -423,7 +428,7 @@ class AcceptanceBook:
         """For each request's level rates in `owns`, the expected accepted tokens of a chain of each
         depth in `depths`: the sum over levels k <= depth of the product of levels 1..k's rates. A
         level's global rate is (accepted + 0.5) / (reached + 1); a request's is its own counts blended
-        with the global rate as `prior_weight` paths. A level no path reached takes the rate of the
+        with the global rate as `own_weight` paths. A level no path reached takes the rate of the
         deepest one measured. None until some main path has been recorded. (One pass per request for
         every depth: search_budgets asks for every auto request at every step.)
 
@@ -441,7 +446,7 @@ class AcceptanceBook:
                 rate = (accepted + 0.5) / (reached + 1.0)
             rates.append(rate)
         shared: list[float] | None = None  # the global figures, for every request without levels of its own
-        weighted = [rate * self.prior_weight for rate in rates]  # each level's global rate as prior_weight paths
+        weighted = [rate * self.own_weight for rate in rates]  # each level's global rate as own_weight paths
         out = []
         for own in owns:
             mine = own.levels if own is not None else []
@@ -450,7 +455,7 @@ class AcceptanceBook:
                 continue
             totals, total, reach = [], 0.0, 1.0
             for (accepted, reached), prior in zip(mine, weighted):  # the levels the request has measured
-                reach *= (accepted + prior) / (reached + self.prior_weight)
+                reach *= (accepted + prior) / (reached + self.own_weight)
                 total += reach
                 totals.append(total)
             for rate in rates[len(totals):]:  # deeper: the global rates alone
@@ -499,7 +504,8 @@ class AcceptanceBook:
         s = self.totals.get(budget, [0.0, 0.0])
         prior = self.prior_share * budget.steps
         glob = (s[0] + prior * self.prior_weight) / (s[1] + self.prior_weight)
-        return [glob if own is None else (own[0] * own[1] + glob * 2.0) / (own[1] + 2.0) for own in owns]
+        weight = self.own_weight
+        return [glob if own is None else (own[0] * own[1] + glob * weight) / (own[1] + weight) for own in owns]
 
 
 @dataclass(frozen=True)

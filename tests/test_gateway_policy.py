@@ -1100,6 +1100,26 @@ def test_an_acceptance_book_refuses_a_prior_lighter_than_one_tree():
     assert AcceptanceBook(prior_weight=1.0).optimistic(CFG.fixed_budget, None) >= 0
 
 
+def test_a_requests_own_figures_weigh_against_the_books_as_own_weight_trees_and_paths():
+    budget = CFG.fixed_budget
+    book = AcceptanceBook(own_weight=6.0)
+    for _ in range(40):
+        book.record(budget, 2)
+        book.levels.record(MainPath(5, 2))
+    glob = book.expected(budget, None)
+    # a request whose 3 trees accepted nothing: 3 of its own against 6 of the book's
+    assert book.expected(budget, (0.0, 3.0)) == pytest.approx(glob * 6 / 9)
+    assert AcceptanceBook(own_weight=0.0).expected(budget, (0.0, 3.0)) == 0.0
+    # the same for the depth options' per-level figures: a request whose 3 main paths missed at the first level
+    own = LevelRates(decay=1.0)
+    for _ in range(3):
+        own.record(MainPath(5, 0))
+    shared, mine = book.chain_expectations([1], [None, own])
+    assert mine[0] == pytest.approx(shared[0] * 6 / 9)
+    with pytest.raises(ValueError, match="own_weight"):
+        AcceptanceBook(own_weight=-1.0)
+
+
 def test_the_acceptance_book_holds_the_workloads_figure_not_its_last_prompts():
     """Issue 14, H100 scale track at 0.6: the book read the tail of the level before (1.59-1.69 accepted
     a 5/4/8 tree where they accepted 1.35), so the configured tree's tokens read 1.10-1.16x `always`'s.
