@@ -120,17 +120,21 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
     """auto's committed tokens over seconds for `steps` steps of `seqs` requests, and the steps by option drafted.
     own_weight: AcceptanceBook.own_weight. request_tokens: a request ends once it has committed this many tokens
     and a new one takes its slot, with no figures of its own (0: requests never end). spread: each request's
-    acceptance is drawn uniformly within `acceptance` +- spread (0: every request's is `acceptance`)."""
-    rng = random.Random(seed)
+    acceptance is drawn uniformly within `acceptance` +- spread (0: every request's is `acceptance`).
+    The draws are common to every policy on one seed, as the scale track's forcing makes them: a request's
+    acceptance is drawn from the seed and the request's serial, a tree's accepted run from those and the
+    request's position (its committed tokens), so two policies compared on a seed differ by their choices alone."""
     table = STEP_MS[seqs]
     costs = TableCosts(table, seqs)
     book = AcceptanceBook(own_weight=own_weight)
 
-    def own_acceptance() -> float:
-        return min(0.99, max(0.01, acceptance + spread * (2 * rng.random() - 1)))
+    def own_acceptance(serial: int) -> float:
+        share = random.Random(f"{seed}/{serial}").random()
+        return min(0.99, max(0.01, acceptance + spread * (2 * share - 1)))
 
+    serials = list(range(seqs))  # each slot's request, numbered as they start
     owns = [AcceptanceStats() for _ in range(seqs)]
-    rates = [own_acceptance() for _ in range(seqs)]
+    rates = [own_acceptance(serial) for serial in serials]
     made = [0] * seqs  # tokens each slot's request has committed
     explored = cfg.explored_options()
     committed, seconds, drafted = 0, 0.0, {}
@@ -157,6 +161,7 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
         committed += seqs - len(trees)
         made = [n + 1 for n in made]
         for i, budget in trees:
+            rng = random.Random(f"{seed}/{serials[i]}/{made[i]}")
             run = draw(rng, rates[i], max(o.steps for o in cfg.auto_options()))
             accepted = min(run, budget.steps)
             committed += 1 + accepted
@@ -175,7 +180,8 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
             own.age([budget, *(chain for chain, _ in chains)])
         for i in range(seqs):
             if request_tokens and made[i] >= request_tokens:
-                owns[i], rates[i], made[i] = AcceptanceStats(), own_acceptance(), 0
+                serials[i] = max(serials) + 1
+                owns[i], rates[i], made[i] = AcceptanceStats(), own_acceptance(serials[i]), 0
     return committed / seconds, drafted
 
 
