@@ -115,18 +115,20 @@ def oracle_rate(table: dict[str, float], options: tuple[DraftBudget, ...], accep
     return len(best) / sum(1 / rate for rate in best)
 
 
-def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: int, *, own_weight: float = 2.0,
+def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: int, *, own_weight: float | None = 2.0,
              request_tokens: int = 0, spread: float = 0.0) -> tuple[float, dict[str, int]]:
     """auto's committed tokens over seconds for `steps` steps of `seqs` requests, and the steps by option drafted.
-    own_weight: AcceptanceBook.own_weight. request_tokens: a request ends once it has committed this many tokens
-    and a new one takes its slot, with no figures of its own (0: requests never end). spread: each request's
-    acceptance is drawn uniformly within `acceptance` +- spread (0: every request's is `acceptance`).
+    own_weight: AcceptanceBook.own_weight (None: estimated from the spread of ended requests, which needs
+    request_tokens). request_tokens: a request ends once it has committed this many tokens and a new one takes
+    its slot, with no figures of its own (0: requests never end). spread: each request's acceptance is drawn
+    uniformly within `acceptance` +- spread (0: every request's is `acceptance`).
     The draws are common to every policy on one seed, as the scale track's forcing makes them: a request's
     acceptance is drawn from the seed and the request's serial, a tree's accepted run from those and the
     request's position (its committed tokens), so two policies compared on a seed differ by their choices alone."""
     table = STEP_MS[seqs]
     costs = TableCosts(table, seqs)
-    book = AcceptanceBook(own_weight=own_weight)
+    book = AcceptanceBook(own_weight=2.0 if own_weight is None else own_weight,
+                          own_weight_from_spread=own_weight is None)
 
     def own_acceptance(serial: int) -> float:
         share = random.Random(f"{seed}/{serial}").random()
@@ -174,12 +176,13 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
             for chain, chain_accepted in chains:
                 book.record(chain, chain_accepted)
             own.record(budget, accepted)
-            own.levels.record(path)
+            own.record_path(path)
             for chain, chain_accepted in chains:
                 own.record(chain, chain_accepted)
             own.age([budget, *(chain for chain, _ in chains)])
         for i in range(seqs):
             if request_tokens and made[i] >= request_tokens:
+                book.request_ended(owns[i].raw, tuple(owns[i].first_level))
                 serials[i] = max(serials) + 1
                 owns[i], rates[i], made[i] = AcceptanceStats(), own_acceptance(serials[i]), 0
     return committed / seconds, drafted
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margins", default="0,0.05,0.15,0.3,1")
     ap.add_argument("--acceptance", type=float, default=0.8)
     ap.add_argument("--own-weights", default="2",
-                    help="AcceptanceBook.own_weight values to compare, separated by commas (default 2)")
+                    help="AcceptanceBook.own_weight values to compare, separated by commas; auto: estimated from the "
+                         "spread of ended requests (needs --request-tokens; default 2)")
     ap.add_argument("--request-tokens", type=int, default=0,
                     help="a request ends after this many committed tokens and a fresh one takes its slot (0: never)")
     ap.add_argument("--spread", type=float, default=0.0,
@@ -202,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loads = [int(x) for x in args.requests.split(",")]
         margins = [float(x) for x in args.margins.split(",")]
-        own_weights = [float(x) for x in args.own_weights.split(",")]
+        own_weights = [None if x == "auto" else float(x) for x in args.own_weights.split(",")]
     except ValueError:
         ap.error("--requests takes request counts, --margins shares and --own-weights weights, separated by commas")
     if unknown := [n for n in loads if n not in STEP_MS]:
         ap.error(f"no step costs for {unknown} requests (known: {sorted(STEP_MS)})")
     if not 0 < args.acceptance < 1 or args.steps < 1 or args.seeds < 1:
         ap.error("--acceptance must be in (0, 1), --steps and --seeds at least 1")
-    if args.request_tokens < 0 or not 0 <= args.spread < 1 or min(own_weights) < 0:
+    if args.request_tokens < 0 or not 0 <= args.spread < 1 or any(w is not None and w < 0 for w in own_weights):
         ap.error("--request-tokens, --spread and --own-weights must be at least 0, --spread below 1")
     if any(not 0 <= m <= 1 for m in margins):
         ap.error("--margins must be in [0, 1] (PolicyConfig.option_margin)")
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                             for name, count in sorted(drafted.items(), key=lambda item: -item[1]))
             mean = statistics.mean(shares)
             against_oracle = "" if oracle is None else f", / each request's best {mean * rates[best] / oracle:.3f}"
-            print(f"  margin {margin:4.2f}, own weight {own_weight:4.1f}: auto / best option mean "
+            weight = "auto" if own_weight is None else f"{own_weight:4.1f}"
+            print(f"  margin {margin:4.2f}, own weight {weight}: auto / best option mean "
                   f"{mean:.3f}, min {min(shares):.3f}{against_oracle}; steps: {mix}", flush=True)
     return 0
 

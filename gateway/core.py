@@ -217,7 +217,8 @@ class GatewayCore:
         self.pool = DraftPool(drafts, on_lost=lambda _r: self._wake.set(),
                               on_back=self._refresh_draft_usage)
         self.costs = CostModel()
-        self.book = AcceptanceBook()
+        self.book = AcceptanceBook(own_weight=cfg.policy.own_weight,
+                                   own_weight_from_spread=cfg.policy.own_weight_from_spread)
         self.gate = LoadGate(close_probe_steps=cfg.gate_close_probe_steps, min_batch=cfg.gate_min_batch,
                              expected_weight=cfg.gate_expected_weight)
         self._held_load = HeldLoad(plans=cfg.gate_load_hold_plans, seconds=cfg.gate_load_hold_seconds,
@@ -1194,7 +1195,7 @@ class GatewayCore:
             if own is not None:
                 own.record(budget, accepted)
                 if path is not None:
-                    own.levels.record(path)
+                    own.record_path(path)
                 for chain, chain_accepted in chains:
                     own.record(chain, chain_accepted)
                 own.age([budget, *(chain for chain, _ in chains)])
@@ -1222,6 +1223,8 @@ class GatewayCore:
             req.phase = Phase.FINISHED
             req.finish_reason = FinishReason.ABORT
         if delta.finish_reason:
+            if self._mode(req) == SpecMode.AUTO:  # only auto requests keep figures of their own (_apply)
+                self.book.request_ended(req.acceptance.raw, tuple(req.acceptance.first_level))
             tracing.end_request_span(req, delta)
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             self.metrics.requests_total.labels(finish_reason=str(delta.finish_reason)).inc()

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree) only where its predicted goodput beats the configured tree's by this share; "
                         "0 = the best prediction wins; default 0.05 (measured on the H200: BENCHMARKS.md, "
                         "\"Common draws\")")
+    p.add_argument("--spec-own-weight", default="2", metavar="TREES|auto",
+                   help="`auto` mode prices each request's trees from its own acceptance blended with the "
+                        "global figures, which weigh as this many of its trees (fewer: a request's own few trees "
+                        "decide sooner); `auto`: estimated from how far ended requests' acceptance differed beyond "
+                        "their trees' draws (alike requests: up to 32, so a few lucky or unlucky trees change "
+                        "nothing; differing ones: down to 1); default 2")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on REST /v1/* and on gRPC tandem.v1.Generation "
                         "(metadata authorization); health and metrics stay open")
@@ -212,8 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_context < 1:
         raise SystemExit("error: --profile-context must be at least 1 token")
     try:
+        from_spread = args.spec_own_weight == "auto"
+        own_weight = 2.0 if from_spread else float(args.spec_own_weight)
+    except ValueError:
+        raise SystemExit(f"error: --spec-own-weight takes a number of trees or auto, got {args.spec_own_weight!r}") \
+            from None
+    try:
         policy = PolicyConfig(args.speculation, args.spec_steps, args.spec_topk, args.spec_draft_tokens,
-                              option_margin=args.spec_option_margin)
+                              option_margin=args.spec_option_margin, own_weight=own_weight,
+                              own_weight_from_spread=from_spread)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
 

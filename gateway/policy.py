@@ -43,6 +43,10 @@ class PolicyConfig:
     # serves back to back) auto / max at two requests read 0.98-1.00 a round, against 0.94-0.98 with 0
     # in two serves; at one request about 1.00 both ways (BENCHMARKS.md, "Common draws").
     option_margin: float = 0.05
+    # How many of a request's own trees the book's figures weigh as (AcceptanceBook.own_weight), or, with
+    # own_weight_from_spread, estimated from how far ended requests differed (`--spec-own-weight auto`).
+    own_weight: float = 2.0
+    own_weight_from_spread: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("never", "always", "auto"):
@@ -51,6 +55,8 @@ class PolicyConfig:
             raise ValueError("--spec-steps and --spec-topk must be >= 1 and --spec-draft-tokens >= 2")
         if not 0.0 <= self.option_margin <= 1.0:
             raise ValueError(f"--spec-option-margin must be in [0, 1], got {self.option_margin}")
+        if not (math.isfinite(self.own_weight) and self.own_weight >= 0.0):
+            raise ValueError(f"--spec-own-weight must be at least 0 (or auto), got {self.own_weight}")
 
     @functools.cached_property
     def fixed_budget(self) -> DraftBudget:
@@ -364,6 +370,52 @@ def chains_would_accept(path: MainPath | None, options: Iterable[DraftBudget],
 
 
 @dataclass
+class Spread:
+    """How far one figure (a budget's accepted tokens a tree, or whether a main path's first level was accepted)
+    differs from request to request beyond its trees' own draws: decayed sums over ended requests, read by the
+    method of moments. Each request adds its trees' count, sum and sum of squares; the within-request variance
+    is pooled over requests, the between-request variance is the variance of the requests' means less what their
+    draws alone would spread them (within / trees, averaged). Their ratio is how many of a request's trees the
+    population's figure is worth against them (a normal prior's weight; a beta prior's strength is one less)."""
+
+    decay: float = 0.97  # per ended request: about the last 30
+    requests: float = 0.0
+    means: float = 0.0  # sums of the requests' means and of their squares
+    mean_squares: float = 0.0
+    inverse_trees: float = 0.0  # sum of 1 / trees
+    within: float = 0.0  # sum of (trees - 1) x a request's variance over its trees
+    within_df: float = 0.0  # sum of (trees - 1)
+
+    MIN_TREES = 4  # a request with fewer trees of the figure says little of its spread
+
+    def add(self, trees: float, total: float, squares: float) -> None:
+        if trees < self.MIN_TREES:
+            return
+        mean = total / trees
+        variance = max(0.0, (squares - total * mean) / (trees - 1))
+        d = self.decay
+        self.requests = d * self.requests + 1.0
+        self.means = d * self.means + mean
+        self.mean_squares = d * self.mean_squares + mean * mean
+        self.inverse_trees = d * self.inverse_trees + 1.0 / trees
+        self.within = d * self.within + (trees - 1) * variance
+        self.within_df = d * self.within_df + (trees - 1)
+
+    def weight(self, min_requests: float, low: float, high: float, prior_strength: bool = False) -> float | None:
+        """Within variance over between variance, within [low, high]; None before `min_requests` have ended."""
+        if self.requests < max(min_requests, 2.0) or self.within_df <= 0:
+            return None
+        within = self.within / self.within_df
+        means_variance = (self.mean_squares - self.means ** 2 / self.requests) / (self.requests - 1.0)
+        between = means_variance - within * self.inverse_trees / self.requests
+        if between <= 0:
+            return high  # the requests' means differ no more than their draws explain
+        if within <= 0:
+            return low  # every tree of a request alike: its own figure is exact
+        return min(high, max(low, within / between - (1.0 if prior_strength else 0.0)))
+
+
+@dataclass
 class AcceptanceBook:
     """Global acceptance per budget (all requests), the prior for requests with little history."""
 
@@ -384,6 +436,18 @@ class AcceptanceBook:
     # A request's own figures (its trees' acceptance per budget, its main paths' per level) are blended with
     # the book's as if the book's were this many of the request's trees (paths).
     own_weight: float = 2.0
+    # Where set, each figure's weight is estimated instead from the auto requests that ended (request_ended):
+    # how far their figures differed beyond what their trees' draws explain (see Spread). Where requests are
+    # alike, a request's own few trees only add noise to the book's many; where they differ, its own figures
+    # are the better guess. In `bench/option_sim.py` (common draws, 0.6, 128-token requests, 2026-12-07) a
+    # fixed weight of 8 against 2 gained 1.3% at one request where requests were alike and lost 3.9% where
+    # their acceptance spread +-0.35; no fixed weight was best for both. Until `spread_requests` have ended
+    # for a figure, `own_weight` holds for it.
+    own_weight_from_spread: bool = False
+    spread_requests: float = 8.0
+    own_weight_bounds: tuple[float, float] = (1.0, 32.0)
+    # budget -> how its per-request means spread; None -> the main paths' first level (accepted or not)
+    spreads: dict[DraftBudget | None, Spread] = field(default_factory=dict)
     # Once auto stops speculating nothing refreshes these figures (nor the cost model's
     # ratio for steps with trees), so a few unlucky trees (the first steps after a prompt
     # are the hardest to guess) would rule speculation out for the life of the server.
@@ -412,6 +476,34 @@ class AcceptanceBook:
             raise ValueError(f"prior_weight must be at least 1, got {self.prior_weight}")
         if self.own_weight < 0.0:
             raise ValueError(f"own_weight must be at least 0, got {self.own_weight}")
+        low, high = self.own_weight_bounds
+        if not 0.0 <= low <= high:
+            raise ValueError(f"own_weight_bounds must be 0 <= low <= high, got {self.own_weight_bounds}")
+
+    def request_ended(self, budgets: dict[DraftBudget, list[float]], first_level: tuple[float, float]) -> None:
+        """An auto request ended: its raw figures (AcceptanceStats.raw and .first_level) join the spreads."""
+        for budget, (trees, total, squares) in budgets.items():
+            self.spreads.setdefault(budget, Spread()).add(trees, total, squares)
+        paths, accepted = first_level
+        self.spreads.setdefault(None, Spread()).add(paths, accepted, accepted)  # 0 or 1 a path: squares = sum
+
+    def own_weight_for(self, budget: DraftBudget | None) -> float:
+        """How many of a request's own trees (None: main paths, per level) the book's figure weighs as. A budget
+        too few ended requests drafted takes the weight of the one most did: how far requests differ is a
+        property of the workload more than of the tree, and the fixed weight would let a few lucky trees of a
+        rarely drafted budget decide where the workload's requests are alike."""
+        if not self.own_weight_from_spread:
+            return self.own_weight
+        low, high = self.own_weight_bounds
+        # A level's rate is blended as a beta prior, whose strength is one less than the ratio (beta-binomial).
+        spread = self.spreads.get(budget)
+        weight = None if spread is None else spread.weight(self.spread_requests, low, high,
+                                                            prior_strength=budget is None)
+        if weight is None and budget is not None:
+            most = max((spread for key, spread in self.spreads.items() if key is not None),
+                       key=lambda spread: spread.requests, default=None)
+            weight = None if most is None else most.weight(self.spread_requests, low, high)
+        return self.own_weight if weight is None else weight
 
     def record(self, budget: DraftBudget, accepted: int) -> None:
         s = self.totals.setdefault(budget, [0.0, 0.0])
@@ -446,7 +538,8 @@ class AcceptanceBook:
                 rate = (accepted + 0.5) / (reached + 1.0)
             rates.append(rate)
         shared: list[float] | None = None  # the global figures, for every request without levels of its own
-        weighted = [rate * self.own_weight for rate in rates]  # each level's global rate as own_weight paths
+        own_weight = self.own_weight_for(None)
+        weighted = [rate * own_weight for rate in rates]  # each level's global rate as own_weight paths
         out = []
         for own in owns:
             mine = own.levels if own is not None else []
@@ -455,7 +548,7 @@ class AcceptanceBook:
                 continue
             totals, total, reach = [], 0.0, 1.0
             for (accepted, reached), prior in zip(mine, weighted):  # the levels the request has measured
-                reach *= (accepted + prior) / (reached + self.own_weight)
+                reach *= (accepted + prior) / (reached + own_weight)
                 total += reach
                 totals.append(total)
             for rate in rates[len(totals):]:  # deeper: the global rates alone
@@ -504,7 +597,7 @@ class AcceptanceBook:
         s = self.totals.get(budget, [0.0, 0.0])
         prior = self.prior_share * budget.steps
         glob = (s[0] + prior * self.prior_weight) / (s[1] + self.prior_weight)
-        weight = self.own_weight
+        weight = self.own_weight_for(budget)
         return [glob if own is None else (own[0] * own[1] + glob * weight) / (own[1] + weight) for own in owns]
 
 

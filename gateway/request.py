@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from draft_service.types import DraftBudget, IngestItem
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from gateway.policy import LevelRates
+from gateway.policy import LevelRates, MainPath
 from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecStats, TokenLogprob
 from target_service.controls import LogitsControls
 
@@ -33,6 +33,10 @@ class AcceptanceStats:
     totals: dict[DraftBudget, list[float]] = field(default_factory=dict)  # budget -> [sum, n]
     # Per level of this request's verified main paths (what prices the depth options for it).
     levels: LevelRates = field(default_factory=lambda: LevelRates(decay=AcceptanceStats.DECAY))
+    # The same undecayed, for the book's spread of requests (AcceptanceBook.request_ended): budget -> [trees,
+    # sum, sum of squares], and [main paths, paths whose first level was accepted].
+    raw: dict[DraftBudget, list[float]] = field(default_factory=dict)
+    first_level: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     DECAY = 0.8  # per record: exponential decay keeps the estimate tracking the text the request is producing now
 
@@ -40,6 +44,17 @@ class AcceptanceStats:
         s = self.totals.setdefault(budget, [0.0, 0.0])
         s[0] = self.DECAY * s[0] + accepted
         s[1] = self.DECAY * s[1] + 1.0
+        raw = self.raw.setdefault(budget, [0.0, 0.0, 0.0])
+        raw[0] += 1.0
+        raw[1] += accepted
+        raw[2] += accepted * accepted
+
+    def record_path(self, path: MainPath) -> None:
+        """A verified tree's main path: its levels, and its first level for the spread."""
+        self.levels.record(path)
+        if path.depth >= 1:
+            self.first_level[0] += 1.0
+            self.first_level[1] += path.accepted >= 1
 
     def age(self, refreshed: Iterable[DraftBudget]) -> None:
         """A tree was verified that measured only the budgets in `refreshed`: every other budget's figure ages

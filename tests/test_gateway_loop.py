@@ -27,7 +27,7 @@ from gateway.core import CoreConfig, GatewayCore
 from gateway.policy import BudgetSearch, Candidate, CostModel, PolicyConfig, Rates, batch_bucket
 from gateway.request import Phase
 from gateway.scheduler import SchedulerConfig
-from gateway.types import Delta, GenerationParams, SpecMode
+from gateway.types import Delta, FinishReason, GenerationParams, SpecMode
 from tandem.errors import ResourceExhausted, Unavailable
 from target_service.types import KvLoad, SequenceResult, SequenceStep
 from target_service.wire import GrantStops
@@ -1902,3 +1902,34 @@ def test_the_core_tells_the_held_load_which_plans_took_a_request_in(tokenizer):
     core._take_inbox()
     core._step()
     assert seen[0] == (2, True) and all(not joined for _, joined in seen[1:-1]) and seen[-1] == (3, True)
+
+
+def test_an_auto_requests_end_adds_its_raw_acceptance_to_the_books_spread_and_an_always_requests_does_not(
+        tokenizer):
+    """--spec-own-weight auto: the book learns how far requests differ from auto requests as they end (only auto
+    requests keep figures of their own)."""
+    target = FakeTarget()
+    cfg = CoreConfig(policy=PolicyConfig("auto", own_weight_from_spread=True),
+                     scheduler=SchedulerConfig(block_size=target.block_size), profile=False)
+    core = GatewayCore(target, [FakeDraft("draft0")], tokenizer, cfg, "fake")
+    core.configure()
+    core._ready = True
+    assert core.book.own_weight_from_spread
+    budget = cfg.policy.fixed_budget
+    submit(core, "auto", [5, 11, 13], max_tokens=2)
+    submit(core, "always", [5, 11, 13], max_tokens=2, speculation=SpecMode.ALWAYS)
+    run_until_idle(core)
+    assert all(spread.requests == 0 for spread in core.book.spreads.values())  # no tree: nothing to learn
+    for rid, mode in (("a", None), ("b", SpecMode.ALWAYS)):
+        submit(core, rid, [5, 11, 13], max_tokens=50, **({"speculation": mode} if mode else {}))
+    core._take_inbox()
+    core._step()
+    for req in core.running:  # as if each had verified six trees, four of whose first levels were accepted
+        for accepted in (0, 1, 2, 3, 4, 5):
+            req.acceptance.record(budget, accepted)
+        req.acceptance.first_level[:] = [6.0, 4.0]
+    for req in list(core.running):
+        core._finish(req, FinishReason.ABORT)
+    spread = core.book.spreads[budget]
+    assert spread.requests == 1.0 and spread.means == pytest.approx(2.5)
+    assert core.book.spreads[None].means == pytest.approx(4 / 6)

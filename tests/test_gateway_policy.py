@@ -21,6 +21,7 @@ from gateway.policy import (
     PolicyConfig,
     PromptCharges,
     Rates,
+    Spread,
     batch_bucket,
     chains_would_accept,
     choose_budgets,
@@ -1118,6 +1119,81 @@ def test_a_requests_own_figures_weigh_against_the_books_as_own_weight_trees_and_
     assert mine[0] == pytest.approx(shared[0] * 6 / 9)
     with pytest.raises(ValueError, match="own_weight"):
         AcceptanceBook(own_weight=-1.0)
+
+
+def test_a_spread_reads_the_within_over_the_between_request_variance_of_ended_requests():
+    """Spread, by the method of moments: requests of 5 trees, half accepting [0, 1, 0, 1, 0] and half [3, 4, 3, 4,
+    3] (within variance 0.3 each, means 0.4 and 3.4: between variance 2.25 x 20/19 less 0.3/5)."""
+    spread = Spread(decay=1.0)
+    for i in range(20):
+        trees = [0, 1, 0, 1, 0] if i % 2 else [3, 4, 3, 4, 3]
+        if i == 7:
+            assert spread.weight(8, 1.0, 32.0) is None  # seven requests: too few to say
+        spread.add(len(trees), sum(trees), sum(t * t for t in trees))
+    between = 2.25 * 20 / 19 - 0.3 / 5
+    assert spread.weight(8, 0.01, 32.0) == pytest.approx(0.3 / between)
+    assert spread.weight(8, 1.0, 32.0) == 1.0  # bounded below
+    assert spread.weight(8, 0.01, 32.0, prior_strength=True) == 0.01  # a beta prior's strength is one less
+    spread.add(3, 9, 27)  # under MIN_TREES: left out
+    assert spread.requests == 20
+
+    # Requests alike: their means differ by what their draws explain, and the book's figure weighs fully.
+    rng = random.Random(7)
+    alike = Spread()
+    for _ in range(40):
+        trees = [sum(rng.random() < 0.6 for _ in range(5)) for _ in range(50)]
+        alike.add(len(trees), sum(trees), sum(t * t for t in trees))
+    assert alike.weight(8, 1.0, 32.0) >= 16.0
+
+
+def test_a_book_that_weighs_by_spread_takes_each_figures_weight_from_requests_that_ended():
+    budget, wide = CFG.fixed_budget, DraftBudget(6, 8, 16)
+    book = AcceptanceBook(own_weight=2.0, own_weight_from_spread=True)
+    assert book.own_weight_for(budget) == book.own_weight_for(None) == 2.0  # nothing ended yet
+    own_alike = own_apart = (0.0, 3.0)  # a request whose 3 trees accepted nothing
+    for i in range(12):
+        # every request's 5/4/8 trees accept 1 or 3 alternately: alike requests; their first levels differ widely
+        stats = AcceptanceStats()
+        for k in range(6):
+            stats.record(budget, 1 + 2 * (k % 2))
+            stats.record_path(MainPath(5, 0 if i % 2 else 5))
+        book.request_ended(stats.raw, tuple(stats.first_level))
+    assert book.own_weight_for(budget) == 32.0
+    assert book.own_weight_for(wide) == 32.0  # no spread of its own: the most drafted budget's
+    assert book.own_weight_for(None) == 1.0  # first levels all accepted or all missed: each request's own decides
+    for _ in range(40):
+        book.record(budget, 2)
+    glob = book.expected(budget, None)
+    assert book.expected(budget, own_alike) == pytest.approx(glob * 32 / 35)
+    book.own_weight_from_spread = False
+    assert book.expected(budget, own_apart) == pytest.approx(glob * 2 / 5)  # the fixed weight
+    with pytest.raises(ValueError, match="own_weight_bounds"):
+        AcceptanceBook(own_weight_bounds=(4.0, 1.0))
+
+
+def test_a_requests_acceptance_keeps_raw_counts_beside_its_decayed_figures():
+    stats = AcceptanceStats()
+    for accepted in (0, 2, 5):
+        stats.record(CFG.fixed_budget, accepted)
+    stats.fade(0.5)
+    stats.age([])
+    assert stats.raw[CFG.fixed_budget] == [3.0, 7.0, 29.0]
+    for path in (MainPath(5, 0), MainPath(5, 3), MainPath(0, 0)):
+        stats.record_path(path)
+    assert stats.first_level == [2.0, 1.0]  # a path of depth 0 reaches no level
+    assert stats.levels.levels[0] == pytest.approx([1.0, 1.8])  # the decayed levels as before
+
+
+def test_the_own_weight_flag_takes_trees_or_auto_and_refuses_anything_else():
+    from gateway.main import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["--target", "t:1"]).spec_own_weight == "2"
+    assert PolicyConfig().own_weight == AcceptanceBook.own_weight == 2.0
+    assert "--spec-own-weight TREES|auto" in " ".join(parser.format_help().split())
+    for bad in ("many", "-1", "inf", "nan"):
+        with pytest.raises(SystemExit, match="error: --spec-own-weight"):
+            main(["--target", "127.0.0.1:1", "--spec-own-weight", bad])
 
 
 def test_the_acceptance_book_holds_the_workloads_figure_not_its_last_prompts():

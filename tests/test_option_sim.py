@@ -30,13 +30,13 @@ def test_option_sim_refuses_a_load_it_has_no_step_costs_for():
 
 def test_option_sim_compares_own_weights_on_requests_that_end_and_differ_and_at_one_request_names_each_ones_best():
     proc = subprocess.run([sys.executable, "bench/option_sim.py", "--requests", "1", "--steps", "120", "--seeds", "2",
-                           "--margins", "0.05", "--own-weights", "2,8", "--request-tokens", "32", "--spread", "0.3"],
+                           "--margins", "0.05", "--own-weights", "2,auto", "--request-tokens", "32", "--spread", "0.3"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "each request's best, plain included: " in lines[0]
     assert [line.split(":")[0] for line in lines[1:]] == ["  margin 0.05, own weight  2.0",
-                                                          "  margin 0.05, own weight  8.0"]
+                                                          "  margin 0.05, own weight auto"]
     # each request's best is at least any one option's rate for it, so their harmonic mean is at least each option's
     oracle = float(lines[0].rsplit(": ", 1)[1])
     rates = [float(part.rsplit(" ", 1)[1]) for part in lines[0].split("option: ")[1].split(" (best")[0].split(", ")]
