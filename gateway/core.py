@@ -260,6 +260,7 @@ class GatewayCore:
         self._gate_plain = False
         self._gate_probing_trees = False  # the gate measures trees at this load: dormant requests wake for it
         self._configured_figures = ""  # the last plan's figures for the configured tree (DEBUG only)
+        self._logged_own_weight: float | None = None  # the own weight last logged (--spec-own-weight auto)
         # The auto candidates for whom plain decoding would still win were their own acceptance faded
         # into the book's, as plain steps fade it: the only ones a fed grant may take (_grant_steps).
         self._plain_holds: frozenset[str] = frozenset()
@@ -1225,11 +1226,28 @@ class GatewayCore:
         if delta.finish_reason:
             if self._mode(req) == SpecMode.AUTO:  # only auto requests keep figures of their own (_apply)
                 self.book.request_ended(req.acceptance.raw, tuple(req.acceptance.first_level))
+                self._log_own_weight()
             tracing.end_request_span(req, delta)
             self.metrics.e2e.observe(time.monotonic() - req.arrival)
             self.metrics.requests_total.labels(finish_reason=str(delta.finish_reason)).inc()
             self.metrics.generation_tokens.labels(speculation=str(self._mode(req))).inc(delta.completion_tokens)
             self.metrics.record_finished(self.model_name, delta.prompt_tokens, delta.completion_tokens)
+
+    def _log_own_weight(self) -> None:
+        """With --spec-own-weight auto, an INFO line where the configured tree's weight first leaves the fixed one
+        or moves by half since the last line: what the policy now makes of a request's own trees."""
+        if not self.book.own_weight_from_spread:
+            return
+        budget = self.cfg.policy.fixed_budget
+        weight, last = self.book.own_weight_for(budget), self._logged_own_weight
+        if last is None and weight == self.book.own_weight:
+            return  # not estimated yet
+        if last is not None and max(weight, last) < 1.5 * min(weight, last):
+            return
+        self._logged_own_weight = weight
+        log.info("own weight: the book's figures weigh as %.1f of a request's own %d/%d/%d trees and %.1f of its "
+                 "main paths (levels), from how far the last ended auto requests' acceptance differed", weight,
+                 budget.steps, budget.topk, budget.num_draft_tokens, self.book.own_weight_for(None))
 
     # --- record --------------------------------------------------------------------------
     def _record(self, plan: StepPlan, outcome: StepOutcome, round_start: float,

@@ -442,7 +442,7 @@ class AcceptanceBook:
     # are the better guess. In `bench/option_sim.py` (common draws, 0.6, 128-token requests, 2026-12-07) a
     # fixed weight of 8 against 2 gained 1.3% at one request where requests were alike and lost 3.9% where
     # their acceptance spread +-0.35; no fixed weight was best for both. Until `spread_requests` have ended
-    # for a figure, `own_weight` holds for it.
+    # for a figure (a decayed count: about the tenth request), `own_weight` holds for it.
     own_weight_from_spread: bool = False
     spread_requests: float = 8.0
     own_weight_bounds: tuple[float, float] = (1.0, 32.0)

@@ -1933,3 +1933,30 @@ def test_an_auto_requests_end_adds_its_raw_acceptance_to_the_books_spread_and_an
     spread = core.book.spreads[budget]
     assert spread.requests == 1.0 and spread.means == pytest.approx(2.5)
     assert core.book.spreads[None].means == pytest.approx(4 / 6)
+
+
+def test_the_estimated_own_weight_is_logged_once_it_leaves_the_fixed_one_and_when_it_moves_by_half(tokenizer, caplog):
+    target = FakeTarget()
+    cfg = CoreConfig(policy=PolicyConfig("auto", own_weight_from_spread=True),
+                     scheduler=SchedulerConfig(block_size=target.block_size), profile=False)
+    core = GatewayCore(target, [FakeDraft("draft0")], tokenizer, cfg, "fake")
+    budget = cfg.policy.fixed_budget
+
+    def end_requests(count: int, accepted_of) -> None:
+        for i in range(count):
+            raw = {budget: [0.0, 0.0, 0.0]}
+            for k in range(6):
+                accepted = accepted_of(i, k)
+                raw[budget] = [raw[budget][0] + 1, raw[budget][1] + accepted, raw[budget][2] + accepted ** 2]
+            core.book.request_ended(raw, (6.0, 3.0))
+            core._log_own_weight()
+
+    with caplog.at_level(logging.INFO, logger="tandem.gateway"):
+        end_requests(8, lambda i, k: k % 2)  # eight requests, decayed to 7.2: not estimated yet
+        assert "own weight" not in caplog.text
+        end_requests(2, lambda i, k: k % 2)  # alike: the bound
+        assert caplog.text.count("own weight: the book's figures weigh as 32.0 of a request's own 5/4/8 trees") == 1
+        end_requests(3, lambda i, k: k % 2)  # no move: no line
+        assert caplog.text.count("own weight") == 1
+        end_requests(30, lambda i, k: 4 * (i % 2) + k % 2)  # requests that differ: the weight falls
+        assert caplog.text.count("own weight") == 2
