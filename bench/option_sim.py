@@ -138,6 +138,14 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
     owns = [AcceptanceStats() for _ in range(seqs)]
     rates = [own_acceptance(serial) for serial in serials]
     made = [0] * seqs  # tokens each slot's request has committed
+
+    def end_requests() -> None:
+        """After a step, plain or not: each request past request_tokens ends and a fresh one takes its slot."""
+        for i in range(seqs):
+            if request_tokens and made[i] >= request_tokens:
+                book.request_ended(owns[i].raw, tuple(owns[i].first_level))
+                serials[i] = max(serials) + 1
+                owns[i], rates[i], made[i] = AcceptanceStats(), own_acceptance(serials[i]), 0
     explored = cfg.explored_options()
     committed, seconds, drafted = 0, 0.0, {}
     for _ in range(steps):
@@ -154,6 +162,7 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
             for own in owns:
                 own.fade(0.85)
             drafted["plain"] = drafted.get("plain", 0) + 1
+            end_requests()
             continue
         options = {label(b) for _, b in trees}
         name = options.pop() if len(options) == 1 else "mixed"
@@ -180,11 +189,7 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
             for chain, chain_accepted in chains:
                 own.record(chain, chain_accepted)
             own.age([budget, *(chain for chain, _ in chains)])
-        for i in range(seqs):
-            if request_tokens and made[i] >= request_tokens:
-                book.request_ended(owns[i].raw, tuple(owns[i].first_level))
-                serials[i] = max(serials) + 1
-                owns[i], rates[i], made[i] = AcceptanceStats(), own_acceptance(serials[i]), 0
+        end_requests()
     return committed / seconds, drafted
 
 

@@ -440,7 +440,7 @@ class AcceptanceBook:
     # how far their figures differed beyond what their trees' draws explain (see Spread). Where requests are
     # alike, a request's own few trees only add noise to the book's many; where they differ, its own figures
     # are the better guess. In `bench/option_sim.py` (common draws, 0.6, 128-token requests, 2026-12-07) a
-    # fixed weight of 8 against 2 gained 1.3% at one request where requests were alike and lost 3.9% where
+    # fixed weight of 8 against 2 gained 1.3% at one request where requests were alike and lost 3.8% where
     # their acceptance spread +-0.35; no fixed weight was best for both. Until `spread_requests` have ended
     # for a figure (a decayed count: about the tenth request), `own_weight` holds for it.
     own_weight_from_spread: bool = False
