@@ -481,7 +481,10 @@ class AcceptanceBook:
             raise ValueError(f"own_weight_bounds must be 0 <= low <= high, got {self.own_weight_bounds}")
 
     def request_ended(self, budgets: dict[DraftBudget, list[float]], first_level: tuple[float, float]) -> None:
-        """An auto request ended: its raw figures (AcceptanceStats.raw and .first_level) join the spreads."""
+        """An auto request ended: its raw figures (AcceptanceStats.raw and .first_level) join the spreads (kept only
+        where they set the weight)."""
+        if not self.own_weight_from_spread:
+            return
         for budget, (trees, total, squares) in budgets.items():
             self.spreads.setdefault(budget, Spread()).add(trees, total, squares)
         paths, accepted = first_level
