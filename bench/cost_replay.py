@@ -5,7 +5,7 @@
 
 The gateway logs its start-up profile (`cost model: CostModel(...)`), each plan's trees (`step N: ...
 trees [...]`) and each step's wall time (`step N+1 done: ...`). This replays the steps through
-gateway.policy.CostModel.observe as the gateway's _record does, and prints, at the start of each `auto`
+gateway.cost_model.CostModel.observe as the gateway's _record does, and prints, at the start of each `auto`
 level of the `tandem bench` run whose bench.json --levels names (or once, at the log's end), the round
 each option was priced at with every one of the level's requests drafting it; beside it, the mean round
 that option x that many requests measured over the whole log (steps whose plan gave every request that
@@ -14,7 +14,7 @@ option `auto` will not draft, and so will not measure again.
 
 An approximation: the log does not say which rounds captured a draft graph or waited on a joining prompt's
 ingest, which the gateway leaves out of the cost model; the replay counts them. --outlier-step replays with
-another gateway.policy.OUTLIER_STEP (100: as before it existed).
+another gateway.cost_model.OUTLIER_STEP (100: as before it existed).
 
 --plain prints, per batch bucket, what a plain step was priced at as each grant began, learned a step at a time (as
 the gateway learned it until 5e6f445) and learned a grant at a time (its steps' mean, as GatewayCore._learn_grant
@@ -42,8 +42,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.step_log import PLAN, STAMP, STEP, read_log  # noqa: E402
 from draft_service.types import DraftBudget  # noqa: E402
-from gateway import policy  # noqa: E402
-from gateway.policy import AcceptanceBook, Candidate, CostModel, PolicyConfig, search_budgets  # noqa: E402
+from gateway import cost_model  # noqa: E402
+from gateway.acceptance import AcceptanceBook  # noqa: E402
+from gateway.cost_model import CostModel  # noqa: E402
+from gateway.policy import Candidate, PolicyConfig, search_budgets  # noqa: E402
 
 PROFILE = re.compile(r"cost model: (CostModel\(.*\))\s*$")
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     options = ([parse_budget(o) for o in args.options.split(";")] if args.options
                else list(PolicyConfig().auto_options()))
     if args.outlier_step is not None:
-        policy.OUTLIER_STEP = args.outlier_step
+        cost_model.OUTLIER_STEP = args.outlier_step
     starts: list[tuple[float, int, int]] = []  # (epoch seconds, concurrency, round) of each auto level
     if args.levels:
         try:
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             learn_grant(per_grant, grant)
         if decode == "True" and (trees or fed == "False"):  # GatewayCore._record's arm steps, as far as a log says
             if not trees:
-                figures = plain.setdefault(policy.batch_bucket(seqs), [0, 0.0, 0.0, 0, 0.0])
+                figures = plain.setdefault(cost_model.batch_bucket(seqs), [0, 0.0, 0.0, 0, 0.0])
                 if granted == 1:  # priced as the grant's plan was, before its steps are learned
                     figures[0] += 1
                     figures[1] += costs.step_time(seqs, seqs, [])
@@ -167,7 +169,7 @@ def print_plain(plain: dict[int, list[float]]) -> None:
     print(f"{'seqs':>7} {'grants':>7} {'stepwise':>10} {'per grant':>10} {'steps':>7} {'mean':>8}")
     for bucket, (grants, stepwise, per_grant, steps, seconds) in sorted(plain.items()):
         if grants:
-            print(f"{policy.bucket_range(bucket):>7} {grants:>7} {1e3 * stepwise / grants:>10.3f} "
+            print(f"{cost_model.bucket_range(bucket):>7} {grants:>7} {1e3 * stepwise / grants:>10.3f} "
                   f"{1e3 * per_grant / grants:>10.3f} {steps:>7} {1e3 * seconds / steps:>8.3f}")
 
 

@@ -20,6 +20,7 @@ tokens the draws), and gives the gate the draws' mean as the step's expected tok
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import random
 import statistics
@@ -112,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.steps < 1 or args.seqs < 1 or args.plain <= 0:
         raise SystemExit("error: --seeds, --steps and --seqs need positive integers, --plain a positive rate")
-    if not (args.tree / "gateway" / "policy.py").exists():
-        raise SystemExit(f"error: {args.tree} has no gateway/policy.py")
+    # The gate has lived in gateway/load_gate.py since 2026-12-07, in gateway/policy.py before.
+    module = next((name for name in ("load_gate", "policy") if (args.tree / "gateway" / f"{name}.py").exists()), None)
+    if module is None:
+        raise SystemExit(f"error: {args.tree} has no gateway/load_gate.py or gateway/policy.py")
     sys.path.insert(0, str(args.tree.resolve()))
-    from gateway.policy import LoadGate
+    LoadGate = importlib.import_module(f"gateway.{module}").LoadGate  # noqa: N806 (a class, named as one)
     print(f"{'trees/plain':>11} {'mean':>6} {'p10':>6} {'min':>6}   delivered / the better arm's rate, "
           f"{args.seeds} levels each, first probe of trees x{args.first_bias}, gate of {args.tree}")
     for ratio in (float(r) for r in args.ratios.split(",")):

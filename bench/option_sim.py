@@ -31,17 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cost_replay import name as label  # noqa: E402  (a budget as "5/4/8")
 from draft_service.types import DraftBudget  # noqa: E402
-from gateway.policy import (  # noqa: E402
-    NO_SPEC,
-    AcceptanceBook,
-    Candidate,
-    CostModel,
-    MainPath,
-    PolicyConfig,
-    chains_would_accept,
-    choose_budgets,
-    search_budgets,
-)
+from gateway.acceptance import AcceptanceBook, MainPath, chains_would_accept  # noqa: E402
+from gateway.cost_model import CostModel  # noqa: E402
+from gateway.policy import NO_SPEC, Candidate, PolicyConfig, choose_budgets, search_budgets  # noqa: E402
 from gateway.request import AcceptanceStats  # noqa: E402
 
 # Milliseconds of a step with every request's tree of one option, and of a plain step, by requests: the H100 scale

@@ -17,16 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.policy import (  # noqa: E402
-    AcceptanceBook,
-    Candidate,
-    CostModel,
-    LevelRates,
-    MainPath,
-    PolicyConfig,
-    choose_budgets,
-    search_budgets,
-)
+from gateway.acceptance import AcceptanceBook, LevelRates, MainPath  # noqa: E402
+from gateway.cost_model import CostModel  # noqa: E402
+from gateway.policy import Candidate, PolicyConfig, choose_budgets, search_budgets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

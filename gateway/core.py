@@ -28,25 +28,13 @@ import torch
 
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway import tracing
+from gateway.acceptance import AcceptanceBook, chains_would_accept, main_path
 from gateway.clients import DraftClient, TargetClient, TargetUnavailable
+from gateway.cost_model import CostModel, batch_bucket, bucket_range
 from gateway.draft_pool import DraftPool, DraftReplica
+from gateway.load_gate import HeldLoad, LoadGate
 from gateway.metrics import GatewayMetrics, observe_times
-from gateway.policy import (
-    NO_SPEC,
-    AcceptanceBook,
-    BudgetSearch,
-    Candidate,
-    CostModel,
-    HeldLoad,
-    LoadGate,
-    PolicyConfig,
-    batch_bucket,
-    bucket_range,
-    chains_would_accept,
-    choose_budgets,
-    main_path,
-    search_budgets,
-)
+from gateway.policy import NO_SPEC, BudgetSearch, Candidate, PolicyConfig, choose_budgets, search_budgets
 from gateway.request import DraftLink, Phase, Request
 from gateway.scheduler import PlannedItem, SchedulerConfig, StepPlan, blocks_for, plan_step
 from gateway.types import DeltaSink, FinishReason, GenerationParams, SpecMode

@@ -17,7 +17,8 @@ from gateway.core import CoreConfig, GatewayCore
 from gateway.discovery import parse_draft_source, wait_for_replicas
 from gateway.draft_pool import feature_layers_match
 from gateway.http_guards import DEFAULT_MAX_BODY_BYTES
-from gateway.policy import HeldLoad, LoadGate, PolicyConfig
+from gateway.load_gate import HeldLoad, LoadGate
+from gateway.policy import PolicyConfig
 from gateway.scheduler import SchedulerConfig
 from tandem import telemetry
 from tandem.tls import add_client_tls_arguments, add_server_tls_arguments, client_tls_from_args, server_tls_from_args

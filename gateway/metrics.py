@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.policy import AuditArm, AuditRow
+from gateway.load_gate import AuditArm, AuditRow
 from tandem.service_metrics import LaneSpinCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -20,8 +20,9 @@ import torch
 
 from draft_service.types import DraftBudget, IngestItem
 from gateway.clients import TargetClient
+from gateway.cost_model import CostModel, batch_bucket
 from gateway.draft_pool import DraftReplica
-from gateway.policy import CostModel, PolicyConfig, batch_bucket
+from gateway.policy import PolicyConfig
 from target_service.types import SequenceStep
 from target_service.wire import GrantStops
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from draft_service.types import DraftBudget, IngestItem
+from gateway.acceptance import LevelRates, MainPath
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from gateway.policy import LevelRates, MainPath
 from gateway.types import Delta, DeltaSink, FinishReason, GenerationParams, SpecStats, TokenLogprob
 from target_service.controls import LogitsControls
 

@@ -299,8 +299,8 @@ LEVEL_SUMS = (PREDICTIONS, PREDICTED, COMMITTED, SECONDS, PREDICTED_STEP_SECONDS
 
 
 def level_bucket(concurrency: int) -> str:
-    """The gateway's batch bucket (its `sequences` label, gateway.policy.bucket_range) that a level of
-    this concurrency decodes in: 1, 2-3, 4-7, ... (Not imported from there: gateway.policy loads torch,
+    """The gateway's batch bucket (its `sequences` label, gateway.cost_model.bucket_range) that a level of
+    this concurrency decodes in: 1, 2-3, 4-7, ... (Not imported from there: gateway.cost_model loads torch,
     4 s before `tandem bench` could say anything.)"""
     low = 1 << (max(concurrency, 1).bit_length() - 1)
     return f"{low}-{2 * low - 1}"

@@ -50,8 +50,10 @@ def test_bench_writes_json_and_png(tmp_path):
 def test_a_levels_audit_is_what_the_gateway_exported_between_two_scrapes():
     from prometheus_client import generate_latest
 
+    from gateway.cost_model import batch_bucket, bucket_range
+    from gateway.load_gate import LoadGate
     from gateway.metrics import GatewayMetrics
-    from gateway.policy import LoadGate, Rates, batch_bucket, bucket_range
+    from gateway.policy import Rates
     from tandem.bench import level_audit, level_bucket, level_sums
 
     gate, metrics = LoadGate(), GatewayMetrics()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from draft_service.types import DraftBudget
-from gateway.policy import CostModel
+from gateway.cost_model import CostModel
 from tests.test_step_log import START, stamped
 
 REPO = Path(__file__).resolve().parents[1]

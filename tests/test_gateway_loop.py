@@ -24,7 +24,8 @@ import torch
 from draft_service.types import DraftBudget, DraftTree, IngestItem
 from gateway.clients import DraftInfo, DraftReply, TargetInfo
 from gateway.core import CoreConfig, GatewayCore
-from gateway.policy import BudgetSearch, Candidate, CostModel, PolicyConfig, Rates, batch_bucket
+from gateway.cost_model import CostModel, batch_bucket
+from gateway.policy import BudgetSearch, Candidate, PolicyConfig, Rates
 from gateway.request import Phase
 from gateway.scheduler import SchedulerConfig
 from gateway.types import Delta, FinishReason, GenerationParams, SpecMode
@@ -452,7 +453,7 @@ def test_a_finished_requests_target_release_rides_on_the_next_step_while_others_
 def _batch_of_eight(tokenizer, plain_won_below: bool) -> tuple:
     """(core, target) after 8 auto requests ran to the end; plain_won_below: the gate had judged 4-7
     sequences for plain decoding (measured at 3x trees) before they came."""
-    from gateway.policy import Arm
+    from gateway.load_gate import Arm
 
     core, target, _ = new_core(tokenizer, mode="auto", grant_steps=8)
     if plain_won_below:
@@ -483,7 +484,7 @@ def test_a_burst_whose_prompts_take_several_steps_is_judged_at_its_load_not_at_e
     It judges the gateway's load, eight requests, from the first step on: no features, no tree."""
     from dataclasses import replace
 
-    from gateway.policy import Arm
+    from gateway.load_gate import Arm
 
     def steps(seed_gate: bool) -> list[list[SequenceStep]]:
         core, target, _ = new_core(tokenizer, mode="auto")
@@ -518,7 +519,7 @@ def test_a_load_that_dips_for_a_few_plans_between_a_requests_end_and_the_next_ke
     those plans: they fed their drafts the target's features (and drafted trees once caught up) only to go
     dormant again when the next request came. Judged at the load held over the last plans, they stay
     dormant throughout; tandem_policy_gate_load says which load the gate judged."""
-    from gateway.policy import Arm
+    from gateway.load_gate import Arm
 
     judged = []
 
@@ -1846,7 +1847,7 @@ def test_the_core_tells_the_gate_which_steps_carry_a_joining_prompt_and_a_re_pro
     """Issue 14: the gate records no step that carries a joining prompt's chunk, so it must know which steps do: a
     re-probe of trees waits for a step that only decodes, and a first probe drafts on at most `probe_steps` such
     steps (LoadGate._answer). The core says so at each plan it asks the gate about (prompts_join)."""
-    from gateway.policy import Probe
+    from gateway.load_gate import Probe
 
     core, target, _ = new_core(tokenizer, mode="auto")
     asked = []

@@ -8,26 +8,10 @@ import random
 import pytest
 
 from draft_service.types import DraftBudget
-from gateway.policy import (
-    NO_SPEC,
-    AcceptanceBook,
-    AuditArm,
-    Candidate,
-    CostModel,
-    HeldLoad,
-    LevelRates,
-    LoadGate,
-    MainPath,
-    PolicyConfig,
-    PromptCharges,
-    Rates,
-    Spread,
-    batch_bucket,
-    chains_would_accept,
-    choose_budgets,
-    main_path,
-    search_budgets,
-)
+from gateway.acceptance import AcceptanceBook, LevelRates, MainPath, Spread, chains_would_accept, main_path
+from gateway.cost_model import CostModel, batch_bucket
+from gateway.load_gate import AuditArm, HeldLoad, LoadGate, PromptCharges
+from gateway.policy import NO_SPEC, Candidate, PolicyConfig, Rates, choose_budgets, search_budgets
 from gateway.request import AcceptanceStats, Phase, Request
 from gateway.scheduler import SchedulerConfig, plan_step
 from gateway.types import GenerationParams

@@ -10,7 +10,8 @@ import pytest
 from draft_service.types import DraftBudget, DraftTree
 from gateway import profiling
 from gateway.clients import DraftInfo, TargetInfo
-from gateway.policy import CostModel, PolicyConfig, batch_bucket
+from gateway.cost_model import CostModel, batch_bucket
+from gateway.policy import PolicyConfig
 from gateway.profiling import PREFILL_TOKENS, PREFIX, ROUND_BATCHES, ROUND_REPEATS, price_rounds
 from target_service.types import KvLoad, SequenceResult
 
