@@ -1,0 +1,227 @@
+"""Issues 11, 12 and 14's GPU goals read off a device call's results: each goal, its figure, met or not.
+
+    python3 bench/goals.py DIR [DIR ...]
+
+Looks under each DIR (recursively; unpack any results.tgz first) for what the stages of bench/h200_hot_path.sh
+write: forward_after.json (stage `forward`), engine_after.json (`engine`), stack_after/ (`stack`),
+draft_after*.json (`draft`), spec_scale*/ and spec_demo*/ (`spec`), auto_scale_*/ and auto_demo*/ (`auto`,
+`autodemo`). Every figure names the card it ran on (the nearest gpu.txt above it, else the JSON's device): the
+goals are an H200's, and an H100's figure settles none of them. Where a mode ran in several rounds, the figures
+are the medians of its rounds, as the BENCHMARKS.md sections read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.auto_report import load_rows  # noqa: E402
+from tandem.bench import LevelResult  # noqa: E402
+
+# Issue 11, must-show 3
+ENGINE_OVER_FORWARD = {1: 1.10, 64: 1.15}
+ITL_OVER_FORWARD = 1.15
+FORWARD_OVER_FLOOR = 1.25
+# Issue 12, must-shows 2-4
+DRAFT_MS = {(1, "5/4/8"): 1.5, (1, "3/1/4"): 1.0, (64, "5/4/8"): 6.0}
+SCALE_SPEEDUP = 2.5
+ROUND_OVER_PLAIN = 1.35
+DEMO_SPEEDUP = 1.5
+# Issue 14, must-show 1
+AUTO_FLOOR = 0.97
+AUTO_AT_CROSSING = 1.05
+
+
+class Goal(NamedTuple):
+    """One goal as measured: what it asks, the figure, whether it is met (None: only reported), the card."""
+
+    issue: int
+    what: str
+    figure: str
+    met: bool | None
+    card: str
+
+    def line(self) -> str:
+        verdict = "reported" if self.met is None else "met" if self.met else "NOT met"
+        return f"issue {self.issue}: {self.what}: {self.figure} [{verdict}; {self.card}]"
+
+
+def card_of(path: Path, root: Path, fallback: str = "card unknown") -> str:
+    """The GPU a result ran on: the first line of the nearest gpu.txt between the file and the root."""
+    for folder in [path.parent, *path.parent.parents]:
+        gpu = folder / "gpu.txt"
+        # `nvidia-smi -L` ("GPU 0: NVIDIA H200 (UUID: ...)") or the stages' CSV query ("NVIDIA H200, 1980 MHz, ...")
+        names = [line for line in gpu.read_text().splitlines() if "NVIDIA" in line] if gpu.exists() else []
+        if names:
+            return names[0].split("(UUID")[0].split(",")[0].split(": ", 1)[-1].strip()
+        if folder == root:
+            break
+    return fallback
+
+
+def medians(rows: list[LevelResult]) -> dict[tuple[str, int], LevelResult]:
+    """Per (mode, concurrency), the round with the median total tok/s (the lower middle of an even count)."""
+    by_level: dict[tuple[str, int], list[LevelResult]] = {}
+    for row in rows:
+        by_level.setdefault((row.mode, row.concurrency), []).append(row)
+    return {key: sorted(runs, key=lambda row: row.total_tok_s)[(len(runs) - 1) // 2] for key, runs in by_level.items()}
+
+
+def median_rate(rows: list[LevelResult], mode: str, concurrency: int) -> float | None:
+    rates = [row.total_tok_s for row in rows if row.mode == mode and row.concurrency == concurrency]
+    return statistics.median(rates) if rates else None
+
+
+def forward_goals(root: Path) -> Iterator[Goal]:
+    """Issue 11: the forward against its floor, the engine step against the forward, `never`'s inter-token p50
+    against the forward."""
+    for path in sorted(root.rglob("forward_after.json")):
+        data = json.loads(path.read_text())
+        card = card_of(path, root, str(data.get("device", "card unknown")))
+        decode = {row["batch"]: row for row in data["rows"] if row.get("step") == "decode"}
+        if 1 in decode:
+            row = decode[1]
+            ratio = row["graph_ms"] / row["mem_floor_ms"]
+            yield Goal(11, f"the forward at batch 1 within {FORWARD_OVER_FLOOR}x of the HBM floor",
+                       f"{row['graph_ms']:.2f} / {row['mem_floor_ms']:.2f} ms = {ratio:.2f}x",
+                       ratio <= FORWARD_OVER_FLOOR, card)
+        folder = path.parent
+        engine = folder / "engine_after.json"
+        if engine.exists():
+            plain = [row for row in json.loads(engine.read_text())["rows"]
+                     if row.get("mode") == "graphs" and row.get("nodes") == 1 and "ms" in row]
+            steps = {row["batch"]: row["ms"] for row in plain if "grant" not in row}  # a whole standalone step
+            granted = {row["batch"]: row["ms"] for row in plain if "grant" in row}  # a step within a grant
+            for batch, most in ENGINE_OVER_FORWARD.items():
+                if batch in steps and batch in decode:
+                    forward = decode[batch]["graph_ms"]
+                    ratio = steps[batch] / forward
+                    within = f"; within a grant {granted[batch] / forward:.2f}x" if batch in granted else ""
+                    yield Goal(11, f"the engine step within {most}x of the forward at batch {batch}",
+                               f"{steps[batch]:.2f} / {forward:.2f} ms = {ratio:.2f}x{within}",
+                               ratio <= most, card_of(engine, root, card))
+        stack = folder / "stack_after"
+        rows = load_rows(stack) if stack.is_dir() else []
+        for concurrency in (1, 64):
+            itl = [row.itl_p50_s for row in rows if row.mode == "never" and row.concurrency == concurrency]
+            if itl and concurrency in decode:
+                ms = 1e3 * statistics.median(itl)
+                ratio = ms / decode[concurrency]["graph_ms"]
+                requests = f"{concurrency} request{'s' if concurrency != 1 else ''}"
+                yield Goal(11, f"full-stack `never` inter-token p50 within {ITL_OVER_FORWARD}x of the forward at "
+                           f"{requests}", f"{ms:.2f} / {decode[concurrency]['graph_ms']:.2f} ms = {ratio:.2f}x",
+                           ratio <= ITL_OVER_FORWARD, card_of(stack, root, card))
+        if (rate := median_rate(rows, "never", 64)) is not None:
+            yield Goal(11, "`never` throughput at 64 requests", f"{rate:,.1f} tok/s", None, card_of(stack, root, card))
+
+
+def draft_goals(root: Path) -> Iterator[Goal]:
+    """Issue 12, must-show 2: one Draft call's median ms per batch and budget (bench/draft_step.py)."""
+    for path in sorted(root.rglob("draft_after*.json")):
+        data = json.loads(path.read_text())
+        card = card_of(path, root, str(data.get("device", "card unknown")))
+        by_batch = {row["batch"]: row["ms"] for row in data["rows"]}
+        for (batch, budget), most in DRAFT_MS.items():
+            ms = by_batch.get(batch, {}).get(budget)
+            if ms is not None:
+                yield Goal(12, f"a {budget} Draft call at batch {batch} in at most {most} ms ({path.name})",
+                           f"{ms:.2f} ms", ms <= most, card)
+
+
+def spec_goals(root: Path) -> Iterator[Goal]:
+    """Issue 12, must-shows 3 and 4: `always` over `never` at one request, a round over a plain step, and where
+    `always` falls below `never`."""
+    for folder in sorted(p for p in root.rglob("spec_*") if p.is_dir()):
+        rows = load_rows(folder)
+        never, always = median_rate(rows, "never", 1), median_rate(rows, "always", 1)
+        if never is None or always is None:
+            continue
+        card = card_of(folder / "x", root)
+        demo = folder.name.startswith("spec_demo")
+        least = DEMO_SPEEDUP if demo else SCALE_SPEEDUP
+        track = "demo track" if demo else "scale track"
+        yield Goal(12, f"`always` / `never` at one request, {track} ({folder.name}), at least {least}x",
+                   f"{always:,.1f} / {never:,.1f} tok/s = {always / never:.2f}x", always / never >= least, card)
+        if demo:
+            continue
+        levels = medians(rows)
+        plain, trees = levels.get(("never", 1)), levels.get(("always", 1))
+        if plain and trees and plain.decode_step_ms and trees.decode_step_ms:
+            ratio = trees.decode_step_ms / plain.decode_step_ms
+            yield Goal(12, f"a round at one request at most {ROUND_OVER_PLAIN}x a plain step ({folder.name})",
+                       f"{trees.decode_step_ms:.2f} / {plain.decode_step_ms:.2f} ms = {ratio:.2f}x",
+                       ratio <= ROUND_OVER_PLAIN, card)
+        concurrencies = sorted({row.concurrency for row in rows})
+        below = [c for c in concurrencies
+                 if (median_rate(rows, "always", c) or 0.0) < (median_rate(rows, "never", c) or 0.0)]
+        yield Goal(12, f"where `always` falls below `never` ({folder.name})",
+                   f"from {below[0]} requests" if below else f"not up to {concurrencies[-1]} requests", None, card)
+
+
+def auto_goals(root: Path) -> Iterator[Goal]:
+    """Issue 14, must-show 1: auto / max(never, always) at every level, where the two modes cross, and auto
+    against `never` at the highest level."""
+    for folder in sorted(p for p in root.rglob("auto_*") if p.is_dir()):
+        rows = load_rows(folder)
+        levels = sorted({row.concurrency for row in rows if row.mode == "auto"})
+        if not levels:
+            continue
+        card = card_of(folder / "x", root)
+        shares, lead = {}, {}
+        for c in levels:
+            never, always, auto = (median_rate(rows, mode, c) for mode in ("never", "always", "auto"))
+            if never is None or always is None or auto is None:
+                continue
+            shares[c] = auto / max(never, always)
+            lead[c] = always > never
+        if not shares:
+            continue
+        figures = ", ".join(f"{c}: {share:.2f}" for c, share in shares.items())
+        yield Goal(14, f"auto / max(never, always) at least {AUTO_FLOOR} at every level ({folder.name})", figures,
+                   min(shares.values()) >= AUTO_FLOOR, card)
+        done = list(shares)
+        crossing = sorted({c for a, b in zip(done, done[1:], strict=False) if lead[a] != lead[b] for c in (a, b)})
+        if crossing:
+            yield Goal(14, f"at least {AUTO_AT_CROSSING} where `never` and `always` cross ({folder.name})",
+                       ", ".join(f"{c}: {shares[c]:.2f}" for c in crossing),
+                       min(shares[c] for c in crossing) >= AUTO_AT_CROSSING, card)
+        top = done[-1]
+        never, auto = median_rate(rows, "never", top), median_rate(rows, "auto", top)
+        yield Goal(14, f"auto at least {AUTO_FLOOR}x `never` at the highest level, {top} ({folder.name})",
+                   f"{auto:,.1f} / {never:,.1f} tok/s = {auto / never:.2f}x", auto / never >= AUTO_FLOOR, card)
+
+
+def goals(root: Path) -> list[Goal]:
+    return [*forward_goals(root), *draft_goals(root), *spec_goals(root), *auto_goals(root)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", type=Path, help="device calls' result folders (results.tgz unpacked)")
+    args = ap.parse_args(argv)
+    missing = [str(d) for d in args.dirs if not d.is_dir()]
+    if missing:
+        ap.error(f"not a folder: {', '.join(missing)}")
+    found = 0
+    for root in args.dirs:
+        for goal in goals(root):
+            print(goal.line())
+            found += 1
+    if not found:
+        packed = [str(path) for root in args.dirs for path in root.rglob("results.tgz")]
+        hint = f" (unpack {', '.join(packed)} first)" if packed else ""
+        print(f"no results of the forward, engine, stack, draft, spec, auto or autodemo stages found{hint}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
