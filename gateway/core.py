@@ -1121,8 +1121,9 @@ class GatewayCore:
                 now = time.perf_counter()
                 index += 1
                 if results:
-                    yield StepOutcome(items=[by_id[res.request_id] for res in results], results=results, load=load,
-                                      seconds=now - t0, trees={}, granted=index, held_features=hold, fed_draft=fed)
+                    yield StepOutcome(items=[by_id[result.request_id] for result in results], results=results,
+                                      load=load, seconds=now - t0, trees={}, granted=index, held_features=hold,
+                                      fed_draft=fed)
                 t0 = now
                 if self._should_interrupt(reqs):
                     grant.interrupt()
@@ -1139,8 +1140,8 @@ class GatewayCore:
     def _update(self, plan: StepPlan, outcome: StepOutcome) -> None:
         self._target_usage(outcome.load)
         verified: list[tuple[int, int]] = []  # (drafted, accepted) per tree: the metrics move once a step
-        for it, res in zip(outcome.items, outcome.results, strict=True):
-            self._apply(it, res, outcome.trees.get(res.request_id), plan.budgets.get(res.request_id, NO_SPEC),
+        for it, result in zip(outcome.items, outcome.results, strict=True):
+            self._apply(it, result, outcome.trees.get(result.request_id), plan.budgets.get(result.request_id, NO_SPEC),
                         outcome.held_features, verified)
         self.metrics.record_verifies(self.model_name, verified)
         if outcome.granted:  # the target still feeds the grant's requests: release them after it
@@ -1152,7 +1153,7 @@ class GatewayCore:
         if outcome.granted and outcome.fed_draft:
             self._flush_ingests()
 
-    def _apply(self, it: PlannedItem, res: SequenceResult, tree: DraftTree | None, budget: DraftBudget,
+    def _apply(self, it: PlannedItem, result: SequenceResult, tree: DraftTree | None, budget: DraftBudget,
                held: bool, verified: list[tuple[int, int]]) -> None:
         """One item's result lands in its request; a verified tree's (drafted, accepted) goes to `verified`."""
         req = it.request
@@ -1160,13 +1161,13 @@ class GatewayCore:
             return
         old_len = req.target_len
         req.target_created = True
-        req.target_len = res.num_committed
+        req.target_len = result.num_committed
         if not it.reaches_end:  # a prefill chunk that is not the last: its sample is not output
-            self._feed_draft(req, old_len, res, defer=False, held=held)
+            self._feed_draft(req, old_len, result, defer=False, held=held)
             return
         stats = req.stats
         if tree is not None:
-            accepted = len(res.accepted_nodes)
+            accepted = len(result.accepted_nodes)
             stats = stats.after_verify(len(tree.tokens), accepted)
             verified.append((len(tree.tokens), accepted))
             # Every tree teaches the global book; a request's own figures choose only an auto request's trees
@@ -1174,7 +1175,7 @@ class GatewayCore:
             own = req.acceptance if self._mode(req) == SpecMode.AUTO else None
             self.book.record(budget, accepted)
             # The step's node 0 is the root token (DraftTree.verify_tree): the tree's node i is its i + 1.
-            drafted_nodes = [node - 1 for node in res.accepted_nodes]
+            drafted_nodes = [node - 1 for node in result.accepted_nodes]
             path = main_path(tree.parents, tree.scores, drafted_nodes)
             if path is not None:
                 self.book.levels.record(path)
@@ -1194,7 +1195,7 @@ class GatewayCore:
             req.acceptance.fade(0.85)
         first = req.first_token_at is None
         prev_last = req.last_token_at
-        delta = req.commit(res.tokens, res.logprobs, res.top_logprobs, res.num_committed, stats)
+        delta = req.commit(result.tokens, result.logprobs, result.top_logprobs, result.num_committed, stats)
         now = time.monotonic()
         if first:
             self.metrics.ttft.observe(now - req.arrival)
@@ -1202,7 +1203,7 @@ class GatewayCore:
             observe_times(self.metrics.itl, (now - prev_last) / len(delta.token_ids), len(delta.token_ids))
         self._emit(req, delta)
         if req.phase != Phase.FINISHED:
-            self._feed_draft(req, old_len, res, defer=tree is not None, held=held)
+            self._feed_draft(req, old_len, result, defer=tree is not None, held=held)
 
     def _emit(self, req: Request, delta) -> None:
         try:
@@ -1262,7 +1263,7 @@ class GatewayCore:
         # Only decode steps measure what the policy chooses between: prefill work in a step
         # belongs to neither arm, and taxed whichever arm the gate probed first as a batch filled.
         decode = all(it.is_decode for it in outcome.items)
-        seqs, committed = len(outcome.items), sum(len(res.tokens) for res in outcome.results)
+        seqs, committed = len(outcome.items), sum(len(result.tokens) for result in outcome.results)
         # A plain step that fed the draft belongs to neither arm: plain decoding, as `never` runs it,
         # feeds nothing and is granted. (Such steps had the gate read plain decoding at 0.7x `never`;
         # and while the cost model learned from them too, it priced plain decoding at 0.38-0.56x of
@@ -1437,7 +1438,7 @@ class GatewayCore:
             if req.draft is None and req.phase == Phase.RUNNING and self._mode(req) != SpecMode.NEVER:
                 self._attach_draft(req)
 
-    def _feed_draft(self, req: Request, old_len: int, res: SequenceResult, defer: bool, held: bool = False) -> None:
+    def _feed_draft(self, req: Request, old_len: int, result: SequenceResult, defer: bool, held: bool = False) -> None:
         """Pass the request's new tokens (and features, or word that the target holds them) to
         its replica.
 
@@ -1455,8 +1456,8 @@ class GatewayCore:
         # The draft learns committed tokens and the one after them, never more: a
         # position it computes without the target's features is only approximate.
         known_len = min(req.target_len + 1, req.num_tokens)
-        feats = res.features
-        held_rows = res.num_committed - old_len if held and feats is None else 0
+        feats = result.features
+        held_rows = result.num_committed - old_len if held and feats is None else 0
         rows = held_rows or (0 if feats is None else int(feats.shape[0]))
         if rows and link.sent < old_len:
             # Tokens the replica was never sent (a dormant spell) go first, without features: an
@@ -1617,8 +1618,8 @@ class GatewayCore:
         if not self.running:  # no draft call follows to send them behind
             self._flush_draft_releases()
         if not self.running and not self.waiting:  # idle: the draft gauge must not keep the last step's value
-            for rep in self.pool.healthy():  # queued after the releases above, on the replica's FIFO worker
-                self._refresh_draft_usage(rep)
+            for replica in self.pool.healthy():  # queued after the releases above, on the replica's FIFO worker
+                self._refresh_draft_usage(replica)
 
     def _preempt(self, req: Request) -> None:
         """Out of KV: forget req everywhere; it resumes later from its tokens (recompute)."""

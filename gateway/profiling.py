@@ -88,8 +88,8 @@ def _profile_target(target: TargetClient, block_size: int, free_blocks: int,
                         toks = (pending[rid],) + tuple(1 + j % 50 for j in range(nodes - 1))
                         # The pending token, then a chain of drafted nodes below it.
                         items.append(SequenceStep(rid, toks, tuple(range(-1, nodes - 1)), num_fixed=1))
-                    for res in target.step(items, ())[0]:
-                        pending[res.request_id] = res.tokens[-1]
+                    for result in target.step(items, ())[0]:
+                        pending[result.request_id] = result.tokens[-1]
                 ys.append(_median_time(run))
                 rows.append([1.0, seqs * nodes, seqs])
         granted = _profile_grants(target, ids, pending, grant_steps) if grant_steps > 1 else {}
@@ -114,8 +114,8 @@ def _profile_grants(target: TargetClient, ids: list[str], pending: dict[str, int
                 now = time.perf_counter()
                 gaps.append(now - t0)
                 t0 = now
-                for res in results:
-                    pending[res.request_id] = res.tokens[-1]
+                for result in results:
+                    pending[result.request_id] = result.tokens[-1]
         finally:
             grant.close()
         if gaps:
@@ -258,7 +258,7 @@ def price_rounds(target: TargetClient, replica: DraftReplica, cfg: PolicyConfig,
         for start in range(0, len(ids), per_call):
             group = ids[start:start + per_call]
             draft.ingest([IngestItem(rid, 0, prompt, None) for rid in group], catch_up=True)
-            pending |= {res.request_id: res.tokens[-1] for res in target.step(
+            pending |= {result.request_id: result.tokens[-1] for result in target.step(
                 [SequenceStep.chain(rid, prompt, create=True) for rid in group], ())[0]}
         for batch in batches:
             for option in options:
@@ -272,8 +272,8 @@ def price_rounds(target: TargetClient, replica: DraftReplica, cfg: PolicyConfig,
                         tokens, parents, num_fixed = trees[rid].verify_tree()
                         tokens[0] = pending[rid]  # the tree hangs below the target's pending token
                         steps.append(SequenceStep(rid, tuple(tokens), tuple(parents), num_fixed))
-                    for res in target.step(steps, ())[0]:
-                        pending[res.request_id] = res.tokens[-1]
+                    for result in target.step(steps, ())[0]:
+                        pending[result.request_id] = result.tokens[-1]
 
                 verifying = _median_time(verify, ROUND_REPEATS)
                 fitted = costs.target_time(batch * (1 + option.max_nodes), batch) + costs.draft_time([option] * batch)
