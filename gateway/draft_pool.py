@@ -149,11 +149,11 @@ class DraftPool:
         self._follower: threading.Thread | None = None
 
     def healthy(self) -> list[DraftReplica]:
-        return [r for r in self.replicas if r.healthy]
+        return [replica for replica in self.replicas if replica.healthy]
 
     def least_loaded(self) -> DraftReplica | None:
         live = self.healthy()
-        return min(live, key=lambda r: len(r.requests)) if live else None
+        return min(live, key=lambda replica: len(replica.requests)) if live else None
 
     def mark_lost(self, replica: DraftReplica, why: str) -> None:
         with self._lock:
@@ -171,54 +171,54 @@ class DraftPool:
             self.probe_once()
 
     def probe_once(self) -> None:
-        for r in list(self.replicas):
+        for replica in list(self.replicas):
             # The step loop detaches a lost replica's requests first; only then can it
             # come back (it may have restarted and forgotten them).
-            if not r.healthy and not r.retired and not r.requests:
-                self._probe(r)
+            if not replica.healthy and not replica.retired and not replica.requests:
+                self._probe(replica)
 
-    def _probe(self, r: DraftReplica) -> None:
+    def _probe(self, replica: DraftReplica) -> None:
         try:
-            ready = r.client.healthy() and self._admits(r)
+            ready = replica.client.healthy() and self._admits(replica)
         except Exception as exc:  # e.g. its channel closed by a retirement that raced us
-            log.debug("probing draft replica %s failed: %s", r.client.address, exc)
+            log.debug("probing draft replica %s failed: %s", replica.client.address, exc)
             return
-        if not ready or not self._release_orphans(r):
+        if not ready or not self._release_orphans(replica):
             return
         with self._lock:
-            if r.retired:  # retired while we probed it
+            if replica.retired:  # retired while we probed it
                 return
-            r.healthy = True
-        log.info("draft replica %s is healthy", r.client.address)
+            replica.healthy = True
+        log.info("draft replica %s is healthy", replica.client.address)
         if self.on_back is not None:
-            self.on_back(r)
+            self.on_back(replica)
 
     @staticmethod
-    def _release_orphans(r: DraftReplica) -> bool:
+    def _release_orphans(replica: DraftReplica) -> bool:
         """Release what a returning replica may hold of the requests it had when it was lost
         (nothing, if it restarted). Through its worker, after any call still queued from
         before the loss. False: it failed, so the replica is not ready yet."""
-        if not r.orphans:
+        if not replica.orphans:
             return True
-        orphans = sorted(r.orphans)
+        orphans = sorted(replica.orphans)
         try:
-            r.submit(lambda: r.client.release(orphans)).result(timeout=60)
+            replica.submit(lambda: replica.client.release(orphans)).result(timeout=60)
         except Exception as exc:
-            log.debug("releasing the lost requests on draft replica %s failed: %s", r.client.address, exc)
+            log.debug("releasing the lost requests on draft replica %s failed: %s", replica.client.address, exc)
             return False
-        r.orphans.difference_update(orphans)
+        replica.orphans.difference_update(orphans)
         return True
 
-    def _admits(self, r: DraftReplica) -> bool:
+    def _admits(self, replica: DraftReplica) -> bool:
         if self.admission is None:
             return True
         try:
-            why = self.admission(r.client)
+            why = self.admission(replica.client)
         except Exception as exc:  # a replica that cannot answer is not ready yet
             why = f"its admission check failed: {exc}"
-        if why is not None and why != r.refused:
-            log.warning("draft replica %s not admitted: %s", r.client.address, why)
-        r.refused = why
+        if why is not None and why != replica.refused:
+            log.warning("draft replica %s not admitted: %s", replica.client.address, why)
+        replica.refused = why
         return why is None
 
     # --- discovery -------------------------------------------------------------------------
@@ -227,18 +227,18 @@ class DraftPool:
         wanted = set(addresses)
         leaving = []
         with self._lock:
-            live = {r.client.address for r in self.replicas if not r.retired}
+            live = {replica.client.address for replica in self.replicas if not replica.retired}
             for address in sorted(wanted - live):
                 self.replicas.append(DraftReplica(len(self.replicas), self.make_client(address)))
                 log.info("draft replica %s found: it joins once its health check passes", address)
-            for r in self.replicas:
-                if not r.retired and r.client.address not in wanted:
-                    r.retired = True
-                    leaving.append(r)
-        for r in leaving:
-            log.info("draft replica %s is gone from the source: retiring it", r.client.address)
-            self.mark_lost(r, "gone from the draft source")  # its requests move to a live replica
-            r.close()
+            for replica in self.replicas:
+                if not replica.retired and replica.client.address not in wanted:
+                    replica.retired = True
+                    leaving.append(replica)
+        for replica in leaving:
+            log.info("draft replica %s is gone from the source: retiring it", replica.client.address)
+            self.mark_lost(replica, "gone from the draft source")  # its requests move to a live replica
+            replica.close()
 
     def follow(self, resolve: Callable[[], Iterable[str] | None], interval_s: float) -> None:
         """Background: every interval_s, reconcile with what `resolve` answers (None: no change)."""
@@ -262,5 +262,5 @@ class DraftPool:
         self._stop.set()
         if self._follower is not None:
             self._follower.join(timeout=5)
-        for r in self.replicas:
-            r.close()
+        for replica in self.replicas:
+            replica.close()

@@ -127,35 +127,35 @@ class _PolicyAudit:
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        r.register(LaneSpinCollector())  # the gateway's own spinning reads (its waits for replies)
-        self.requests_running = Gauge("tandem_requests_running", "Requests in the running batch", registry=r)
-        self.requests_waiting = Gauge("tandem_requests_waiting", "Requests queued for admission", registry=r)
+        registry = self.registry
+        registry.register(LaneSpinCollector())  # the gateway's own spinning reads (its waits for replies)
+        self.requests_running = Gauge("tandem_requests_running", "Requests in the running batch", registry=registry)
+        self.requests_waiting = Gauge("tandem_requests_waiting", "Requests queued for admission", registry=registry)
         self.gate_load = Gauge("tandem_policy_gate_load", "Requests the load gate judged at the last plan: the "
                                "most the gateway held over its last plans (tandem gateway --gate-load-hold-plans)",
-                               registry=r)
-        self.num_drafts = Counter("tandem_spec_decode_num_drafts", "Token trees verified", registry=r)
+                               registry=registry)
+        self.num_drafts = Counter("tandem_spec_decode_num_drafts", "Token trees verified", registry=registry)
         self.num_draft_tokens = Counter("tandem_spec_decode_num_draft_tokens",
-                                        "Drafted tokens sent for verification", registry=r)
+                                        "Drafted tokens sent for verification", registry=registry)
         self.num_accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens",
-                                           "Drafted tokens the target accepted", registry=r)
+                                           "Drafted tokens the target accepted", registry=registry)
         self.plain_decode_steps = Counter("tandem_plain_decode_steps",
-                                          "Per-request decode steps without a tree", registry=r)
+                                          "Per-request decode steps without a tree", registry=registry)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between output tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.kv_usage = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", ["service"],
-                              registry=r)
+                              registry=registry)
         self.step_seconds = Histogram("tandem_step_seconds", "Gateway step wall time",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=r)
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests_total = Counter("tandem_requests", "Finished requests", ["finish_reason"], registry=registry)
         phases = Histogram("tandem_step_phase_seconds", "Gateway loop time by phase: schedule (plan and "
                            "budgets), draft (draft calls), execute (waiting for the target's step), update "
                            "(commit, emit, feed the draft), record (metrics, cost model, load gate)", ["phase"],
-                           buckets=LATENCY_BUCKETS, registry=r)
+                           buckets=LATENCY_BUCKETS, registry=registry)
         self.step_phase = {p: phases.labels(phase=p) for p in ("schedule", "draft", "execute", "update", "record")}
         # Where a busy loop's time goes, step by step, as the policy weighs it (a planned step's whole
         # round, a granted step's gap between replies): auto's loss against `never` at a load where it
@@ -163,10 +163,10 @@ class GatewayMetrics:
         kinds = Histogram("tandem_step_kind_seconds", "Target steps by kind: granted (inside a plain-decode "
                           "grant), plain (planned alone, feeding no draft), fed (plain, feeding the drafts), "
                           "trees (verifying drafted trees), prefill (carrying prompt chunks); seconds as the "
-                          "load gate counts them", ["kind"], buckets=LATENCY_BUCKETS, registry=r)
+                          "load gate counts them", ["kind"], buckets=LATENCY_BUCKETS, registry=registry)
         self.step_kind = {k: kinds.labels(kind=k) for k in ("granted", "plain", "fed", "trees", "prefill")}
         self.granted_steps = Counter("tandem_granted_steps", "Target steps run inside plain-decode grants "
-                                     "(the target fed its own tokens forward)", registry=r)
+                                     "(the target fed its own tokens forward)", registry=registry)
         # What each mode's decoding delivered at the gateway, per batch bucket: the audit's predictions are
         # for decode steps, while a client's rate after its first token also waits on the prompt chunks of
         # requests that join (at 64 requests on the H200, `never` delivered 0.65-0.75x the rate the load gate
@@ -174,32 +174,32 @@ class GatewayMetrics:
         # predictions beside these too.
         self.decode_step_seconds = Counter("tandem_decode_step_seconds", "Wall time of decode steps (no prompt "
                                            "chunk in them), every mode's, by batch bucket and arm (trees or "
-                                           "plain)", ["arm", "sequences"], registry=r)
+                                           "plain)", ["arm", "sequences"], registry=registry)
         self.decode_step_committed = Counter("tandem_decode_step_committed_tokens", "Tokens committed by decode "
                                              "steps, every mode's, by batch bucket and arm (trees or plain)",
-                                             ["arm", "sequences"], registry=r)
+                                             ["arm", "sequences"], registry=registry)
         self.decode_steps = Counter("tandem_decode_steps", "Decode steps, every mode's, by batch bucket and arm "
-                                    "(trees or plain)", ["arm", "sequences"], registry=r)
+                                    "(trees or plain)", ["arm", "sequences"], registry=registry)
         # Counted when a request finishes: output tokens per speculation mode (dashboards: tok/s by mode).
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens of finished requests, by "
-                                         "the request's speculation mode", ["speculation"], registry=r)
+                                         "the request's speculation mode", ["speculation"], registry=registry)
         # The same speculation counters under vLLM's names and labels, where vLLM-aware dashboards
         # and benchmark clients look for them.
         labels = ["model_name", "engine"]
         self.vllm_num_drafts = Counter("vllm:spec_decode_num_drafts", "Token trees verified (vLLM's name)",
-                                       labels, registry=r)
+                                       labels, registry=registry)
         self.vllm_num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens sent for "
-                                             "verification (vLLM's name)", labels, registry=r)
+                                             "verification (vLLM's name)", labels, registry=registry)
         self.vllm_num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens the "
-                                                "target accepted (vLLM's name)", labels, registry=r)
+                                                "target accepted (vLLM's name)", labels, registry=registry)
         self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Verified trees "
                                              "whose drafted path was accepted past each position (vLLM's name)",
-                                             [*labels, "position"], registry=r)
+                                             [*labels, "position"], registry=registry)
 
         self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests (vLLM's "
-                                          "name)", labels, registry=r)
+                                          "name)", labels, registry=registry)
         self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Output tokens of finished requests "
-                                              "(vLLM's name)", labels, registry=r)
+                                              "(vLLM's name)", labels, registry=registry)
         self._verify_series: dict[str, _VerifySeries] = {}  # model name -> its children
         self._audit: _PolicyAudit | None = None
 

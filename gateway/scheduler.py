@@ -80,16 +80,16 @@ def plan_step(cfg: SchedulerConfig, running: list[Request], waiting: list[Reques
     """
     plan = StepPlan()
     budget = cfg.max_step_tokens
-    decode_ids = {id(r) for r in running if r.output and r.num_tokens - r.target_len == 1}
+    decode_ids = {id(req) for req in running if req.output and req.num_tokens - req.target_len == 1}
 
-    def need(r: Request, new_tokens: int) -> int:
-        return blocks_for(r.target_len + new_tokens, cfg.block_size) - blocks_for(r.target_len, cfg.block_size)
+    def need(req: Request, new_tokens: int) -> int:
+        return blocks_for(req.target_len + new_tokens, cfg.block_size) - blocks_for(req.target_len, cfg.block_size)
 
     # Decodes must fit; if they do not, preempt the newest running requests (recompute later).
-    decode_need = sum(need(r, 1 + tree_nodes) for r in running if id(r) in decode_ids)
+    decode_need = sum(need(req, 1 + tree_nodes) for req in running if id(req) in decode_ids)
     preempted: set[int] = set()
     if decode_need > free_blocks:
-        for victim in sorted(running, key=lambda r: r.arrival, reverse=True):
+        for victim in sorted(running, key=lambda req: req.arrival, reverse=True):
             if decode_need <= free_blocks:
                 break
             if id(victim) in decode_ids:
@@ -98,30 +98,30 @@ def plan_step(cfg: SchedulerConfig, running: list[Request], waiting: list[Reques
             preempted.add(id(victim))
             plan.preempted.append(victim)
     free_blocks -= decode_need
-    for r in running:
-        if id(r) in decode_ids and id(r) not in preempted:
-            plan.items.append(PlannedItem(r, (r.output[-1],), True))
+    for req in running:
+        if id(req) in decode_ids and id(req) not in preempted:
+            plan.items.append(PlannedItem(req, (req.output[-1],), True))
             budget -= 1
     # Prefill: requests part-way through first, then admissions.
-    prefill = [r for r in running if id(r) not in decode_ids and id(r) not in preempted]
+    prefill = [req for req in running if id(req) not in decode_ids and id(req) not in preempted]
     admitting = 0
-    for r in prefill + [w for w in waiting if w.phase == Phase.WAITING]:
+    for req in prefill + [w for w in waiting if w.phase == Phase.WAITING]:
         if budget <= 0:
             break
-        queued = r.phase == Phase.WAITING
+        queued = req.phase == Phase.WAITING
         if queued and len(running) + admitting >= cfg.max_running:
             break
-        unsent = r.unsent
+        unsent = req.unsent
         chunk = min(len(unsent), budget)
-        cost = need(r, chunk) + (cfg.reserve_blocks if queued else 0)
+        cost = need(req, chunk) + (cfg.reserve_blocks if queued else 0)
         if cost > free_blocks:
             if queued:
                 break  # keep arrival order: no overtaking by smaller prompts
             continue
-        free_blocks -= need(r, chunk)
+        free_blocks -= need(req, chunk)
         budget -= chunk
-        plan.items.append(PlannedItem(r, tuple(unsent[:chunk]), chunk == len(unsent)))
+        plan.items.append(PlannedItem(req, tuple(unsent[:chunk]), chunk == len(unsent)))
         if queued:
-            plan.admitted.append(r)
+            plan.admitted.append(req)
             admitting += 1
     return plan

@@ -79,9 +79,9 @@ def _submit_all(engine: GenerationEngine, requests: Sequence[SubRequest], make_s
     """Submit every sub-request, or none: a refusal part-way aborts those already queued."""
     submitted: list[str] = []
     try:
-        for index, r in enumerate(requests):
-            engine.submit(r.request_id, list(r.prompt_token_ids), r.params, make_sink(index))
-            submitted.append(r.request_id)
+        for index, req in enumerate(requests):
+            engine.submit(req.request_id, list(req.prompt_token_ids), req.params, make_sink(index))
+            submitted.append(req.request_id)
     except BaseException:
         for request_id in submitted:
             engine.abort(request_id)
@@ -147,7 +147,7 @@ class AsyncDeltaStream:
         self._loop = asyncio.get_running_loop()
         self._post = _post_for(self._loop)
         self._queue: asyncio.Queue[tuple[int, Delta] | object] = asyncio.Queue()
-        self._tracker = _Tracker(engine, [r.request_id for r in requests])
+        self._tracker = _Tracker(engine, [req.request_id for req in requests])
         # One timer a stream every poll_s, not a timeout on every get: a timeout is a timer armed
         # and cancelled for every chunk of every stream (BENCHMARKS.md, "The REST layer's cost").
         # It starts with the first get (a stream nobody reads keeps none) and ends with close().
