@@ -33,8 +33,10 @@ from bench.call_clock import CallClock  # noqa: E402
 from gateway import core as gateway_core  # noqa: E402
 from tests import test_gateway_loop as loop  # noqa: E402
 
-# What --phases times: the loop's phases and the policy's search of the figures.
-PHASES = ("_schedule", "_budgets", "_draft", "_update", "_apply", "_record")
+# What --phases times: the loop's phases, the policy's search of the figures, and the schedule's other work for
+# `auto` (each request's figures, the expected tokens the load gate is given, the plain spell's price).
+PHASES = ("_schedule", "_budgets", "_candidate", "_expected_accepted", "_plain_extra_seconds", "_draft", "_update",
+          "_apply", "_record")
 POLICY = ("search_budgets",)
 
 
