@@ -3,16 +3,19 @@ and draft (tests/test_gateway_loop.py), so that what is timed is the gateway's P
 (scheduling, budgets, applying results, detokenizing, metrics) and the fakes' little work.
 
     python bench/gateway_step.py [--requests 1,16,64,128] [--steps 60] [--target-ms 3] [--phases]
-                                 [--debug-log]
+                                 [--debug-log] [--acceptance P]
 
 Prints the median step time per (requests, mode). A benchmark, not a test.
 
 --target-ms: each fake target step also sleeps this long, as a GPU step would take. The fake draft
 is always right, so with a target step that dear `auto`'s load gate measures trees winning and
 `auto` drafts, as it does on a GPU where trees pay (without it, plain steps are cheaper and `auto`
-decodes plainly). --phases: the mean milliseconds a step of the loop's phases (and of the policy's
-search) took. --debug-log: the gateway's DEBUG lines are formatted and written (to /dev/null), as
-in the GPU benches' serves (SERVE_LOG_LEVEL=DEBUG).
+decodes plainly). --acceptance P: each level of a fake tree is right with probability P, the first
+miss ending what the target accepts (drawn per request and position, the same for every mode, as the
+scale track forces it); always right, `auto` drafts deeper chains than `always` and its update
+applies more tokens, which hides what its own bookkeeping costs. --phases: the mean milliseconds a
+step of the loop's phases (and of the policy's search) took. --debug-log: the gateway's DEBUG lines
+are formatted and written (to /dev/null), as in the GPU benches' serves (SERVE_LOG_LEVEL=DEBUG).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import random
 import statistics
 import sys
 import tempfile
@@ -61,6 +65,23 @@ def slow_target(target_ms: float) -> None:
     loop.FakeTarget.run = slow_run
 
 
+def forced_acceptance(rate: float) -> None:
+    """Each level of the fake draft's trees is right with probability `rate`: from the first level drawn wrong,
+    the tree's tokens are wrong ones, so the target accepts the levels before it. The draws hang on the request
+    and the tree's position, so every mode meets the same ones."""
+    draft = loop.FakeDraft.draft
+
+    def missing_draft(self, ingest, calls):
+        reply = draft(self, ingest, calls)
+        for tree in reply.trees:
+            draws = random.Random(f"{tree.request_id}:{tree.root_position}")
+            right = next((level for level in range(len(tree.tokens)) if draws.random() >= rate), len(tree.tokens))
+            tree.tokens[right:] = [(token + 1) % loop.VOCAB for token in tree.tokens[right:]]
+        return reply
+
+    loop.FakeDraft.draft = missing_draft
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", default="1,16,64,128")
@@ -69,13 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="each fake target step also sleeps this long (default 0)")
     ap.add_argument("--phases", action="store_true", help="print the mean ms a step of each phase")
     ap.add_argument("--debug-log", action="store_true", help="write the gateway's DEBUG lines (to /dev/null)")
+    ap.add_argument("--acceptance", type=float, default=1.0,
+                    help="each level of a fake tree is right with this probability (default 1: always)")
     args = ap.parse_args(argv)
     try:
         loads = [int(x) for x in args.requests.split(",")]
     except ValueError:
         ap.error(f"--requests takes request counts separated by commas, got {args.requests!r}")
-    if min(loads) < 1 or args.steps < 6 or args.target_ms < 0:
-        ap.error("--requests must be at least 1, --steps at least 6 and --target-ms at least 0")
+    if min(loads) < 1 or args.steps < 6 or args.target_ms < 0 or not 0.0 <= args.acceptance <= 1.0:
+        ap.error("--requests must be at least 1, --steps at least 6, --target-ms at least 0 and --acceptance "
+                 "within 0-1")
+    if args.acceptance < 1.0:
+        forced_acceptance(args.acceptance)
     if args.target_ms:
         slow_target(args.target_ms)
     if args.debug_log:
