@@ -1,13 +1,14 @@
-"""Issues 11, 12 and 14's GPU goals read off a device call's results: each goal, its figure, met or not.
+"""Issues 11-14's GPU goals read off a device call's results: each goal, its figure, met or not.
 
     python3 bench/goals.py DIR [DIR ...]
 
 Looks under each DIR (recursively; unpack any results.tgz first) for what the stages of bench/h200_hot_path.sh
-write: forward_after.json (stage `forward`), engine_after.json (`engine`), stack_after/ (`stack`),
-draft_after*.json (`draft`), spec_scale*/ and spec_demo*/ (`spec`), auto_scale_*/ and auto_demo*/ (`auto`,
-`autodemo`). Every figure names the card it ran on (the nearest gpu.txt above it, else the JSON's device): the
-goals are an H200's, and an H100's figure settles none of them. Where a mode ran in several rounds, the figures
-are the medians of its rounds, as the BENCHMARKS.md sections read them.
+write: forward_after.json (stage `forward`), engine_after.json (`engine`), stack_after/ (`stack`), draft_after*.json
+(`draft`), spec_scale*/ and spec_demo*/ (`spec`), auto_scale_*/ and auto_demo*/ (`auto`, `autodemo`),
+tpengine_tp1.json and tpengine_tp2.json (`tpengine`), tp_stack_1/ and tp_stack_2/ (`tp`). Every figure names the
+card it ran on (the nearest gpu.txt above it, else the JSON's device): the goals are an H200's, and an H100's figure
+settles none of them. Where a mode ran in several rounds, the figures are the medians of its rounds, as the
+BENCHMARKS.md sections read them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ DRAFT_MS = {(1, "5/4/8"): 1.5, (1, "3/1/4"): 1.0, (64, "5/4/8"): 6.0}
 SCALE_SPEEDUP = 2.5
 ROUND_OVER_PLAIN = 1.35
 DEMO_SPEEDUP = 1.5
+# Issue 13, must-show 3: TP=2 over TP=1 at batch 1 (at most), and at 64 (under: faster)
+TP2_AT_ONE = 0.65
 # Issue 14, must-show 1
 AUTO_FLOOR = 0.97
 AUTO_AT_CROSSING = 1.05
@@ -131,7 +134,8 @@ def draft_goals(root: Path) -> Iterator[Goal]:
         for (batch, budget), most in DRAFT_MS.items():
             ms = by_batch.get(batch, {}).get(budget)
             if ms is not None:
-                yield Goal(12, f"a {budget} Draft call at batch {batch} in at most {most} ms ({path.name})",
+                where = path.relative_to(root)
+                yield Goal(12, f"a {budget} Draft call at batch {batch} in at most {most} ms ({where})",
                            f"{ms:.2f} ms", ms <= most, card)
 
 
@@ -143,11 +147,11 @@ def spec_goals(root: Path) -> Iterator[Goal]:
         never, always = median_rate(rows, "never", 1), median_rate(rows, "always", 1)
         if never is None or always is None:
             continue
-        card = card_of(folder / "x", root)
+        card, name = card_of(folder / "x", root), folder.relative_to(root)
         demo = folder.name.startswith("spec_demo")
         least = DEMO_SPEEDUP if demo else SCALE_SPEEDUP
         track = "demo track" if demo else "scale track"
-        yield Goal(12, f"`always` / `never` at one request, {track} ({folder.name}), at least {least}x",
+        yield Goal(12, f"`always` / `never` at one request, {track} ({name}), at least {least}x",
                    f"{always:,.1f} / {never:,.1f} tok/s = {always / never:.2f}x", always / never >= least, card)
         if demo:
             continue
@@ -155,13 +159,13 @@ def spec_goals(root: Path) -> Iterator[Goal]:
         plain, trees = levels.get(("never", 1)), levels.get(("always", 1))
         if plain and trees and plain.decode_step_ms and trees.decode_step_ms:
             ratio = trees.decode_step_ms / plain.decode_step_ms
-            yield Goal(12, f"a round at one request at most {ROUND_OVER_PLAIN}x a plain step ({folder.name})",
+            yield Goal(12, f"a round at one request at most {ROUND_OVER_PLAIN}x a plain step ({name})",
                        f"{trees.decode_step_ms:.2f} / {plain.decode_step_ms:.2f} ms = {ratio:.2f}x",
                        ratio <= ROUND_OVER_PLAIN, card)
         concurrencies = sorted({row.concurrency for row in rows})
         below = [c for c in concurrencies
                  if (median_rate(rows, "always", c) or 0.0) < (median_rate(rows, "never", c) or 0.0)]
-        yield Goal(12, f"where `always` falls below `never` ({folder.name})",
+        yield Goal(12, f"where `always` falls below `never` ({name})",
                    f"from {below[0]} requests" if below else f"not up to {concurrencies[-1]} requests", None, card)
 
 
@@ -173,7 +177,7 @@ def auto_goals(root: Path) -> Iterator[Goal]:
         levels = sorted({row.concurrency for row in rows if row.mode == "auto"})
         if not levels:
             continue
-        card = card_of(folder / "x", root)
+        card, name = card_of(folder / "x", root), folder.relative_to(root)
         shares, lead = {}, {}
         for c in levels:
             never, always, auto = (median_rate(rows, mode, c) for mode in ("never", "always", "auto"))
@@ -184,22 +188,59 @@ def auto_goals(root: Path) -> Iterator[Goal]:
         if not shares:
             continue
         figures = ", ".join(f"{c}: {share:.2f}" for c, share in shares.items())
-        yield Goal(14, f"auto / max(never, always) at least {AUTO_FLOOR} at every level ({folder.name})", figures,
+        yield Goal(14, f"auto / max(never, always) at least {AUTO_FLOOR} at every level ({name})", figures,
                    min(shares.values()) >= AUTO_FLOOR, card)
         done = list(shares)
         crossing = sorted({c for a, b in zip(done, done[1:], strict=False) if lead[a] != lead[b] for c in (a, b)})
         if crossing:
-            yield Goal(14, f"at least {AUTO_AT_CROSSING} where `never` and `always` cross ({folder.name})",
+            yield Goal(14, f"at least {AUTO_AT_CROSSING} where `never` and `always` cross ({name})",
                        ", ".join(f"{c}: {shares[c]:.2f}" for c in crossing),
                        min(shares[c] for c in crossing) >= AUTO_AT_CROSSING, card)
         top = done[-1]
         never, auto = median_rate(rows, "never", top), median_rate(rows, "auto", top)
-        yield Goal(14, f"auto at least {AUTO_FLOOR}x `never` at the highest level, {top} ({folder.name})",
+        yield Goal(14, f"auto at least {AUTO_FLOOR}x `never` at the highest level, {top} ({name})",
                    f"{auto:,.1f} / {never:,.1f} tok/s = {auto / never:.2f}x", auto / never >= AUTO_FLOOR, card)
 
 
+def tp_goals(root: Path) -> Iterator[Goal]:
+    """Issue 13, must-show 3: the engine step (bench/engine_step.py --tp) and the full stack's `never` inter-token
+    p50 at TP=2 over TP=1, at batch 1 and at 64."""
+    for one in sorted(root.rglob("tpengine_tp1.json")):
+        two = one.with_name("tpengine_tp2.json")
+        if not two.exists():
+            continue
+        card = card_of(two, root)
+        steps = [{(row["batch"], "grant" in row): row["ms"] for row in json.loads(path.read_text())["rows"]
+                  if row.get("mode") == "graphs" and row.get("nodes") == 1 and "ms" in row} for path in (one, two)]
+        for (batch, granted), ms in sorted(steps[1].items()):
+            base = steps[0].get((batch, granted))
+            if batch not in (1, 64) or base is None:
+                continue
+            ratio, kind = ms / base, "a step within a grant" if granted else "a standalone step"
+            most = TP2_AT_ONE if batch == 1 else 1.0
+            yield Goal(13, f"TP=2 over TP=1, {kind} at batch {batch}, {'at most' if batch == 1 else 'under'} {most}",
+                       f"{ms:.2f} / {base:.2f} ms = {ratio:.2f}x", ratio <= most if batch == 1 else ratio < most, card)
+    for one in sorted(p for p in root.rglob("tp_stack_1") if p.is_dir()):
+        two = one.with_name("tp_stack_2")
+        rows = [load_rows(folder) for folder in (one, two)] if two.is_dir() else []
+        for concurrency in (1, 64) if rows else ():
+            itl = [[row.itl_p50_s for row in runs if row.mode == "never" and row.concurrency == concurrency]
+                   for runs in rows]
+            if all(itl):
+                base, ms = (1e3 * statistics.median(values) for values in itl)
+                most = TP2_AT_ONE if concurrency == 1 else 1.0
+                yield Goal(13, f"TP=2 over TP=1, `never` inter-token p50 at {concurrency} "
+                           f"request{'s' if concurrency != 1 else ''}, {'at most' if concurrency == 1 else 'under'} "
+                           f"{most}", f"{ms:.2f} / {base:.2f} ms = {ms / base:.2f}x",
+                           ms / base <= most if concurrency == 1 else ms / base < most, card_of(two / "x", root))
+        if rows and all((median_rate(runs, "never", 64) is not None) for runs in rows):
+            base, rate = (median_rate(runs, "never", 64) for runs in rows)
+            yield Goal(13, "TP=2 over TP=1, `never` throughput at 64 requests", f"{rate:,.1f} / {base:,.1f} tok/s = "
+                       f"{rate / base:.2f}x", None, card_of(two / "x", root))
+
+
 def goals(root: Path) -> list[Goal]:
-    return [*forward_goals(root), *draft_goals(root), *spec_goals(root), *auto_goals(root)]
+    return [*forward_goals(root), *draft_goals(root), *spec_goals(root), *tp_goals(root), *auto_goals(root)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         packed = [str(path) for root in args.dirs for path in root.rglob("results.tgz")]
         hint = f" (unpack {', '.join(packed)} first)" if packed else ""
-        print(f"no results of the forward, engine, stack, draft, spec, auto or autodemo stages found{hint}",
-              file=sys.stderr)
+        print("no results of the forward, engine, stack, draft, spec, tpengine, tp, auto or autodemo stages found"
+              f"{hint}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,4 +1,4 @@
-"""bench/goals.py: issues 11, 12 and 14's GPU goals read off a device call's result folders."""
+"""bench/goals.py: issues 11-14's GPU goals read off a device call's result folders."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def bench_json(folder: Path, rows: list[dict]) -> None:
 def make_call(root: Path) -> None:
     """A device call's folder as the stages leave it: a forward 1.30x its floor, an engine step 1.05x the forward at
     batch 1 and 1.20x at 64, `never`'s inter-token p50 under the forward, a draft call over its goal at batch 1,
-    `always` 2.6x `never` at one request, and auto at 0.96 of the better mode where the two cross."""
+    `always` 2.6x `never` at one request, TP=2 steps 0.63-1.02x TP=1's, and auto at 0.96 of the better mode where the
+    two cross."""
     root.mkdir()
     (root / "gpu.txt").write_text("GPU 0: NVIDIA H200 (UUID: GPU-0)\n")
     (root / "forward_after.json").write_text(json.dumps({"device": "NVIDIA H200", "rows": [
@@ -47,6 +48,13 @@ def make_call(root: Path) -> None:
         level("never", 1, 200.0, step_ms=4.7), level("always", 1, 520.0, step_ms=9.4),
         level("never", 8, 1400.0), level("always", 8, 1500.0), level("never", 16, 2700.0),
         level("always", 16, 2600.0)])
+    for tp, ms in ((1, (5.4, 4.9, 8.1)), (2, (3.4, 3.3, 8.3))):  # standalone and granted at batch 1, standalone at 64
+        (root / f"tpengine_tp{tp}.json").write_text(json.dumps({"tp": tp, "rows": [
+            {"mode": "graphs", "batch": 1, "nodes": 1, "ms": ms[0]},
+            {"mode": "graphs", "batch": 1, "nodes": 1, "grant": 16, "ms": ms[1]},
+            {"mode": "graphs", "batch": 64, "nodes": 1, "ms": ms[2]}]}))
+        bench_json(root / f"tp_stack_{tp}", [level("never", 1, 200.0 * tp, itl_ms=4.7 - tp),
+                                             level("never", 64, 6600.0 + 500 * tp, itl_ms=5.0 + tp)])
     rows = []
     for round_, luck in ((1, 1.0), (2, 1.10), (3, 0.99)):  # auto's rounds: the median is the first, the mean not
         for concurrency, never, always, auto in ((1, 200, 340, 336), (16, 2700, 2650, 2592), (64, 7000, 4600, 6930)):
@@ -78,6 +86,15 @@ def test_goals_reads_each_figure_from_the_stages_files_and_says_which_goals_are_
     assert speedup.met is True and "2.60x" in speedup.figure
     assert found["a round at one request at most 1.35x a plain step (spec_scale_fused)"].met is False  # 2.0x
     assert found["where `always` falls below `never` (spec_scale_fused)"].figure == "from 16 requests"
+
+    # TP=2 over TP=1: 3.4 / 5.4 = 0.63 standalone at batch 1 (met), 3.3 / 4.9 = 0.67 granted (not), 8.3 / 8.1 at 64
+    # (slower: not met); the served inter-token p50 2.7 / 3.7 = 0.73 at one request and 7 / 6 ms at 64 (neither met).
+    assert found["TP=2 over TP=1, a standalone step at batch 1, at most 0.65"].met is True
+    assert found["TP=2 over TP=1, a step within a grant at batch 1, at most 0.65"].met is False
+    assert found["TP=2 over TP=1, a standalone step at batch 64, under 1.0"].met is False
+    assert found["TP=2 over TP=1, `never` inter-token p50 at 1 request, at most 0.65"].met is False
+    assert found["TP=2 over TP=1, `never` inter-token p50 at 64 requests, under 1.0"].met is False
+    assert "7,600.0 / 7,100.0 tok/s = 1.07x" in found["TP=2 over TP=1, `never` throughput at 64 requests"].figure
 
     # Medians of three rounds: auto / max is 336 / 340 = 0.99 at 1, 2592 / 2700 = 0.96 at 16 (0.99 on the means),
     # 0.99 at 64.
