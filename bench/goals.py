@@ -69,6 +69,30 @@ def card_of(path: Path, root: Path, fallback: str = "card unknown") -> str:
     return fallback
 
 
+def read_json(path: Path) -> dict | None:
+    """A stage's JSON, or None (said on stderr) where it is cut short or not what the stage writes: a call that ran
+    out of time leaves such files, and the other goals are still worth reading."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"skipped {path}: {exc}", file=sys.stderr)
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        print(f"skipped {path}: no rows", file=sys.stderr)
+        return None
+    return data
+
+
+def bench_rows(folder: Path) -> list[LevelResult]:
+    """A serve's `tandem bench` levels (bench/auto_report.py's reading), or none (said on stderr) where a bench.json
+    is cut short or from another bench."""
+    try:
+        return load_rows(folder)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"skipped {folder}: {exc}", file=sys.stderr)
+        return []
+
+
 def medians(rows: list[LevelResult]) -> dict[tuple[str, int], LevelResult]:
     """Per (mode, concurrency), the round with the median total tok/s (the lower middle of an even count)."""
     by_level: dict[tuple[str, int], list[LevelResult]] = {}
@@ -86,7 +110,8 @@ def forward_goals(root: Path) -> Iterator[Goal]:
     """Issue 11: the forward against its floor, the engine step against the forward, `never`'s inter-token p50
     against the forward."""
     for path in sorted(root.rglob("forward_after.json")):
-        data = json.loads(path.read_text())
+        if (data := read_json(path)) is None:
+            continue
         card = card_of(path, root, str(data.get("device", "card unknown")))
         decode = {row["batch"]: row for row in data["rows"] if row.get("step") == "decode"}
         if 1 in decode:
@@ -97,8 +122,8 @@ def forward_goals(root: Path) -> Iterator[Goal]:
                        ratio <= FORWARD_OVER_FLOOR, card)
         folder = path.parent
         engine = folder / "engine_after.json"
-        if engine.exists():
-            plain = [row for row in json.loads(engine.read_text())["rows"]
+        if engine.exists() and (engine_data := read_json(engine)) is not None:
+            plain = [row for row in engine_data["rows"]
                      if row.get("mode") == "graphs" and row.get("nodes") == 1 and "ms" in row]
             steps = {row["batch"]: row["ms"] for row in plain if "grant" not in row}  # a whole standalone step
             granted = {row["batch"]: row["ms"] for row in plain if "grant" in row}  # a step within a grant
@@ -111,7 +136,7 @@ def forward_goals(root: Path) -> Iterator[Goal]:
                                f"{steps[batch]:.2f} / {forward:.2f} ms = {ratio:.2f}x{within}",
                                ratio <= most, card_of(engine, root, card))
         stack = folder / "stack_after"
-        rows = load_rows(stack) if stack.is_dir() else []
+        rows = bench_rows(stack) if stack.is_dir() else []
         for concurrency in (1, 64):
             itl = [row.itl_p50_s for row in rows if row.mode == "never" and row.concurrency == concurrency]
             if itl and concurrency in decode:
@@ -128,7 +153,8 @@ def forward_goals(root: Path) -> Iterator[Goal]:
 def draft_goals(root: Path) -> Iterator[Goal]:
     """Issue 12, must-show 2: one Draft call's median ms per batch and budget (bench/draft_step.py)."""
     for path in sorted(root.rglob("draft_after*.json")):
-        data = json.loads(path.read_text())
+        if (data := read_json(path)) is None:
+            continue
         card = card_of(path, root, str(data.get("device", "card unknown")))
         by_batch = {row["batch"]: row["ms"] for row in data["rows"]}
         for (batch, budget), most in DRAFT_MS.items():
@@ -143,7 +169,7 @@ def spec_goals(root: Path) -> Iterator[Goal]:
     """Issue 12, must-shows 3 and 4: `always` over `never` at one request, a round over a plain step, and where
     `always` falls below `never`."""
     for folder in sorted(p for p in root.rglob("spec_*") if p.is_dir()):
-        rows = load_rows(folder)
+        rows = bench_rows(folder)
         never, always = median_rate(rows, "never", 1), median_rate(rows, "always", 1)
         if never is None or always is None:
             continue
@@ -173,7 +199,7 @@ def auto_goals(root: Path) -> Iterator[Goal]:
     """Issue 14, must-show 1: auto / max(never, always) at every level, where the two modes cross, and auto
     against `never` at the highest level."""
     for folder in sorted(p for p in root.rglob("auto_*") if p.is_dir()):
-        rows = load_rows(folder)
+        rows = bench_rows(folder)
         levels = sorted({row.concurrency for row in rows if row.mode == "auto"})
         if not levels:
             continue
@@ -210,8 +236,10 @@ def tp_goals(root: Path) -> Iterator[Goal]:
         if not two.exists():
             continue
         card = card_of(two, root)
-        steps = [{(row["batch"], "grant" in row): row["ms"] for row in json.loads(path.read_text())["rows"]
-                  if row.get("mode") == "graphs" and row.get("nodes") == 1 and "ms" in row} for path in (one, two)]
+        if (first := read_json(one)) is None or (second := read_json(two)) is None:
+            continue
+        steps = [{(row["batch"], "grant" in row): row["ms"] for row in data["rows"]
+                  if row.get("mode") == "graphs" and row.get("nodes") == 1 and "ms" in row} for data in (first, second)]
         for (batch, granted), ms in sorted(steps[1].items()):
             base = steps[0].get((batch, granted))
             if batch not in (1, 64) or base is None:
@@ -222,7 +250,7 @@ def tp_goals(root: Path) -> Iterator[Goal]:
                        f"{ms:.2f} / {base:.2f} ms = {ratio:.2f}x", ratio <= most if batch == 1 else ratio < most, card)
     for one in sorted(p for p in root.rglob("tp_stack_1") if p.is_dir()):
         two = one.with_name("tp_stack_2")
-        rows = [load_rows(folder) for folder in (one, two)] if two.is_dir() else []
+        rows = [bench_rows(folder) for folder in (one, two)] if two.is_dir() else []
         for concurrency in (1, 64) if rows else ():
             itl = [[row.itl_p50_s for row in runs if row.mode == "never" and row.concurrency == concurrency]
                    for runs in rows]
@@ -240,7 +268,16 @@ def tp_goals(root: Path) -> Iterator[Goal]:
 
 
 def goals(root: Path) -> list[Goal]:
-    return [*forward_goals(root), *draft_goals(root), *spec_goals(root), *tp_goals(root), *auto_goals(root)]
+    """Every goal found under `root`. A family whose files hold rows of another shape (another bench's, or an
+    older one's) stops at that file, said on stderr; the others are still read."""
+    found: list[Goal] = []
+    for family in (forward_goals, draft_goals, spec_goals, tp_goals, auto_goals):
+        try:
+            for goal in family(root):
+                found.append(goal)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            print(f"skipped the rest of {family.__name__} under {root}: {exc!r}", file=sys.stderr)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

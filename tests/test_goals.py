@@ -112,3 +112,17 @@ def test_goals_refuses_a_missing_folder_and_says_when_it_found_nothing(tmp_path)
     proc = subprocess.run([sys.executable, "bench/goals.py", str(tmp_path)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert proc.returncode == 1 and "no results" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_goals_skips_a_cut_short_or_foreign_file_with_a_line_and_reads_the_rest(tmp_path):
+    make_call(tmp_path / "call")
+    (tmp_path / "call" / "draft_after.json").write_text('{"rows": [{"batch": 1, "ms"')  # a call cut short
+    (tmp_path / "call" / "engine_after.json").write_text(json.dumps({"rows": [{"mode": "graphs", "nodes": 1,
+                                                                               "ms": 4.9}]}))  # no batch
+    proc = subprocess.run([sys.executable, "bench/goals.py", str(tmp_path / "call")], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert "skipped" in proc.stderr and "draft_after.json" in proc.stderr and "forward_goals" in proc.stderr
+    assert "Draft call" not in proc.stdout and "the engine step" not in proc.stdout
+    assert "the forward at batch 1 within 1.25x" in proc.stdout and "TP=2 over TP=1" in proc.stdout
+    assert "auto / max(never, always)" in proc.stdout
