@@ -134,9 +134,11 @@ class DraftEngine:
     # --- queries ----------------------------------------------------------
     def info(self) -> DraftInfo:
         cfg = self.model.cfg
-        return DraftInfo(cfg.hidden_size, cfg.draft_vocab_size, cfg.target_vocab_size, cfg.target_hidden_size,
-                         cfg.feature_layers, cfg.feature_width, self.max_tokens,
-                         str(self.model.dtype).removeprefix("torch."), self.model.device.type)
+        return DraftInfo(hidden_size=cfg.hidden_size, draft_vocab_size=cfg.draft_vocab_size,
+                         target_vocab_size=cfg.target_vocab_size, target_hidden_size=cfg.target_hidden_size,
+                         feature_layers=cfg.feature_layers, feature_width=cfg.feature_width,
+                         max_tokens=self.max_tokens, dtype=str(self.model.dtype).removeprefix("torch."),
+                         device=self.model.device.type)
 
     def load(self) -> DraftLoad:
         return DraftLoad(len(self.requests), self.kv.block_size, self.kv.num_blocks, self.kv.free_blocks)
@@ -243,7 +245,8 @@ class DraftEngine:
             st = self.requests.get(rid)
             if st is None or known == 0 or start >= len(st.tokens) or self.computed(rid) >= start + known:
                 continue  # not held, nothing new, or a gap before the rows that only the gateway can fill
-            item = IngestItem(rid, start, (st.tokens[start], *push.next_tokens[:known]), push.rows[: known + 1])
+            item = IngestItem(request_id=rid, start_position=start,
+                              tokens=(st.tokens[start], *push.next_tokens[:known]), features=push.rows[: known + 1])
             try:
                 self._check_ingest([item])
             except InvalidDraftInput as exc:

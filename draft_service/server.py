@@ -56,8 +56,8 @@ DRAFT_CALL = "tandem.v1.DraftService/DraftStream.call"  # one call on the stream
 
 def ingest_from_proto(m: draft_pb2.IngestItem) -> IngestItem:
     features = tensor_from_proto(m.features) if m.HasField("features") else None
-    return IngestItem(m.request_id, m.start_position, tuple(m.tokens), features,
-                      target_feature_rows=m.target_feature_rows)
+    return IngestItem(request_id=m.request_id, start_position=m.start_position, tokens=tuple(m.tokens),
+                      features=features, target_feature_rows=m.target_feature_rows)
 
 
 def item_from_proto(m: draft_pb2.DraftItem) -> DraftItem:

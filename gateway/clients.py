@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def _load(m: common_pb2.KvLoad) -> KvLoad:
-    return KvLoad(m.num_sequences, m.block_size, m.total_blocks, m.free_blocks)
+    return KvLoad(num_sequences=m.num_sequences, block_size=m.block_size, total_blocks=m.total_blocks,
+                  free_blocks=m.free_blocks)
 
 
 class TargetUnavailable(Unavailable):
@@ -384,9 +385,10 @@ class DraftClient:
         self.reads_target_features = m.reads_target_features
         self.feature_sink = m.feature_sink
         self.lane.learn(m.step_lane if m.HasField("step_lane") else None)
-        return DraftInfo(tuple(m.feature_layers), m.max_tokens, m.max_steps, m.max_topk,
-                         m.max_draft_tokens, _load(m.load), m.reads_target_features, m.feature_sink, m.device,
-                         m.feature_width)
+        return DraftInfo(feature_layers=tuple(m.feature_layers), max_tokens=m.max_tokens, max_steps=m.max_steps,
+                         max_topk=m.max_topk, max_draft_tokens=m.max_draft_tokens, load=_load(m.load),
+                         reads_target_features=m.reads_target_features, feature_sink=m.feature_sink,
+                         device=m.device, feature_width=m.feature_width)
 
     @staticmethod
     def _ingest_proto(it: IngestItem) -> draft_pb2.IngestItem:

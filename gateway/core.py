@@ -1002,15 +1002,17 @@ class GatewayCore:
     def _sequence_step(self, it: PlannedItem, tree: DraftTree | None) -> SequenceStep:
         req = it.request
         p = req.params
-        sampling = SamplingParams(p.temperature, p.top_k, p.top_p, p.seed)
+        sampling = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
         want_features = self._wants_features(req)
         if want_features:
             req.draft.known = True  # the target may push this step's features to the replica
         top = p.logprobs or 0
         if tree is not None:
             tokens, parents, num_fixed = tree.verify_tree()
-            return SequenceStep(req.request_id, tuple(tokens), tuple(parents), num_fixed, False, sampling, top,
-                                want_features, req.logits_controls, sample_is_output=it.reaches_end)
+            return SequenceStep(request_id=req.request_id, tokens=tuple(tokens), parents=tuple(parents),
+                                num_fixed=num_fixed, create=False, sampling=sampling, top_logprobs=top,
+                                return_features=want_features, controls=req.logits_controls,
+                                sample_is_output=it.reaches_end)
         # reaches_end: the sample is the request's next token, which pushed features then carry to its draft.
         return SequenceStep.chain(req.request_id, it.tokens, create=not req.target_created, sampling=sampling,
                                   top_logprobs=top, return_features=want_features, controls=req.logits_controls,
@@ -1469,7 +1471,7 @@ class GatewayCore:
             # rounds there took 22-25 ms on the H200 against 15-16 for `always` is not yet measured).
             gap = tuple(req.token_slice(link.sent, old_len))
             if link.pending is None:
-                link.pending = IngestItem(req.request_id, link.sent, gap)
+                link.pending = IngestItem(request_id=req.request_id, start_position=link.sent, tokens=gap)
             else:
                 link.pending = replace(link.pending, tokens=link.pending.tokens + gap)
             link.sent = old_len
@@ -1494,7 +1496,8 @@ class GatewayCore:
             if pending is not None:
                 self._send_ingest(req)
             start, feats, held_rows = link.sent, None, 0  # tokens only: the draft catches up from its own states
-        link.pending = IngestItem(req.request_id, start, tuple(req.token_slice(start, known_len)), feats,
+        link.pending = IngestItem(request_id=req.request_id, start_position=start,
+                                  tokens=tuple(req.token_slice(start, known_len)), features=feats,
                                   target_feature_rows=held_rows)
         link.sent = known_len
         if not defer or not link.caught_up:

@@ -440,7 +440,7 @@ class LoadGate:
             order = order[::-1]
         for arm, key in order:
             if arm.samples == 0:
-                self._probing[b] = Probe(key, self.probe_steps, False)
+                self._probing[b] = Probe(spec=key, steps_left=self.probe_steps, reprobe=False)
                 self._catch_up.pop(b, None)
                 return key
         if b not in self._verdict:

@@ -259,9 +259,11 @@ def search_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, ca
     if every is not None and every[1] != cfg.fixed_budget and configured_rate is not None \
             and every[0] < configured_rate * margin:
         every = (configured_rate, cfg.fixed_budget)
-    rates = Rates(plain_rate, top_tree_rate, configured_rate, plain_seconds if candidates else None, top_tree_seconds,
-                  configured_seconds)
-    return BudgetSearch(out, auto, best, single, every, rates, ceiling, plain_now)
+    rates = Rates(plain=plain_rate, trees=top_tree_rate, configured=configured_rate,
+                  plain_seconds=plain_seconds if candidates else None, trees_seconds=top_tree_seconds,
+                  configured_seconds=configured_seconds)
+    return BudgetSearch(out=out, auto=auto, best=best, single=single, every=every, rates=rates, ceiling=ceiling,
+                        plain_now=plain_now)
 
 
 def choose_budgets(cfg: PolicyConfig, costs: CostModel, book: AcceptanceBook, candidates: list[Candidate],

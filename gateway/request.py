@@ -218,8 +218,10 @@ class Request:
         self.last_token_at = now
         if self.finish_reason:
             self.phase = Phase.FINISHED
-        return Delta(tuple(kept), text, tuple(lps) if self.params.logprobs is not None else None,
-                     self.finish_reason, len(self.prompt), len(self.output), self.stats)
+        return Delta(token_ids=tuple(kept), text=text,
+                     logprobs=tuple(lps) if self.params.logprobs is not None else None,
+                     finish_reason=self.finish_reason, prompt_tokens=len(self.prompt),
+                     completion_tokens=len(self.output), spec=self.stats)
 
     def _head_that_continues(self, new_tokens: list[int]) -> int:
         """How many of a step's first tokens can be committed without looking at their text: none where a
@@ -252,8 +254,9 @@ class Request:
         """End the request now; `error` tells the client why an aborted request ended."""
         self.finish_reason = reason
         self.phase = Phase.FINISHED
-        return Delta((), self._final_text()[0] if reason != FinishReason.ABORT else "", None, reason,
-                     len(self.prompt), len(self.output), self.stats, error)
+        return Delta(token_ids=(), text=self._final_text()[0] if reason != FinishReason.ABORT else "", logprobs=None,
+                     finish_reason=reason, prompt_tokens=len(self.prompt), completion_tokens=len(self.output),
+                     spec=self.stats, error=error)
 
     def reset_for_recompute(self) -> None:
         """Preempted: the target and draft forgot this request; it resumes from its tokens."""

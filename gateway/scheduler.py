@@ -100,7 +100,7 @@ def plan_step(cfg: SchedulerConfig, running: list[Request], waiting: list[Reques
     free_blocks -= decode_need
     for req in running:
         if id(req) in decode_ids and id(req) not in preempted:
-            plan.items.append(PlannedItem(req, (req.output[-1],), True))
+            plan.items.append(PlannedItem(request=req, tokens=(req.output[-1],), reaches_end=True))
             budget -= 1
     # Prefill: requests part-way through first, then admissions.
     prefill = [req for req in running if id(req) not in decode_ids and id(req) not in preempted]
@@ -120,7 +120,7 @@ def plan_step(cfg: SchedulerConfig, running: list[Request], waiting: list[Reques
             continue
         free_blocks -= need(req, chunk)
         budget -= chunk
-        plan.items.append(PlannedItem(req, tuple(unsent[:chunk]), chunk == len(unsent)))
+        plan.items.append(PlannedItem(request=req, tokens=tuple(unsent[:chunk]), reaches_end=chunk == len(unsent)))
         if queued:
             plan.admitted.append(req)
             admitting += 1

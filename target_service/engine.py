@@ -152,7 +152,8 @@ class TargetEngine:
 
     # --- queries ----------------------------------------------------------
     def load(self) -> KvLoad:
-        return KvLoad(len(self.kv.seqs), self.kv.block_size, self.kv.num_blocks, self.kv.free_blocks)
+        return KvLoad(num_sequences=len(self.kv.seqs), block_size=self.kv.block_size,
+                      total_blocks=self.kv.num_blocks, free_blocks=self.kv.free_blocks)
 
     def length(self, request_id: str) -> int:
         return self.kv.seqs[request_id].length

@@ -59,8 +59,8 @@ def item_from_proto(m: target_pb2.SequenceStep) -> SequenceStep:
     return SequenceStep(
         request_id=m.request_id, tokens=tuple(m.tokens), parents=tuple(m.parents),
         num_fixed=m.num_fixed, create=m.create,
-        sampling=SamplingParams(s.temperature, s.top_k, s.top_p if 0 < s.top_p < 1 else 1.0,
-                                s.seed if s.HasField("seed") else None),
+        sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if 0 < s.top_p < 1 else 1.0,
+                                seed=s.seed if s.HasField("seed") else None),
         top_logprobs=m.top_logprobs, return_features=m.return_features)
 
 

@@ -122,8 +122,9 @@ class StepBatch:
                 request_id=rid, tokens=tuple(int(t) for t in self.tokens[nodes]),
                 parents=tuple(int(p) for p in self.parents[nodes]), num_fixed=int(self.num_fixed[b]),
                 create=bool(self.create[b]),
-                sampling=SamplingParams(float(self.temperature[b]), int(self.top_k[b]), float(self.top_p[b]),
-                                        int(self.seed[b]) if self.has_seed[b] else None),
+                sampling=SamplingParams(temperature=float(self.temperature[b]), top_k=int(self.top_k[b]),
+                                        top_p=float(self.top_p[b]),
+                                        seed=int(self.seed[b]) if self.has_seed[b] else None),
                 top_logprobs=int(self.top_logprobs[b]), return_features=bool(self.return_features[b]),
                 sample_is_output=bool(self.sample_is_output[b]),
                 **({} if self.controls is None else {"controls": self.controls.item(b)})))
@@ -186,6 +187,7 @@ class StepResults:
                 count = int(self.feature_counts[b])
                 features = self.features[feature_at: feature_at + count]
                 feature_at += count
-            out.append(SequenceResult(rid, self.accepted_nodes[b, : n - 1].tolist(), self.new_tokens[b, :n].tolist(),
-                                      self.logprobs[b, :n].tolist(), tops, features, int(self.num_committed[b])))
+            out.append(SequenceResult(request_id=rid, accepted_nodes=self.accepted_nodes[b, : n - 1].tolist(),
+                                      tokens=self.new_tokens[b, :n].tolist(), logprobs=self.logprobs[b, :n].tolist(),
+                                      top_logprobs=tops, features=features, num_committed=int(self.num_committed[b])))
         return out

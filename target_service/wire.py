@@ -214,9 +214,9 @@ def results_from_proto(m: target_pb2.PackedResults, request_ids: list[str] | tup
         if feature_counts is not None and feature_counts[i]:
             feats = features[at_feat: at_feat + feature_counts[i]]
             at_feat += feature_counts[i]
-        out.append(SequenceResult(request_ids[item], accepted[at_acc: at_acc + n_acc],
-                                  tokens[at_tok: at_tok + n_new], logprobs[at_tok: at_tok + n_new], tops, feats,
-                                  committed[i]))
+        out.append(SequenceResult(request_id=request_ids[item], accepted_nodes=accepted[at_acc: at_acc + n_acc],
+                                  tokens=tokens[at_tok: at_tok + n_new], logprobs=logprobs[at_tok: at_tok + n_new],
+                                  top_logprobs=tops, features=feats, num_committed=committed[i]))
         at_acc += n_acc
         at_tok += n_new
     return out
