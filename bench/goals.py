@@ -2,21 +2,24 @@
 
     python3 bench/goals.py DIR [DIR ...]
 
-Looks under each DIR (recursively; unpack any results.tgz first) for what the stages of bench/h200_hot_path.sh
-write: forward_after.json (stage `forward`), engine_after.json (`engine`), stack_after/ (`stack`), draft_after*.json
-(`draft`), spec_scale*/ and spec_demo*/ (`spec`), auto_scale_*/ and auto_demo*/ (`auto`, `autodemo`),
-tpengine_tp1.json and tpengine_tp2.json (`tpengine`), tp_stack_1/ and tp_stack_2/ (`tp`). Every figure names the
-card it ran on (the nearest gpu.txt above it, else the JSON's device): the goals are an H200's, and an H100's figure
-settles none of them. Where a mode ran in several rounds, the figures are the medians of its rounds, as the
-BENCHMARKS.md sections read them.
+Looks under each DIR (recursively, with every archive in it unpacked where it lies, in a copy: a call's all.tgz and
+each stage's results.tgz) for what the stages of bench/h200_hot_path.sh write: forward_after.json (stage `forward`),
+engine_after.json (`engine`), stack_after/ (`stack`), draft_after*.json (`draft`), spec_scale*/ and spec_demo*/
+(`spec`), auto_scale_*/ and auto_demo*/ (`auto`, `autodemo`), tpengine_tp1.json and tpengine_tp2.json (`tpengine`),
+tp_stack_1/ and tp_stack_2/ (`tp`). Every figure names the card it ran on (the nearest gpu.txt above it, else the
+JSON's device): the goals are an H200's, and an H100's figure settles none of them. Where a mode ran in several
+rounds, the figures are the medians of its rounds, as the BENCHMARKS.md sections read them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -280,23 +283,42 @@ def goals(root: Path) -> list[Goal]:
     return found
 
 
+def unpacked_copy(root: Path, scratch: Path) -> Path:
+    """`root` copied into `scratch` with every archive in it unpacked where it lies, then the archives those held,
+    and so on: a device call's files (all.tgz, a results.tgz per stage) as the stages left them. The copy keeps the
+    results folder as it is; an archive that cannot be read is skipped with a line on stderr."""
+    copy = scratch / (root.resolve().name or "root")
+    shutil.copytree(root, copy, symlinks=True)
+    done: set[Path] = set()
+    while todo := [path for path in sorted(copy.rglob("*")) if path.name.endswith((".tgz", ".tar.gz"))
+                   and path.is_file() and path not in done]:
+        for archive in todo:
+            done.add(archive)
+            try:
+                with tarfile.open(archive) as tar:
+                    tar.extractall(archive.parent, filter="data")  # no member outside the folder, no links out
+            except (OSError, tarfile.TarError) as exc:
+                print(f"skipped {archive.relative_to(copy)}: {exc}", file=sys.stderr)
+    return copy
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dirs", nargs="+", type=Path, help="device calls' result folders (results.tgz unpacked)")
+    ap.add_argument("dirs", nargs="+", type=Path, help="device calls' result folders (their archives are read too)")
     args = ap.parse_args(argv)
     missing = [str(d) for d in args.dirs if not d.is_dir()]
     if missing:
         ap.error(f"not a folder: {', '.join(missing)}")
     found = 0
-    for root in args.dirs:
-        for goal in goals(root):
-            print(goal.line())
-            found += 1
+    with tempfile.TemporaryDirectory(prefix="tandem-goals-") as scratch:
+        for index, root in enumerate(args.dirs):
+            print(f"== {root}")
+            for goal in goals(unpacked_copy(root, Path(scratch) / str(index))):
+                print(goal.line())
+                found += 1
     if not found:
-        packed = [str(path) for root in args.dirs for path in root.rglob("results.tgz")]
-        hint = f" (unpack {', '.join(packed)} first)" if packed else ""
-        print("no results of the forward, engine, stack, draft, spec, tpengine, tp, auto or autodemo stages found"
-              f"{hint}", file=sys.stderr)
+        print("no results of the forward, engine, stack, draft, spec, tpengine, tp, auto or autodemo stages found",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,3 +128,26 @@ def test_goals_skips_a_cut_short_or_foreign_file_with_a_line_and_reads_the_rest(
     assert "Draft call" not in proc.stdout and "the engine step" not in proc.stdout
     assert "the forward at batch 1 within 1.25x" in proc.stdout and "TP=2 over TP=1" in proc.stdout
     assert "auto / max(never, always)" in proc.stdout
+
+
+def test_goals_reads_a_call_as_the_device_returns_it_archives_within_archives_left_as_they_were(tmp_path):
+    """A stage's folder holds a results.tgz, and the call's all.tgz holds the stage folders (h200_hot_path.sh and the
+    calls' commands pack them so): goals.py reads them unpacked in a copy, and the folder it was given is unchanged."""
+    make_call(tmp_path / "stage")
+    (tmp_path / "call").mkdir()
+    (tmp_path / "call" / "gpu.txt").write_text("GPU 0: NVIDIA H200 (UUID: GPU-0)\n")
+    (tmp_path / "call" / "i11").mkdir()
+    with tarfile.open(tmp_path / "call" / "i11" / "results.tgz", "w:gz") as tar:
+        for path in (tmp_path / "stage").iterdir():
+            tar.add(path, arcname=path.name)
+    with tarfile.open(tmp_path / "call" / "all.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "call" / "i11", arcname="i11")
+    shutil.rmtree(tmp_path / "call" / "i11")
+    before = sorted(path.name for path in (tmp_path / "call").rglob("*"))
+    proc = subprocess.run([sys.executable, "bench/goals.py", str(tmp_path / "call")], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "issue 11: the forward at batch 1 within 1.25x of the HBM floor: 4.68 / 3.60 ms = 1.30x [NOT met; " \
+           "NVIDIA H200]" in proc.stdout
+    assert "(i11/auto_scale_0.8)" in proc.stdout and "issue 13: TP=2 over TP=1" in proc.stdout
+    assert sorted(path.name for path in (tmp_path / "call").rglob("*")) == before == ["all.tgz", "gpu.txt"]
