@@ -59,9 +59,9 @@ class Goal(NamedTuple):
         return f"issue {self.issue}: {self.what}: {self.figure} [{verdict}; {self.card}]"
 
 
-def card_of(path: Path, root: Path, fallback: str = "card unknown") -> str:
-    """The GPU a result ran on: the first line of the nearest gpu.txt between the file and the root."""
-    for folder in [path.parent, *path.parent.parents]:
+def card_of(start: Path, root: Path, fallback: str = "card unknown") -> str:
+    """The GPU a result ran on: the first line of the nearest gpu.txt from the folder `start` up to the root."""
+    for folder in [start, *start.parents]:
         gpu = folder / "gpu.txt"
         # `nvidia-smi -L` ("GPU 0: NVIDIA H200 (UUID: ...)") or the stages' CSV query ("NVIDIA H200, 1980 MHz, ...")
         names = [line for line in gpu.read_text().splitlines() if "NVIDIA" in line] if gpu.exists() else []
@@ -115,7 +115,7 @@ def forward_goals(root: Path) -> Iterator[Goal]:
     for path in sorted(root.rglob("forward_after.json")):
         if (data := read_json(path)) is None:
             continue
-        card = card_of(path, root, str(data.get("device", "card unknown")))
+        card = card_of(path.parent, root, str(data.get("device", "card unknown")))
         decode = {row["batch"]: row for row in data["rows"] if row.get("step") == "decode"}
         if 1 in decode:
             row = decode[1]
@@ -137,7 +137,7 @@ def forward_goals(root: Path) -> Iterator[Goal]:
                     within = f"; within a grant {granted[batch] / forward:.2f}x" if batch in granted else ""
                     yield Goal(11, f"the engine step within {most}x of the forward at batch {batch}",
                                f"{steps[batch]:.2f} / {forward:.2f} ms = {ratio:.2f}x{within}",
-                               ratio <= most, card_of(engine, root, card))
+                               ratio <= most, card)
         stack = folder / "stack_after"
         rows = bench_rows(stack) if stack.is_dir() else []
         for concurrency in (1, 64):
@@ -148,9 +148,9 @@ def forward_goals(root: Path) -> Iterator[Goal]:
                 requests = f"{concurrency} request{'s' if concurrency != 1 else ''}"
                 yield Goal(11, f"full-stack `never` inter-token p50 within {ITL_OVER_FORWARD}x of the forward at "
                            f"{requests}", f"{ms:.2f} / {decode[concurrency]['graph_ms']:.2f} ms = {ratio:.2f}x",
-                           ratio <= ITL_OVER_FORWARD, card_of(stack, root, card))
+                           ratio <= ITL_OVER_FORWARD, card)
         if (rate := median_rate(rows, "never", 64)) is not None:
-            yield Goal(11, "`never` throughput at 64 requests", f"{rate:,.1f} tok/s", None, card_of(stack, root, card))
+            yield Goal(11, "`never` throughput at 64 requests", f"{rate:,.1f} tok/s", None, card)
 
 
 def draft_goals(root: Path) -> Iterator[Goal]:
@@ -158,7 +158,7 @@ def draft_goals(root: Path) -> Iterator[Goal]:
     for path in sorted(root.rglob("draft_after*.json")):
         if (data := read_json(path)) is None:
             continue
-        card = card_of(path, root, str(data.get("device", "card unknown")))
+        card = card_of(path.parent, root, str(data.get("device", "card unknown")))
         by_batch = {row["batch"]: row["ms"] for row in data["rows"]}
         for (batch, budget), most in DRAFT_MS.items():
             ms = by_batch.get(batch, {}).get(budget)
@@ -176,7 +176,7 @@ def spec_goals(root: Path) -> Iterator[Goal]:
         never, always = median_rate(rows, "never", 1), median_rate(rows, "always", 1)
         if never is None or always is None:
             continue
-        card, name = card_of(folder / "x", root), folder.relative_to(root)
+        card, name = card_of(folder, root), folder.relative_to(root)
         demo = folder.name.startswith("spec_demo")
         least = DEMO_SPEEDUP if demo else SCALE_SPEEDUP
         track = "demo track" if demo else "scale track"
@@ -206,7 +206,7 @@ def auto_goals(root: Path) -> Iterator[Goal]:
         levels = sorted({row.concurrency for row in rows if row.mode == "auto"})
         if not levels:
             continue
-        card, name = card_of(folder / "x", root), folder.relative_to(root)
+        card, name = card_of(folder, root), folder.relative_to(root)
         shares, lead = {}, {}
         for c in levels:
             never, always, auto = (median_rate(rows, mode, c) for mode in ("never", "always", "auto"))
@@ -238,7 +238,7 @@ def tp_goals(root: Path) -> Iterator[Goal]:
         two = one.with_name("tpengine_tp2.json")
         if not two.exists():
             continue
-        card = card_of(two, root)
+        card = card_of(two.parent, root)
         if (first := read_json(one)) is None or (second := read_json(two)) is None:
             continue
         steps = [{(row["batch"], "grant" in row): row["ms"] for row in data["rows"]
@@ -254,6 +254,7 @@ def tp_goals(root: Path) -> Iterator[Goal]:
     for one in sorted(p for p in root.rglob("tp_stack_1") if p.is_dir()):
         two = one.with_name("tp_stack_2")
         rows = [bench_rows(folder) for folder in (one, two)] if two.is_dir() else []
+        card = card_of(two, root)
         for concurrency in (1, 64) if rows else ():
             itl = [[row.itl_p50_s for row in runs if row.mode == "never" and row.concurrency == concurrency]
                    for runs in rows]
@@ -263,11 +264,11 @@ def tp_goals(root: Path) -> Iterator[Goal]:
                 yield Goal(13, f"TP=2 over TP=1, `never` inter-token p50 at {concurrency} "
                            f"request{'s' if concurrency != 1 else ''}, {'at most' if concurrency == 1 else 'under'} "
                            f"{most}", f"{ms:.2f} / {base:.2f} ms = {ms / base:.2f}x",
-                           ms / base <= most if concurrency == 1 else ms / base < most, card_of(two / "x", root))
+                           ms / base <= most if concurrency == 1 else ms / base < most, card)
         if rows and all((median_rate(runs, "never", 64) is not None) for runs in rows):
             base, rate = (median_rate(runs, "never", 64) for runs in rows)
             yield Goal(13, "TP=2 over TP=1, `never` throughput at 64 requests", f"{rate:,.1f} / {base:,.1f} tok/s = "
-                       f"{rate / base:.2f}x", None, card_of(two / "x", root))
+                       f"{rate / base:.2f}x", None, card)
 
 
 def goals(root: Path) -> list[Goal]:

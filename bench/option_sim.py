@@ -119,7 +119,7 @@ def simulate(cfg: PolicyConfig, seqs: int, steps: int, acceptance: float, seed: 
     request's position (its committed tokens), so two policies compared on a seed differ by their choices alone."""
     table = STEP_MS[seqs]
     costs = TableCosts(table, seqs)
-    book = AcceptanceBook(own_weight=2.0 if own_weight is None else own_weight,
+    book = AcceptanceBook(own_weight=AcceptanceBook.own_weight if own_weight is None else own_weight,
                           own_weight_from_spread=own_weight is None)
 
     def own_acceptance(serial: int) -> float:

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --profile-context must be at least 1 token")
     try:
         from_spread = args.spec_own_weight == "auto"
-        own_weight = 2.0 if from_spread else float(args.spec_own_weight)
+        own_weight = PolicyConfig.own_weight if from_spread else float(args.spec_own_weight)  # auto: until estimated
     except ValueError:
         raise SystemExit(f"error: --spec-own-weight takes a number of trees or auto, got {args.spec_own_weight!r}") \
             from None
