@@ -3,6 +3,7 @@
     python bench/draft_step.py                 # Llama-3.1-8B-shaped EAGLE-3 head, random weights, cuda bf16
     python bench/draft_step.py --tiny          # CPU smoke run of the same code
     python bench/draft_step.py --ab-fused 8    # without and with --fused-tree-levels, alternated in one process
+    python bench/draft_step.py --phases        # also the mean ms a call spends in each of its parts
 
 (with the package installed, `pip install -e .`, or PYTHONPATH set to the repo root).
 
@@ -29,7 +30,9 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from bench.call_clock import CallClock
 from bench.served_pause import wait_as_served
+from draft_service.device_tree import BatchTreeGrowth
 from draft_service.engine import DraftEngine
 from draft_service.model import Eagle3Draft
 from draft_service.types import DraftBudget, DraftItem, IngestItem
@@ -47,6 +50,14 @@ SHAPES = {
 
 
 TRACKS = {"8b": "8B-shaped random weights", "tiny": "tiny random"}
+
+# What --phases times, in the order a call runs them: the ingest checked and applied, the catch-up (on a GPU: packed
+# and its graph launched; on a CPU: run), the growth's inputs staged and its graph launched, and the trees read back,
+# which waits for the GPU. What a call spends outside them (its own checks, the block table, the trees' wrapping) is
+# the call less their sum. On the H100 (seventieth session) a 5/4/8 call at batch 1 took 2.11 ms for 1.75 ms of device
+# time, at batch 64 6.97 ms for 3.25: these say which host part of the call that is.
+PHASES = ((DraftEngine, "_check_ingest"), (DraftEngine, "_apply"), (DraftEngine, "_catch_up"),
+          (BatchTreeGrowth, "load"), (BatchTreeGrowth, "run"), (BatchTreeGrowth, "trees"), (DraftEngine, "draft"))
 
 
 class RandomHead(NamedTuple):
@@ -204,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                          "call comes after the target's verify (bench/served_pause.py); several (0,5,0,5): each "
                          "shape timed after each, in turn (default 0: back to back)")
     ap.add_argument("--out", type=Path, help="also write JSON")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each (batch, budget) again with the call's parts clocked: the mean ms a call "
+                         "spends validating and applying its ingest, catching up, staging and launching the growth, "
+                         "and reading the trees (which waits for the GPU)")
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="also profile a few calls of the first batch and budget (torch.profiler) and write the "
                          "ops by device time and by host time to FILE")
@@ -235,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"batch": batch, "pause_ms": pause,
                          "ms": dict(zip([f"{b.steps}/{b.topk}/{b.num_draft_tokens}" for b in budgets], ms))})
             print(f"{batch:>6} " + (f"{pause:>6g} " if waits else "") + " ".join(f"{m:>10.2f}" for m in ms))
+    if args.phases:
+        phase_rows = print_phases(engine, batches, budgets, prefix, args, device)
+        for row in rows:
+            row["phases_ms"] = phase_rows.get(row["batch"], {})
     if args.out:
         args.out.write_text(json.dumps({"track": track, "device": device, "dtype": str(dtype), "prefix": prefix,
                                         "fused_levels": engine.fused_levels,
@@ -242,6 +261,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile_calls(engine, batches[0], prefix, budgets[0], args.accepted, device, args.grow_only, args.profile)
     return 0
+
+
+@contextlib.contextmanager
+def clocked(clock: CallClock):
+    """PHASES timed by `clock` while inside."""
+    for owner, name in PHASES:
+        clock.wrap(owner, name)
+    try:
+        yield clock
+    finally:
+        clock.restore()
+
+
+def phase_ms(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, args: argparse.Namespace,
+             device: str) -> dict[str, float]:
+    """Mean ms a call spends in each of PHASES, over the calls of one time_calls after a warm one (whose
+    first calls may capture graphs), and "rest": the call outside the other phases."""
+    time_calls(engine, batch, prefix, budget, args.accepted, 2, device, args.grow_only,
+               mixed_depths=args.mixed_depths)
+    clock = CallClock()
+    time_calls(engine, batch, prefix, budget, args.accepted, args.iters, device, args.grow_only,
+               around=clocked(clock), mixed_depths=args.mixed_depths)
+    calls = args.iters + 2  # time_calls' two warm-up calls are inside `around` too
+    out = {name: 1000 * clock.seconds.get(name, 0.0) / calls for _, name in PHASES}
+    out["rest"] = out["draft"] - sum(ms for name, ms in out.items() if name != "draft")
+    return out
+
+
+def print_phases(engine: DraftEngine, batches: list[int], budgets: list[DraftBudget], prefix: int,
+                 args: argparse.Namespace, device: str) -> dict[int, dict[str, dict[str, float]]]:
+    """The --phases table: per batch and budget, the mean ms of each part of a call (with the clocks' own cost in
+    it, a few microseconds a part). Returns {batch: {budget: {phase: ms}}} for the JSON."""
+    names = [name for _, name in PHASES if name != "draft"] + ["rest", "draft"]
+    print("mean ms a call spends in each part (draft: the whole call; trees: waits for the GPU)")
+    print(f"{'batch':>6} {'budget':>8} " + " ".join(f"{name:>13}" for name in names))
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for batch in batches:
+        for budget in budgets:
+            label = f"{budget.steps}/{budget.topk}/{budget.num_draft_tokens}"
+            ms = phase_ms(engine, batch, prefix, budget, args, device)
+            out.setdefault(batch, {})[label] = ms
+            print(f"{batch:>6} {label:>8} " + " ".join(f"{ms[name]:>13.3f}" for name in names))
+    return out
 
 
 def warm_up_fused_levels(model: Eagle3Draft, budgets: list[DraftBudget]) -> None:
