@@ -50,7 +50,8 @@
 #   featurepush  after only: bench/feature_push.py, a step's pushed features from the target's sinks to a draft's
 #            store on this host: a message per sequence, one per step, and through the shared-memory ring
 #   draftprofile  bench/draft_step.py --profile, budget 5/4/8: the draft call's kernels by device time, at
-#            batch 1 before (where .before/ exists) and after, and at batch 64 after
+#            batch 1 before (where .before/ exists) and after, and at batch 64 after; then --phases (after, 3/1/4
+#            and 5/4/8 at batch 1 and 64): the mean ms of each part of a call, which says where its host time goes
 #   spec     `always` against `never`, scale track (acceptance 0.8) and demo track (bf16); SPEC_TREES="before
 #            after" runs .before/ first (spec_*_before; it needs demo/heldout_prompts.jsonl, and the demo track
 #            demo/target and demo/draft); SPEC_DEMO=0 skips the demo track, SPEC_SCALE=0 the scale track;
@@ -384,7 +385,9 @@ for stage in "$@"; do
           --iters 3 --profile "$OUT/draft_profile_${tree}_b1.txt"
       done
       run draft_profile_after_b64 after 150 python3 bench/draft_step.py --batches 64 --budgets "5,4,8" \
-        --iters 3 --profile "$OUT/draft_profile_after_b64.txt" ;;
+        --iters 3 --profile "$OUT/draft_profile_after_b64.txt"
+      run draft_phases_after after 150 python3 bench/draft_step.py --batches 1,64 --budgets "3,1,4;5,4,8" \
+        --iters 10 --phases --out "$OUT/draft_phases_after.json" ;;
     spec)  # always against never on the scale track (forced acceptance 0.8) and the demo track (bf16);
            # SPEC_TREES="before after" runs .before/ first, as spec_*_before; SPEC_FUSED="off on" serves the scale
            # track without the draft's fused growth levels (--no-fused-tree-levels) and then with them (the
