@@ -276,10 +276,8 @@ def clocked(clock: CallClock):
 
 def phase_ms(engine: DraftEngine, batch: int, prefix: int, budget: DraftBudget, args: argparse.Namespace,
              device: str) -> dict[str, float]:
-    """Mean ms a call spends in each of PHASES, over the calls of one time_calls after a warm one (whose
-    first calls may capture graphs), and "rest": the call outside the other phases."""
-    time_calls(engine, batch, prefix, budget, args.accepted, 2, device, args.grow_only,
-               mixed_depths=args.mixed_depths)
+    """Mean ms a call spends in each of PHASES over the calls of one time_calls, and "rest": the call outside the
+    other phases. main's table has already timed this shape, so its graphs are captured and every call is warm."""
     clock = CallClock()
     time_calls(engine, batch, prefix, budget, args.accepted, args.iters, device, args.grow_only,
                around=clocked(clock), mixed_depths=args.mixed_depths)
